@@ -1,0 +1,45 @@
+# syntax=docker/dockerfile:1
+# The operator image: `rlhf operator` (kopf) with the `operator` extra and nothing from the trainer.
+# Build from the repository root:  docker build -t rlhf-operator:dev .
+# The chart runs it as uid 10001 with a read-only root file system and an emptyDir at /tmp.
+
+# Exact Python patch release on Debian 12; the same tag in both stages, so the venv's interpreter
+# link (/usr/local/bin/python3.11) exists in the final image.
+FROM python:3.11.14-slim-bookworm AS build
+
+# No pip cache in the layer, no version-check request.
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# A venv, so the final stage copies one directory with everything the operator needs.
+RUN python -m venv /opt/venv
+
+WORKDIR /src
+# Only what the package build reads: the project file, the README it names, the operator package.
+COPY pyproject.toml README.md ./
+COPY operator/ operator/
+# A regular (not editable) install: the source tree stays in this stage. pip byte-compiles the
+# modules here, since the running container cannot write .pyc files.
+RUN /opt/venv/bin/pip install ".[operator]"
+
+FROM python:3.11.14-slim-bookworm
+
+# The non-root user the chart's securityContext names (runAsUser/runAsGroup 10001).
+RUN groupadd --system --gid 10001 rlhf \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin rlhf
+
+COPY --from=build /opt/venv /opt/venv
+
+# venv first on PATH (for `rlhf`); no .pyc writes on a read-only root; logs unbuffered.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp
+
+USER 10001:10001
+
+# kopf's liveness endpoint (/healthz) and the operator's Prometheus metrics (/metrics).
+EXPOSE 8080 8000
+
+# The chart passes the rest: --liveness http://0.0.0.0:8080/healthz and --all-namespaces or --namespace NS.
+ENTRYPOINT ["rlhf", "operator"]

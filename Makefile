@@ -1,0 +1,42 @@
+# rlhf-operator: the README's two commands are `make demo` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEVCLUSTER := python3 tests/controlplane/devcluster.py
+
+.PHONY: setup test demo cluster-build cluster-up cluster-down cluster-status lint crd bench clean
+
+setup: ## Create .venv with everything (idempotent; fast when done)
+	@scripts/setup.sh
+
+test: ## The full suite: lint, unit, cluster, chart/alerts and trainer tests (prints stage times)
+	@scripts/test.sh
+
+demo: setup ## The first command: control plane + Helm chart + a tiny RLHFJob run to Succeeded
+	@scripts/demo.sh
+
+cluster-build: ## Build the control-plane binaries from the Go module proxy (cached in ~/.cache/rlhf-operator)
+	@$(DEVCLUSTER) build
+
+cluster-up: ## Start etcd, kube-apiserver, controller-manager, scheduler, KWOK and KubeRay on loopback
+	@$(DEVCLUSTER) up
+
+cluster-down: ## Stop the control plane and remove its state
+	@$(DEVCLUSTER) down
+
+cluster-status:
+	@$(DEVCLUSTER) status
+
+lint: setup ## ruff and mypy
+	@$(VENV)/bin/ruff check operator trainer_image tests benchmarks
+	@$(VENV)/bin/ruff format --check operator trainer_image tests benchmarks
+	@$(VENV)/bin/mypy
+
+crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model
+	@$(PY) -m rlhf_operator.crd --write
+
+bench: setup ## Run every benchmark (not tests; see docs/benchmarks.md)
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean: cluster-down
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

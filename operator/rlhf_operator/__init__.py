@@ -1,0 +1,3 @@
+"""rlhf-operator: reconciles RLHFJob resources into KubeRay RayClusters running the trainer."""
+
+__version__ = "0.1.0"

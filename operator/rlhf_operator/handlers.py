@@ -1,0 +1,279 @@
+"""kopf handlers: observe (RayCluster, Ray job, trainer metrics), call the pure functions, act, patch status.
+
+Thin by design: what to build lives in `manifests`, what phase/actions follow lives in `status`.
+Every handler is idempotent (deterministic names and submission ids), so a SIGKILLed operator
+restarts without creating a second RayCluster or submitting a trainer twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from rlhf_operator import failpoints, manifests, metrics, rayjobs, scrape
+from rlhf_operator.spec import GROUP, PLURAL, VERSION, RLHFJob
+from rlhf_operator.status import Decision, Observed, decide, status_patch
+
+log = logging.getLogger("rlhf_operator")
+
+RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+RECONCILE_INTERVAL = float(os.environ.get("RLHF_RECONCILE_INTERVAL", "2"))
+# Development override (docs/development.md): reach every RayCluster head at this host instead of its
+# Service DNS name, because pods never run here and the Ray workload runs on a local Ray head.
+DEV_HEAD_HOST = os.environ.get("RLHF_DEV_HEAD_HOST", "")
+
+_api: k8s.ApiClient | None = None
+
+
+def api() -> k8s.ApiClient:
+    global _api
+    if _api is None:
+        try:
+            k8s_config.load_incluster_config()
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config()
+        _api = k8s.ApiClient()
+    return _api
+
+
+def custom() -> k8s.CustomObjectsApi:
+    return k8s.CustomObjectsApi(api())
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Progress and diff-base in our own annotations; the status subresource stays ours alone.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 90
+    settings.watching.reconnect_backoff = 1.0
+    settings.networking.request_timeout = 30
+    settings.execution.max_workers = 20
+    port = int(os.environ.get("RLHF_OPERATOR_METRICS_PORT", "8000"))
+    if port:
+        metrics.serve(port)
+
+
+def _parse(body: kopf.Body) -> RLHFJob | str:
+    """The typed job, or the validation error text (a bad object must never crash the operator)."""
+    try:
+        return RLHFJob.model_validate(
+            {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body.metadata),
+             "spec": dict(body.spec), "status": _clean_status(dict(body.status))}
+        )
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        return f"{loc}: {first['msg']} ({e.error_count()} error(s))"
+
+
+def _clean_status(status: dict[str, Any]) -> dict[str, Any] | None:
+    status.pop("kopf", None)
+    return status or None
+
+
+def _invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
+    if body.status.get("phase") != "Failed" or body.status.get("message") != message:
+        patch.status["phase"] = "Failed"
+        patch.status["message"] = f"invalid spec: {message}"
+        kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
+    metrics.RECONCILE_ERRORS.labels(body.metadata.namespace or "", "InvalidSpec").inc()
+
+
+def _get_cluster(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        obj: dict[str, Any] = custom().get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
+        return obj
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
+    manifest = manifests.build_raycluster(job)
+    kopf.adopt(manifest, owner=body)  # owner reference: deleting the job deletes the cluster
+    namespace = body.metadata.namespace or "default"
+    try:
+        created: dict[str, Any] = custom().create_namespaced_custom_object(
+            RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest
+        )
+        metrics.CLUSTERS_CREATED.labels(namespace).inc()
+        failpoints.hit("after_cluster_create")
+        kopf.event(body, type="Normal", reason="RayClusterCreated",
+                   message=f"created RayCluster {manifest['metadata']['name']}")
+        return created
+    except ApiException as e:
+        if e.status == 409:  # created by an earlier incarnation of this operator: adopt it
+            existing = _get_cluster(namespace, manifest["metadata"]["name"])
+            if existing is not None:
+                return existing
+        raise kopf.TemporaryError(f"creating RayCluster: {e.status} {e.reason}", delay=2) from e
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def ensure_cluster(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """Create the RayCluster as soon as the job appears (the timer would too, but later)."""
+    job = _parse(body)
+    if isinstance(job, str):
+        _invalid(body, patch, job)
+        return
+    if body.status.get("phase") in ("Succeeded", "Failed"):
+        return
+    namespace = body.metadata.namespace or "default"
+    if _get_cluster(namespace, manifests.raycluster_name(job.name)) is None:
+        _create_cluster(body, job)
+    if not body.status.get("phase"):
+        patch.status["phase"] = "Provisioning"
+        patch.status["rayClusterName"] = manifests.raycluster_name(job.name)
+        patch.status["totalSteps"] = job.spec.algorithm.total_steps
+        patch.status["restarts"] = 0
+        patch.status["observedGeneration"] = body.metadata.get("generation")
+        patch.status["message"] = "RayCluster created; waiting for it to be ready"
+
+
+def dashboard_url(cluster: dict[str, Any]) -> str:
+    """The Ray dashboard of a RayCluster, from KubeRay's head Service (or the dev override)."""
+    name = cluster["metadata"]["name"]
+    namespace = cluster["metadata"]["namespace"]
+    svc = cluster.get("status", {}).get("head", {}).get("serviceName") or f"{name}-head-svc"
+    host = DEV_HEAD_HOST or f"{svc}.{namespace}.svc"
+    port = os.environ.get("RLHF_DEV_DASHBOARD_PORT", str(manifests.DASHBOARD_PORT)) if DEV_HEAD_HOST else str(
+        manifests.DASHBOARD_PORT
+    )
+    return f"http://{host}:{port}"
+
+
+def metrics_url(cluster: dict[str, Any], job: RLHFJob) -> str:
+    name = cluster["metadata"]["name"]
+    namespace = cluster["metadata"]["namespace"]
+    svc = cluster.get("status", {}).get("head", {}).get("serviceName") or f"{name}-head-svc"
+    host = DEV_HEAD_HOST or f"{svc}.{namespace}.svc"
+    return f"http://{host}:{job.spec.monitoring.metrics_port}/metrics"
+
+
+def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
+    namespace = body.metadata.namespace or "default"
+    cluster = _get_cluster(namespace, manifests.raycluster_name(job.name))
+    obs: dict[str, Any] = {"now": datetime.now(UTC), "uid": body.metadata.uid or "", "raycluster": cluster}
+    if cluster is not None and cluster.get("status", {}).get("state") == "ready":
+        try:
+            with rayjobs.RayJobsClient(dashboard_url(cluster)) as rj:
+                obs["ray_job"] = rj.get(body.status.get("submissionId") or submission)
+        except rayjobs.RayJobsError as e:
+            obs["ray_job_error"] = str(e)
+        if obs.get("ray_job") is not None and obs["ray_job"].status == rayjobs.RUNNING:
+            try:
+                obs["metrics"] = scrape.fetch_metrics(metrics_url(cluster, job), job.name)
+                metrics.SCRAPES.labels("ok").inc()
+            except scrape.MetricsUnavailable as e:
+                obs["metrics_error"] = str(e)
+                metrics.SCRAPES.labels("unavailable").inc()
+            except scrape.MalformedMetrics as e:
+                log.warning("malformed metrics from %s/%s ignored: %s", namespace, job.name, e)
+                obs["metrics_error"] = f"malformed metrics: {e}"
+                metrics.SCRAPES.labels("malformed").inc()
+    return Observed(**obs)
+
+
+def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:
+    namespace = body.metadata.namespace or "default"
+    cluster = observed.raycluster
+    for action in decision.actions:
+        if action == "create_cluster":
+            _create_cluster(body, job)
+        elif action == "submit" and cluster is not None and decision.submission_id:
+            failpoints.hit("before_submit")
+            with rayjobs.RayJobsClient(dashboard_url(cluster)) as rj:
+                rj.submit(
+                    decision.submission_id,
+                    manifests.trainer_entrypoint(job),
+                    runtime_env=manifests.trainer_runtime_env(job),
+                    metadata={"rlhfjob": job.name, "namespace": namespace},
+                )
+            failpoints.hit("after_submit")
+        elif action == "stop" and cluster is not None and decision.stop_submission_id:
+            try:
+                with rayjobs.RayJobsClient(dashboard_url(cluster)) as rj:
+                    rj.stop(decision.stop_submission_id)
+            except rayjobs.RayJobsError as e:
+                log.warning("stopping %s: %s", decision.stop_submission_id, e)
+        elif action == "suspend_cluster" and cluster is not None:
+            custom().patch_namespaced_custom_object(
+                RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, cluster["metadata"]["name"],
+                {"spec": {"suspend": job.spec.run_policy.suspend}},
+            )
+        elif action == "delete_cluster" and cluster is not None:
+            try:
+                custom().delete_namespaced_custom_object(
+                    RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, cluster["metadata"]["name"]
+                )
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        elif action == "delete_job":
+            try:
+                custom().delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job.name)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+    for etype, reason, message in decision.events:
+        kopf.event(body, type=etype, reason=reason, message=message)
+        if reason == "Restarting":
+            metrics.RESTARTS.labels(namespace, job.name).inc()
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0.2, sharp=False)
+def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """The level-triggered loop: observe, decide, act, and patch only what changed."""
+    started = time.monotonic()
+    namespace = body.metadata.namespace or "default"
+    job = _parse(body)
+    if isinstance(job, str):
+        _invalid(body, patch, job)
+        return
+    try:
+        attempt = int(body.status.get("restarts") or 0)
+        submission = manifests.submission_id(job, body.metadata.uid or "", attempt)
+        observed = observe(body, job, submission)
+        decision = decide(job, observed, submission)
+        if decision.status.get("phase") == "Restarting" and body.status.get("phase") != "Restarting":
+            failpoints.hit("after_restart_decision")
+        act(body, job, observed, decision)
+        failpoints.hit("before_status_patch")
+    except (ApiException, rayjobs.RayJobsError) as e:
+        metrics.RECONCILE_ERRORS.labels(namespace, type(e).__name__).inc()
+        raise kopf.TemporaryError(f"reconcile: {e}", delay=2) from e
+    current = _clean_status(dict(body.status)) or {}
+    for key, value in status_patch(current, decision.status).items():
+        patch.status[key] = value
+    metrics.record_phase(namespace, job.name, decision.status.get("phase"))
+    metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def stop_trainer(body: kopf.Body, **_: Any) -> None:
+    """Best effort: stop the Ray job (the RayCluster itself goes by owner-reference garbage collection)."""
+    metrics.record_phase(body.metadata.namespace or "default", body.metadata.name or "", None)
+    sid = body.status.get("submissionId")
+    if not sid or not DEV_HEAD_HOST:
+        return  # in a real cluster the RayCluster's deletion ends the job with it
+    try:
+        with rayjobs.RayJobsClient(f"http://{DEV_HEAD_HOST}:{os.environ.get('RLHF_DEV_DASHBOARD_PORT', '8265')}") as rj:
+            rj.stop(sid)
+    except rayjobs.RayJobsError as e:
+        log.warning("could not stop %s: %s", sid, e)

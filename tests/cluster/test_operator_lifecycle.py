@@ -1,0 +1,229 @@
+"""The operator against the real control plane: RayCluster creation, phases, restarts, suspend, TTL, delete.
+
+The trainer runs on the local Ray head (the dev override maps every RayCluster head to it). Jobs here
+use a reward function that cannot be imported, so the real trainer entrypoint fails fast: that is the
+failure path the operator must handle (restarts, backoff, TTL) without minutes of training.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from support import RAY_DASHBOARD_PORT, Cluster, OperatorProcess, wait_for
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_job(name: str, **overrides: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    for path, value in overrides.items():
+        node = doc
+        keys = path.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return doc
+
+
+def failing_job(name: str, **overrides: Any) -> dict[str, Any]:
+    """A job whose trainer exits at start-up: its reward function's module does not exist."""
+    return tiny_job(name, **{"spec.model.reward.function": "rlhf_no_such_module:reward", **overrides})
+
+
+def job_status(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    obj = cluster.get("rlhfjob", name, ns)
+    return (obj or {}).get("status", {})
+
+
+def phase_is(cluster: Cluster, ns: str, name: str, *phases: str) -> dict[str, Any] | None:
+    st = job_status(cluster, ns, name)
+    return st if st.get("phase") in phases else None
+
+
+def events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in cluster.list("events", ns)
+        if e.get("involvedObject", {}).get("kind") == "RLHFJob" and e["involvedObject"].get("name") == name
+    ]
+
+
+def ray_submissions(prefix: str) -> list[str]:
+    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/", timeout=10)
+    resp.raise_for_status()
+    return [j["submission_id"] for j in resp.json() if str(j.get("submission_id", "")).startswith(prefix)]
+
+
+def test_job_gets_an_owned_raycluster_with_running_pods(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(tiny_job("tiny", **{"metadata.labels": {"kueue.x-k8s.io/queue-name": "q1"}}), namespace)
+    job = cluster.get("rlhfjob", "tiny", namespace)
+    assert job is not None
+    rc = wait_for(lambda: cluster.get("raycluster", "tiny", namespace), 30, "the RayCluster")
+    owner = rc["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("RLHFJob", "tiny", job["metadata"]["uid"])
+    assert rc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q1"
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"trainer", "rollout"}
+    assert groups["rollout"]["replicas"] == 1
+
+    pods = wait_for(
+        lambda: (
+            (p := cluster.list("pods", namespace, selector="ray.io/cluster=tiny"))
+            and len(p) == 1 + groups["trainer"]["replicas"] + 1
+            and all(x["status"].get("phase") == "Running" for x in p)
+            and p
+        ),
+        90,
+        "head, trainer and rollout pods Running",
+    )
+    assert all(p["spec"]["nodeName"].startswith("kwok-gpu-") for p in pods)
+    assert all(p["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q1" for p in pods)
+    st = wait_for(
+        lambda: phase_is(cluster, namespace, "tiny", "Provisioning", "Running", "Restarting", "Failed"),
+        60,
+        "the job to leave Pending",
+    )
+    assert st["rayClusterName"] == "tiny"
+
+    out = cluster.kubectl("get", "rlhf", "-n", namespace).stdout
+    header = out.splitlines()[0].split()
+    for column in ("NAME", "PHASE", "STEP", "GENSHARE", "ENGINES", "AGE"):
+        assert column in header, out
+
+
+def test_failed_trainer_is_restarted_up_to_backoff_limit(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(failing_job("flaky", **{"spec.runPolicy.backoffLimit": 2}), namespace)
+    st = wait_for(
+        lambda: phase_is(cluster, namespace, "flaky", "Failed"), 240, "the job to fail after its retries"
+    )
+    assert st["restarts"] == 2
+    assert "backoffLimit 2 reached" in st["message"]
+    reasons = [e["reason"] for e in events(cluster, namespace, "flaky")]
+    assert reasons.count("Restarting") >= 1, reasons
+    job = cluster.get("rlhfjob", "flaky", namespace)
+    assert job is not None
+    uid = job["metadata"]["uid"][:8]
+    submitted = ray_submissions(f"rlhf-{namespace}-flaky-{uid}-")
+    assert sorted(submitted) == sorted(f"rlhf-{namespace}-flaky-{uid}-{i}" for i in range(3)), submitted
+    # A finished job releases its GPUs.
+    wait_for(
+        lambda: cluster.get("raycluster", "flaky", namespace) is None or None, 60, "the RayCluster deleted"
+    )
+
+
+def test_ttl_after_finished_deletes_the_job(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(
+        failing_job(
+            "short", **{"spec.runPolicy.backoffLimit": 0, "spec.runPolicy.ttlSecondsAfterFinished": 3}
+        ),
+        namespace,
+    )
+    wait_for(lambda: phase_is(cluster, namespace, "short", "Failed"), 180, "the job to fail")
+    t0 = time.monotonic()
+    wait_for(lambda: cluster.get("rlhfjob", "short", namespace) is None or None, 60, "TTL deletion")
+    assert time.monotonic() - t0 >= 1.0
+
+
+def test_suspend_releases_pods_and_resume_brings_them_back(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(failing_job("pausable", **{"spec.runPolicy.suspend": True}), namespace)
+    st = wait_for(lambda: phase_is(cluster, namespace, "pausable", "Suspended"), 60, "Suspended")
+    assert "suspend" in st["message"]
+    rc = wait_for(lambda: cluster.get("raycluster", "pausable", namespace), 30, "the RayCluster")
+    assert rc["spec"]["suspend"] is True
+    wait_for(
+        lambda: not cluster.list("pods", namespace, selector="ray.io/cluster=pausable") or None, 60, "no pods"
+    )
+
+    cluster.kubectl(
+        "patch",
+        "rlhfjob",
+        "pausable",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"runPolicy": {"suspend": False}}}),
+    )
+    wait_for(
+        lambda: (
+            (cluster.get("raycluster", "pausable", namespace) or {}).get("spec", {}).get("suspend") is False
+            or None
+        ),
+        30,
+        "the RayCluster resumed",
+    )
+    wait_for(
+        lambda: len(cluster.list("pods", namespace, selector="ray.io/cluster=pausable")) >= 3 or None,
+        90,
+        "pods back after resume",
+    )
+    wait_for(
+        lambda: phase_is(cluster, namespace, "pausable", "Provisioning", "Running", "Restarting", "Failed"),
+        120,
+        "the job to leave Suspended",
+    )
+
+
+def test_deleting_the_job_deletes_everything(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    cluster.apply(failing_job("doomed", **{"spec.runPolicy.suspend": True}), namespace)
+    wait_for(lambda: cluster.get("raycluster", "doomed", namespace), 30, "the RayCluster")
+    cluster.kubectl("delete", "rlhfjob", "doomed", "-n", namespace, "--wait=true", timeout=60)
+    wait_for(lambda: cluster.get("raycluster", "doomed", namespace) is None or None, 60, "RayCluster GC")
+    wait_for(
+        lambda: not cluster.list("pods", namespace, selector="ray.io/cluster=doomed") or None, 60, "pod GC"
+    )
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        "after_cluster_create",
+        "before_submit",
+        "after_submit",
+        "after_restart_decision",
+        "before_status_patch",
+    ],
+)
+def test_operator_killed_at_a_reconcile_point_converges(
+    cluster: Cluster, namespace: str, operator: OperatorProcess, tmp_path: Path, point: str
+) -> None:
+    operator.stop()
+    operator.start(RLHF_FAILPOINTS=point, RLHF_FAILPOINTS_DIR=str(tmp_path / "fp"))
+    cluster.apply(failing_job("crashy", **{"spec.runPolicy.backoffLimit": 1}), namespace)
+    wait_for(
+        lambda: ((tmp_path / "fp" / point).exists() and not operator.alive()) or None,
+        180,
+        f"the operator to die at {point}",
+    )
+    operator.start()  # no failpoint armed: the restarted operator must converge
+    st = wait_for(
+        lambda: phase_is(cluster, namespace, "crashy", "Failed"), 240, "the job to converge to Failed"
+    )
+    assert st["restarts"] == 1
+    clusters = cluster.list("rayclusters", namespace)
+    assert len([c for c in clusters if c["metadata"]["labels"].get("rlhf.dev/job") == "crashy"]) <= 1
+    job = cluster.get("rlhfjob", "crashy", namespace)
+    assert job is not None
+    uid = job["metadata"]["uid"][:8]
+    submitted = ray_submissions(f"rlhf-{namespace}-crashy-{uid}-")
+    assert sorted(submitted) == [f"rlhf-{namespace}-crashy-{uid}-0", f"rlhf-{namespace}-crashy-{uid}-1"], (
+        submitted
+    )

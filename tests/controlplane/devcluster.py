@@ -1,0 +1,626 @@
+#!/usr/bin/env python3
+"""The local control plane: real etcd, kube-apiserver, controller-manager, scheduler, KWOK and KubeRay.
+
+Builds each component from the Go module proxy (cached under the user's cache directory), starts them
+as background processes on loopback, and tears them down. Standard library only, so it runs before
+the project's virtualenv exists. It never downloads a release binary.
+
+    python3 tests/controlplane/devcluster.py build|up|down|status|env
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GO_DIR = Path(__file__).resolve().parent / "go"
+STATE = Path(os.environ.get("RLHF_CLUSTER_DIR", ROOT / ".cluster"))
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlhf-operator"
+
+KUBERNETES_VERSION = "v1.36.3"
+HOST = "127.0.0.1"
+TOKEN_USER = "rlhf-admin"
+
+
+@dataclass(frozen=True)
+class Binary:
+    """One Go command built from a wrapper module under tests/controlplane/go/."""
+
+    name: str
+    module_dir: str
+    package: str
+    ldflags: str = ""
+
+
+def _k8s_ldflags() -> str:
+    minor = KUBERNETES_VERSION.split(".")[1]
+    pkg = "k8s.io/component-base/version"
+    return " ".join(
+        [
+            "-s -w",
+            f"-X {pkg}.gitVersion={KUBERNETES_VERSION}",
+            f"-X {pkg}.gitMajor=1",
+            f"-X {pkg}.gitMinor={minor}",
+            f"-X {pkg}.gitTreeState=clean",
+            f"-X {pkg}.buildDate=1970-01-01T00:00:00Z",
+        ]
+    )
+
+
+BINARIES = [
+    Binary("etcd", "etcd", ".", "-s -w"),
+    Binary("kube-apiserver", "kubernetes", "k8s.io/kubernetes/cmd/kube-apiserver", _k8s_ldflags()),
+    Binary("kube-controller-manager", "kubernetes", "k8s.io/kubernetes/cmd/kube-controller-manager", _k8s_ldflags()),
+    Binary("kube-scheduler", "kubernetes", "k8s.io/kubernetes/cmd/kube-scheduler", _k8s_ldflags()),
+    Binary("kubectl", "kubernetes", "k8s.io/kubernetes/cmd/kubectl", _k8s_ldflags()),
+    Binary("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "-s -w"),
+    Binary("ray-operator", "kuberay", "github.com/ray-project/kuberay/ray-operator", "-s -w"),
+    Binary("helm", "helm", "helm.sh/helm/v3/cmd/helm", "-s -w"),
+]
+
+
+@dataclass
+class Component:
+    """A process of the control plane: how to start it, where it listens, and how to tell it is healthy."""
+
+    name: str
+    args: list[str]
+    ports: list[int]
+    health_url: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class ClusterError(RuntimeError):
+    """A failure the user can act on; the message says what and how."""
+
+
+# ---------------------------------------------------------------------------------------------- build
+
+
+def _go() -> str:
+    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None)
+    if not go:
+        raise ClusterError(
+            "Go toolchain not found: the local control plane is built from the Go module proxy.\n"
+            "Install Go >= 1.26 (https://go.dev/doc/install, or Debian's golang-go if recent enough) "
+            "and make sure `go` is on PATH."
+        )
+    return go
+
+
+def _build_key(binary: Binary, go: str) -> str:
+    """Cache key: Go version, wrapper module content and link flags, so a pin change rebuilds."""
+    h = hashlib.sha256()
+    h.update(subprocess.run([go, "version"], capture_output=True, text=True, check=True).stdout.encode())
+    mod_dir = GO_DIR / binary.module_dir
+    for name in sorted(p.name for p in mod_dir.iterdir() if p.is_file()):
+        h.update(name.encode())
+        h.update((mod_dir / name).read_bytes())
+    h.update(binary.package.encode())
+    h.update(binary.ldflags.encode())
+    return h.hexdigest()[:16]
+
+
+def binary_path(name: str) -> Path:
+    return STATE / "bin" / name
+
+
+def build(verbose: bool = True) -> dict[str, Path]:
+    """Build (or reuse from the cache) every binary and link it into .cluster/bin."""
+    go = _go()
+    (STATE / "bin").mkdir(parents=True, exist_ok=True)
+    out: dict[str, Path] = {}
+    env = dict(os.environ)
+    # go.sum is committed for every wrapper module: verify against it, never fetch a checksum database.
+    env.setdefault("GOFLAGS", "-mod=readonly")
+    env["GOFLAGS"] = env["GOFLAGS"] + " -buildvcs=false"
+    env.setdefault("GOSUMDB", "off")
+    env.setdefault("CGO_ENABLED", "0")
+    for binary in BINARIES:
+        target = CACHE / "bin" / f"{binary.name}-{_build_key(binary, go)}" / binary.name
+        if not target.exists():
+            if verbose:
+                print(f"[build] {binary.name} ({binary.package}) ...", flush=True)
+            started = time.monotonic()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".tmp")
+            cmd = [go, "build", "-ldflags", binary.ldflags, "-o", str(tmp), binary.package]
+            proc = subprocess.run(cmd, cwd=GO_DIR / binary.module_dir, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise ClusterError(
+                    f"building {binary.name} failed (go build in {GO_DIR / binary.module_dir}):\n"
+                    + "\n".join(proc.stderr.splitlines()[-30:])
+                    + "\nCheck network access to the Go module proxy (GOPROXY) and the Go version (>= 1.26)."
+                )
+            tmp.rename(target)
+            if verbose:
+                print(f"[build] {binary.name} done in {time.monotonic() - started:.0f}s", flush=True)
+        link = binary_path(binary.name)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+        out[binary.name] = link
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- PKI
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    if not shutil.which("openssl"):
+        raise ClusterError("openssl not found: install Debian's `openssl` package (apt-get install -y openssl).")
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(pki: Path) -> str:
+    """A CA, the API server's serving certificate, the service-account key pair and an admin token."""
+    pki.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+             "-days", "3650", "-subj", "/CN=rlhf-local-ca", cwd=pki)
+    (pki / "server.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+        "DNS:kubernetes.default,DNS:kubernetes.default.svc\n"
+        "extendedKeyUsage=serverAuth\n"
+    )
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+             "-subj", "/CN=kube-apiserver", cwd=pki)
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "server.crt", "-days", "3650", "-extfile", "server.ext", cwd=pki)
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    token = base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=")
+    (pki / "tokens.csv").write_text(f'{token},{TOKEN_USER},1000,"system:masters"\n')
+    (pki / "audit-policy.yaml").write_text(
+        "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n"
+        "- level: Metadata\n  verbs: [create, update, patch, delete, deletecollection]\n"
+        "- level: None\n"
+    )
+    return token
+
+
+def write_kubeconfig(path: Path, ca: Path, token: str, port: int) -> None:
+    ca_data = base64.b64encode(ca.read_bytes()).decode()
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "rlhf-local", "cluster": {"server": f"https://{HOST}:{port}",
+                                                                "certificate-authority-data": ca_data}}],
+                "users": [{"name": TOKEN_USER, "user": {"token": token}}],
+                "contexts": [{"name": "rlhf-local", "context": {"cluster": "rlhf-local", "user": TOKEN_USER}}],
+                "current-context": "rlhf-local",
+            },
+            indent=2,
+        )
+    )
+    path.chmod(0o600)
+
+
+# ---------------------------------------------------------------------------------------------- ports
+
+
+@dataclass(frozen=True)
+class Ports:
+    etcd_client: int = 23790
+    etcd_peer: int = 23800
+    apiserver: int = 16443
+    controller_manager: int = 20257
+    scheduler: int = 20259
+    kwok: int = 20247
+    kuberay_metrics: int = 20080
+    kuberay_health: int = 20081
+
+    @classmethod
+    def from_env(cls) -> Ports:
+        """RLHF_CLUSTER_PORT_BASE shifts every port, so two checkouts can run side by side."""
+        shift = int(os.environ.get("RLHF_CLUSTER_PORT_OFFSET", "0"))
+        return cls(**{k: v + shift for k, v in cls().__dict__.items()})
+
+
+def check_port_free(port: int, owner: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError as e:
+            raise ClusterError(
+                f"port {port} on {HOST} (needed by {owner}) is already in use ({e.strerror}). "
+                f"Stop what listens there (`ss -ltnp 'sport = :{port}'`), run `make cluster-down` if it is an "
+                "old control plane, or set RLHF_CLUSTER_PORT_OFFSET to move every port."
+            ) from None
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as dead.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def log_tail(name: str, lines: int = 25) -> str:
+    log = STATE / "logs" / f"{name}.log"
+    if not log.exists():
+        return f"(no log at {log})"
+    text = log.read_text(errors="replace").splitlines()
+    return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+def _ssl_context() -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(STATE / "pki" / "ca.crt"))
+    return ctx
+
+
+def _insecure_context() -> ssl.SSLContext:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def probe(url: str, token: str | None = None) -> bool:
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    ctx: ssl.SSLContext | None = None
+    if url.startswith("https://"):
+        # Controller-manager and scheduler serve self-signed certificates; only the API server is ours.
+        ctx = _ssl_context() if token else _insecure_context()
+    try:
+        with urllib.request.urlopen(req, timeout=3, context=ctx) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError, ssl.SSLError):
+        return False
+
+
+def start(component: Component) -> int:
+    log = (STATE / "logs" / f"{component.name}.log").open("ab")
+    env = dict(os.environ)
+    env.update(component.env)
+    proc = subprocess.Popen(
+        component.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True, env=env, cwd=STATE,
+    )
+    return proc.pid
+
+
+def wait_healthy(component: Component, pid: int, token: str | None, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _pid_alive(pid):
+            raise ClusterError(f"{component.name} exited during start-up. Last lines of its log:\n"
+                               f"{log_tail(component.name)}")
+        if probe(component.health_url, token if component.name == "kube-apiserver" else None):
+            return
+        time.sleep(0.3)
+    raise ClusterError(f"{component.name} did not become healthy at {component.health_url} in {timeout:.0f}s. "
+                       f"Last lines of its log:\n{log_tail(component.name)}")
+
+
+# ---------------------------------------------------------------------------------------------- cluster
+
+
+def components(bins: dict[str, Path], ports: Ports) -> list[Component]:
+    pki = STATE / "pki"
+    kubeconfig = str(STATE / "kubeconfig")
+    logs = STATE / "logs"
+    return [
+        Component(
+            "etcd",
+            [str(bins["etcd"]), "--name=rlhf-local", f"--data-dir={STATE / 'etcd'}",
+             f"--listen-client-urls=http://{HOST}:{ports.etcd_client}",
+             f"--advertise-client-urls=http://{HOST}:{ports.etcd_client}",
+             f"--listen-peer-urls=http://{HOST}:{ports.etcd_peer}",
+             f"--initial-advertise-peer-urls=http://{HOST}:{ports.etcd_peer}",
+             f"--initial-cluster=rlhf-local=http://{HOST}:{ports.etcd_peer}",
+             "--unsafe-no-fsync=true", "--quota-backend-bytes=4294967296", "--log-level=warn"],
+            [ports.etcd_client, ports.etcd_peer],
+            f"http://{HOST}:{ports.etcd_client}/health",
+        ),
+        Component(
+            "kube-apiserver",
+            [str(bins["kube-apiserver"]), f"--etcd-servers=http://{HOST}:{ports.etcd_client}",
+             f"--bind-address={HOST}", f"--advertise-address={HOST}", f"--secure-port={ports.apiserver}",
+             f"--tls-cert-file={pki / 'server.crt'}", f"--tls-private-key-file={pki / 'server.key'}",
+             f"--client-ca-file={pki / 'ca.crt'}", f"--token-auth-file={pki / 'tokens.csv'}",
+             "--authorization-mode=RBAC", "--service-cluster-ip-range=10.96.0.0/16",
+             "--service-account-issuer=https://kubernetes.default.svc",
+             f"--service-account-key-file={pki / 'sa.pub'}",
+             f"--service-account-signing-key-file={pki / 'sa.key'}",
+             "--allow-privileged=true", "--enable-priority-and-fairness=false",
+             f"--audit-policy-file={pki / 'audit-policy.yaml'}", f"--audit-log-path={logs / 'audit.log'}",
+             "--audit-log-maxsize=200", "--audit-log-maxbackup=1"],
+            [ports.apiserver],
+            f"https://{HOST}:{ports.apiserver}/readyz",
+        ),
+        Component(
+            "kube-controller-manager",
+            [str(bins["kube-controller-manager"]), f"--kubeconfig={kubeconfig}",
+             f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
+             f"--bind-address={HOST}", f"--secure-port={ports.controller_manager}",
+             f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
+             "--leader-elect=false", "--use-service-account-credentials=false",
+             "--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,"
+             "-route,-persistentvolume-binder,-attachdetach,-persistentvolume-expander",
+             "--concurrent-gc-syncs=10"],
+            [ports.controller_manager],
+            f"https://{HOST}:{ports.controller_manager}/healthz",
+        ),
+        Component(
+            "kube-scheduler",
+            [str(bins["kube-scheduler"]), f"--kubeconfig={kubeconfig}",
+             f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
+             f"--bind-address={HOST}", f"--secure-port={ports.scheduler}", "--leader-elect=false"],
+            [ports.scheduler],
+            f"https://{HOST}:{ports.scheduler}/healthz",
+        ),
+        Component(
+            "kwok",
+            [str(bins["kwok"]), f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
+             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+             "--manage-nodes-with-label-selector=", "--manage-single-node=",
+             "--cidr=10.0.0.0/16", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
+             f"--server-address={HOST}:{ports.kwok}"],
+            [ports.kwok],
+            f"http://{HOST}:{ports.kwok}/healthz",
+        ),
+        Component(
+            "kuberay-operator",
+            [str(bins["ray-operator"]), f"--metrics-addr={HOST}:{ports.kuberay_metrics}",
+             f"--health-probe-bind-address={HOST}:{ports.kuberay_health}", "--enable-leader-election=false",
+             "--log-stdout-encoder=console"],
+            [ports.kuberay_metrics, ports.kuberay_health],
+            f"http://{HOST}:{ports.kuberay_health}/readyz",
+            env={"KUBECONFIG": kubeconfig},
+        ),
+    ]
+
+
+NODES = 2
+
+
+def node_manifest(i: int) -> dict[str, object]:
+    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": f"kwok-gpu-{i}",
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {"kubernetes.io/hostname": f"kwok-gpu-{i}", "kubernetes.io/os": "linux",
+                       "kubernetes.io/arch": "amd64", "type": "kwok",
+                       "nvidia.com/gpu.product": "FAKE-GPU-80GB"},
+        },
+        "spec": {},
+        "status": {"capacity": resources, "allocatable": resources},
+    }
+
+
+def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    cmd = [str(binary_path("kubectl")), f"--kubeconfig={STATE / 'kubeconfig'}", *args]
+    proc = subprocess.run(cmd, input=input, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise ClusterError(f"kubectl {' '.join(args)} failed:\n{proc.stderr}")
+    return proc
+
+
+def kuberay_crd_dir() -> Path:
+    """KubeRay's CRDs, read from the Go module cache at the pinned version (never copied into the repo)."""
+    proc = subprocess.run(
+        [_go(), "list", "-m", "-json", "github.com/ray-project/kuberay/ray-operator"],
+        cwd=GO_DIR / "kuberay", capture_output=True, text=True,
+        env={**os.environ, "GOFLAGS": "-mod=readonly"},
+    )
+    if proc.returncode != 0:
+        raise ClusterError(f"cannot locate the KubeRay module: {proc.stderr}")
+    mod_dir = json.loads(proc.stdout).get("Dir")
+    if not mod_dir:
+        subprocess.run([_go(), "mod", "download", "github.com/ray-project/kuberay/ray-operator"],
+                       cwd=GO_DIR / "kuberay", check=True)
+        return kuberay_crd_dir()
+    return Path(mod_dir) / "config" / "crd" / "bases"
+
+
+def read_state() -> dict[str, object] | None:
+    path = STATE / "state.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else None
+    except json.JSONDecodeError:
+        return None
+
+
+def running_status() -> dict[str, bool]:
+    state = read_state() or {}
+    pids = state.get("pids", {})
+    assert isinstance(pids, dict)
+    return {name: _pid_alive(int(pid)) for name, pid in pids.items()}
+
+
+def up() -> None:
+    started_at = time.monotonic()
+    status = running_status()
+    if status and all(status.values()):
+        token = str((read_state() or {}).get("token", ""))
+        port = int((read_state() or {}).get("ports", {}).get("apiserver", 0))  # type: ignore[union-attr]
+        if probe(f"https://{HOST}:{port}/readyz", token):
+            print(f"control plane already running ({len(status)} components); kubeconfig: {STATE / 'kubeconfig'}")
+            return
+    if status:
+        dead = [n for n, alive in status.items() if not alive]
+        for name in dead:
+            print(f"[up] {name} is not running. Last lines of its log:\n{log_tail(name)}", file=sys.stderr)
+        print("[up] restarting the control plane from scratch", file=sys.stderr)
+        down(quiet=True)
+
+    bins = build()
+    ports = Ports.from_env()
+    comps = components(bins, ports)
+    for comp in comps:
+        for port in comp.ports:
+            check_port_free(port, comp.name)
+
+    for sub in ("logs", "etcd"):
+        (STATE / sub).mkdir(parents=True, exist_ok=True)
+    token = make_pki(STATE / "pki")
+    write_kubeconfig(STATE / "kubeconfig", STATE / "pki" / "ca.crt", token, ports.apiserver)
+
+    pids: dict[str, int] = {}
+    state: dict[str, object] = {"pids": pids, "token": token, "ports": ports.__dict__}
+
+    def save() -> None:
+        (STATE / "state.json").write_text(json.dumps(state, indent=2))
+
+    try:
+        for comp in comps:
+            t0 = time.monotonic()
+            pids[comp.name] = start(comp)
+            save()
+            if comp.name == "kuberay-operator":
+                _install_kuberay_crds()
+            wait_healthy(comp, pids[comp.name], token)
+            print(f"[up] {comp.name:<24} healthy in {time.monotonic() - t0:5.1f}s  (pid {pids[comp.name]})",
+                  flush=True)
+            if comp.name == "kube-apiserver":
+                _wait_default_objects()
+        _register_nodes()
+    except BaseException:
+        down(quiet=True, keep_logs=True)
+        raise
+    print(f"[up] control plane ready in {time.monotonic() - started_at:.1f}s; "
+          f"export KUBECONFIG={STATE / 'kubeconfig'}; logs in {STATE / 'logs'}")
+
+
+def _wait_default_objects() -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if kubectl("get", "namespace", "default", check=False).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise ClusterError("the API server did not create the default namespace in 60s:\n" + log_tail("kube-apiserver"))
+
+
+def _install_kuberay_crds() -> None:
+    crd_dir = kuberay_crd_dir()
+    files = sorted(crd_dir.glob("*.yaml"))
+    if not files:
+        raise ClusterError(f"no KubeRay CRDs found in {crd_dir}")
+    for f in files:
+        kubectl("apply", "--server-side", "--force-conflicts", "-f", str(f))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rayclusters.ray.io",
+            "crd/rayjobs.ray.io", "crd/rayservices.ray.io")
+
+
+def _register_nodes() -> None:
+    for i in range(NODES):
+        kubectl("apply", "-f", "-", input=json.dumps(node_manifest(i)))
+    kubectl("wait", "--for=condition=Ready", "--timeout=60s", *[f"node/kwok-gpu-{i}" for i in range(NODES)])
+
+
+def down(quiet: bool = False, keep_logs: bool = False) -> None:
+    state = read_state() or {}
+    pids = state.get("pids", {})
+    assert isinstance(pids, dict)
+    for name, pid in reversed(list(pids.items())):
+        _stop(int(pid))
+        if not quiet:
+            print(f"[down] stopped {name}")
+    for sub in ("etcd", "pki", "state.json", "kubeconfig") + (() if keep_logs else ("logs",)):
+        path = STATE / sub
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+    if not quiet:
+        print("[down] control plane stopped and state removed")
+
+
+def _stop(pid: int) -> None:
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _pid_alive(pid):
+                return
+            time.sleep(0.1)
+
+
+def status() -> int:
+    st = running_status()
+    if not st:
+        print("control plane: not running")
+        return 1
+    bad = 0
+    for name, alive in st.items():
+        print(f"{name:<24} {'running' if alive else 'DEAD'}")
+        if not alive:
+            bad += 1
+            print(log_tail(name))
+    return 1 if bad else 0
+
+
+@contextlib.contextmanager
+def _timed(label: str) -> Iterator[None]:
+    t0 = time.monotonic()
+    yield
+    print(f"[{label}] {time.monotonic() - t0:.1f}s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["build", "up", "down", "status", "env"])
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            with _timed("build"):
+                build()
+        elif args.command == "up":
+            up()
+        elif args.command == "down":
+            down()
+        elif args.command == "status":
+            return status()
+        elif args.command == "env":
+            print(f"export KUBECONFIG={STATE / 'kubeconfig'}\nexport PATH={STATE / 'bin'}:$PATH")
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

