@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from kubernetes import client as k8s
@@ -38,9 +38,9 @@ def api() -> k8s.ApiClient:
     global _api
     if _api is None:
         try:
-            k8s_config.load_incluster_config()
+            k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
         except k8s_config.ConfigException:
-            k8s_config.load_kube_config()
+            k8s_config.load_kube_config()  # type: ignore[no-untyped-call]
         _api = k8s.ApiClient()
     return _api
 
@@ -95,8 +95,8 @@ def _invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
 
 def _get_cluster(namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        obj: dict[str, Any] = custom().get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
-        return obj
+        obj = custom().get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
+        return cast(dict[str, Any], obj)
     except ApiException as e:
         if e.status == 404:
             return None
@@ -108,9 +108,9 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
     kopf.adopt(manifest, owner=body)  # owner reference: deleting the job deletes the cluster
     namespace = body.metadata.namespace or "default"
     try:
-        created: dict[str, Any] = custom().create_namespaced_custom_object(
+        created = cast(dict[str, Any], custom().create_namespaced_custom_object(
             RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest
-        )
+        ))
         metrics.CLUSTERS_CREATED.labels(namespace).inc()
         failpoints.hit("after_cluster_create")
         kopf.event(body, type="Normal", reason="RayClusterCreated",

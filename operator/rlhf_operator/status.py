@@ -15,6 +15,7 @@ from rlhf_operator import rayjobs
 from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines
 from rlhf_operator.scrape import TrainerMetrics
 from rlhf_operator.spec import RLHFJob
+from rlhf_operator.stall import detect_stall, set_stalled_condition
 
 Action = Literal[
     "create_cluster",  # the RayCluster is missing
@@ -85,7 +86,9 @@ def set_condition(
             if generation is not None:
                 c["observedGeneration"] = generation
             return out
-    new = {"type": ctype, "status": value, "reason": reason, "message": message, "lastTransitionTime": iso(now)}
+    new: dict[str, Any] = {
+        "type": ctype, "status": value, "reason": reason, "message": message, "lastTransitionTime": iso(now)
+    }
     if generation is not None:
         new["observedGeneration"] = generation
     out.append(new)
@@ -109,7 +112,7 @@ def cluster_problem(raycluster: dict[str, Any] | None) -> str | None:
     return None
 
 
-def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:  # noqa: C901 - one phase table
+def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     """The next status and actions. `submission_id` is the id of the current attempt (from restarts)."""
     spec = job.spec
     cur: dict[str, Any] = job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
@@ -226,9 +229,8 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:  #
     st["submissionId"] = job_info.submission_id
     if job_info.status == rayjobs.SUCCEEDED:
         return finish("Succeeded", "TrainingComplete", f"trained {spec.algorithm.total_steps} steps")
-    if job_info.status in (rayjobs.FAILED, rayjobs.STOPPED):
+    def restart_or_fail(reason: str, limit_reason: str) -> Decision:
         restarts = int(st.get("restarts") or 0)
-        reason = f"Ray job {job_info.submission_id} {job_info.status.lower()}: {job_info.message[-300:]}".strip()
         if restarts < spec.run_policy.backoff_limit:
             st["restarts"] = restarts + 1
             st["lastRestartTime"] = iso(now)
@@ -237,8 +239,11 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:  #
                "checkpoint", "Restarting", warning=True)
             st["conditions"] = set_condition(conds, "Running", False, "Restarting", reason, now)
             return d
-        return finish("Failed", "BackoffLimitExceeded",
-                      f"{reason}; backoffLimit {spec.run_policy.backoff_limit} reached")
+        return finish("Failed", limit_reason, f"{reason}; backoffLimit {spec.run_policy.backoff_limit} reached")
+
+    if job_info.status in (rayjobs.FAILED, rayjobs.STOPPED):
+        reason = f"Ray job {job_info.submission_id} {job_info.status.lower()}: {job_info.message[-300:]}".strip()
+        return restart_or_fail(reason, "BackoffLimitExceeded")
 
     if job_info.status == rayjobs.PENDING:
         st["conditions"] = conds
@@ -254,6 +259,24 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:  #
     conds = set_condition(conds, "Running", True, "Running", f"Ray job {job_info.submission_id} running", now)
     st["conditions"] = conds
     apply_metrics(job, observed, d)
+
+    # Stall detection (seed problem 5): no completed step within stallTimeoutSeconds of the latest
+    # progress. The clock of an attempt starts when it starts, so a restart gets a full timeout.
+    attempt_started = max(t for t in (started or now, parse_time(cur.get("lastRestartTime"))) if t is not None)
+    stall = detect_stall(spec.monitoring, observed.metrics, attempt_started, parse_time(cur.get("lastStepTime")), now)
+    st["conditions"] = set_stalled_condition(st["conditions"], stall, now, generation)
+    if stall is None:
+        if phase == "Stalled":
+            go("Running", f"step {st.get('step', 0)} completed: no longer stalled", "StallCleared")
+        return d
+    if phase != "Stalled":
+        d.event("Stalled", f"{stall.reason}: {stall.message}", warning=True)
+    if spec.monitoring.on_stall == "Restart":
+        d.actions.append("stop")
+        d.stop_submission_id = job_info.submission_id
+        return restart_or_fail(f"stalled ({stall.reason}): {stall.message}", "StalledBackoffLimitExceeded")
+    st["phase"] = "Stalled"
+    st["message"] = f"{stall.reason}: {stall.message}"
     return d
 
 

@@ -384,7 +384,8 @@ def components(bins: dict[str, Path], ports: Ports) -> list[Component]:
         ),
         Component(
             "kwok",
-            [str(bins["kwok"]), f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
+            [str(bins["kwok"]), f"--kubeconfig={kubeconfig}", f"--config={write_kwok_stages()}",
+             "--manage-all-nodes=false",
              "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
              "--manage-nodes-with-label-selector=", "--manage-single-node=",
              "--cidr=10.0.0.0/16", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
@@ -402,6 +403,96 @@ def components(bins: dict[str, Path], ports: Ports) -> list[Component]:
             env={"KUBECONFIG": kubeconfig},
         ),
     ]
+
+
+# KWOK plays the kubelet through "stages": rules that match an object and write its next status.
+# Ours are the three a kubelet would do for these tests, nothing more: mark a fake node Ready,
+# move a scheduled pod straight to Running (no image pulls exist here), and finish a deletion.
+KWOK_STAGES = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata: {name: rlhf-node-ready}
+spec:
+  resourceRef: {apiGroup: v1, kind: Node}
+  selector:
+    matchExpressions:
+    - {key: '.status.phase', operator: 'NotIn', values: ['Running']}
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      - {type: Ready, status: "True", reason: KwokReady, message: "fake kubelet (KWOK)", lastHeartbeatTime: {{ $now | Quote }}, lastTransitionTime: {{ $now | Quote }}}
+      - {type: MemoryPressure, status: "False", reason: KwokReady, message: "", lastHeartbeatTime: {{ $now | Quote }}, lastTransitionTime: {{ $now | Quote }}}
+      - {type: DiskPressure, status: "False", reason: KwokReady, message: "", lastHeartbeatTime: {{ $now | Quote }}, lastTransitionTime: {{ $now | Quote }}}
+      - {type: PIDPressure, status: "False", reason: KwokReady, message: "", lastHeartbeatTime: {{ $now | Quote }}, lastTransitionTime: {{ $now | Quote }}}
+      addresses:
+      - {type: InternalIP, address: {{ NodeIP | Quote }}}
+      - {type: Hostname, address: {{ NodeName | Quote }}}
+      allocatable:
+      {{ YAML .status.allocatable 1 }}
+      capacity:
+      {{ YAML .status.capacity 1 }}
+      nodeInfo:
+        architecture: amd64
+        operatingSystem: linux
+        kubeletVersion: {{ printf "kwok-%s" Version | Quote }}
+        containerRuntimeVersion: {{ printf "kwok-%s" Version | Quote }}
+        kernelVersion: ""
+        kubeProxyVersion: ""
+        osImage: ""
+        machineID: ""
+        bootID: ""
+        systemUUID: ""
+      phase: Running
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata: {name: rlhf-pod-running}
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: '.metadata.deletionTimestamp', operator: 'DoesNotExist'}
+    - {key: '.status.podIP', operator: 'DoesNotExist'}
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      {{ range (list "PodScheduled" "Initialized" "ContainersReady" "Ready") }}
+      - {type: {{ . }}, status: "True", lastProbeTime: null, lastTransitionTime: {{ $now | Quote }}}
+      {{ end }}
+      containerStatuses:
+      {{ range .spec.containers }}
+      - name: {{ .name | Quote }}
+        image: {{ .image | Quote }}
+        ready: true
+        started: true
+        restartCount: 0
+        state: {running: {startedAt: {{ $now | Quote }}}}
+      {{ end }}
+      hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
+      podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
+      phase: Running
+      startTime: {{ $now | Quote }}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata: {name: rlhf-pod-delete}
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: '.metadata.deletionTimestamp', operator: 'Exists'}
+    - {key: '.metadata.finalizers', operator: 'DoesNotExist'}
+  next:
+    delete: true
+"""
+
+
+def write_kwok_stages() -> Path:
+    path = STATE / "kwok-stages.yaml"
+    path.write_text(KWOK_STAGES)
+    return path
 
 
 NODES = 2

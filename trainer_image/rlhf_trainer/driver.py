@@ -444,16 +444,18 @@ def connect_ray(processes: int) -> bool:
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=_log_workers())
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address and address != "local":
+        ray.init(address=address, log_to_driver=_log_workers())
         return False
-    try:
-        ray.init(address="auto", log_to_driver=_log_workers())
-        return False
-    except (ConnectionError, RuntimeError):
-        pass
+    if not address:
+        try:
+            ray.init(address="auto", log_to_driver=_log_workers())
+            return False
+        except (ConnectionError, RuntimeError):
+            pass
     cores = os.cpu_count() or 1
-    ray.init(num_cpus=max(cores, processes), include_dashboard=False, log_to_driver=_log_workers(),
+    ray.init(address="local", num_cpus=max(cores, processes), include_dashboard=False, log_to_driver=_log_workers(),
              runtime_env={"env_vars": {"RLHF_DEVICE": os.environ.get("RLHF_DEVICE", "")}} if os.environ.get("RLHF_DEVICE") else None)
     return True
 

@@ -1,0 +1,119 @@
+"""Stall detection (seed problem 5): the verdict, the condition, and what `decide` does with it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from rlhf_operator.scrape import TrainerMetrics
+from rlhf_operator.spec import MonitoringSpec
+from rlhf_operator.stall import STEP_STALLED, detect_stall, set_stalled_condition
+from rlhf_operator.status import decide, iso
+from test_status import NOW, SID, job, obs, ray
+
+pytestmark = pytest.mark.unit
+
+MON = MonitoringSpec(stallTimeoutSeconds=600)
+
+
+def stuck_in(phase: str, since: datetime, last_step: datetime | None, steps: int = 4) -> TrainerMetrics:
+    return TrainerMetrics(
+        steps_completed=steps,
+        total_steps=20,
+        last_step_completed_ts=last_step.timestamp() if last_step else None,
+        in_progress_phase=phase,
+        in_progress_since=since.timestamp(),
+        phase_seconds={"generation": 3.0, "reward": 1.0},
+    )
+
+
+def test_no_stall_within_the_timeout() -> None:
+    m = stuck_in("reward", NOW - timedelta(seconds=500), NOW - timedelta(seconds=590))
+    assert detect_stall(MON, m, NOW - timedelta(hours=2), None, NOW) is None
+
+
+def test_stall_names_the_phase_and_how_long_it_ran() -> None:
+    m = stuck_in("reward", NOW - timedelta(seconds=7 * 3600), NOW - timedelta(seconds=7 * 3600 + 5))
+    stall = detect_stall(MON, m, NOW - timedelta(hours=8), None, NOW)
+    assert stall is not None
+    assert stall.reason == "PhaseStuck:reward"
+    assert stall.phase_running_seconds == pytest.approx(7 * 3600)
+    assert "phase reward running for 7h00m" in stall.message
+    assert "stallTimeoutSeconds=600" in stall.message
+
+
+def test_restart_resets_the_clock() -> None:
+    # The previous attempt's last step is old, but this attempt started 100 s ago.
+    assert detect_stall(MON, None, NOW - timedelta(seconds=100), NOW - timedelta(hours=3), NOW) is None
+
+
+def test_unreachable_trainer_stalls_with_the_phase_unknown() -> None:
+    stall = detect_stall(MON, None, NOW - timedelta(hours=1), NOW - timedelta(seconds=900), NOW)
+    assert stall is not None and stall.reason == STEP_STALLED and not stall.scraped
+    assert "metrics unavailable" in stall.message
+
+
+def test_condition_is_written_once_per_stall_and_cleared_by_progress() -> None:
+    m = stuck_in("reward", NOW - timedelta(hours=1), NOW - timedelta(hours=1))
+    stall = detect_stall(MON, m, NOW - timedelta(hours=2), None, NOW)
+    first = set_stalled_condition([], stall, NOW)
+    (cond,) = first
+    assert cond["status"] == "True" and cond["reason"] == "PhaseStuck:reward"
+    # Ten minutes later the same stall does not rewrite the message (no patch storm).
+    later = detect_stall(MON, m, NOW - timedelta(hours=2), None, NOW + timedelta(minutes=10))
+    assert set_stalled_condition(first, later, NOW + timedelta(minutes=10)) == first
+    cleared = set_stalled_condition(first, None, NOW + timedelta(minutes=11))
+    assert cleared[0]["status"] == "False" and cleared[0]["reason"] == "Progressing"
+    assert set_stalled_condition([], None, NOW) == []
+
+
+def running(on_stall: str, restarts: int = 0, phase: str = "Running") -> Any:
+    j = job({"phase": phase, "startTime": iso(NOW - timedelta(hours=8)), "restarts": restarts,
+             "submissionId": SID})
+    doc = j.model_dump(by_alias=True, exclude_none=True, mode="json")
+    doc["spec"]["monitoring"].update(stallTimeoutSeconds=600, onStall=on_stall)
+    return type(j).model_validate(doc)
+
+
+def stuck_metrics() -> TrainerMetrics:
+    return stuck_in("reward", NOW - timedelta(hours=7), NOW - timedelta(hours=7))
+
+
+def test_alert_policy_sets_phase_stalled_with_an_event_naming_the_phase() -> None:
+    d = decide(running("Alert"), obs(ray_job=ray("RUNNING"), metrics=stuck_metrics()), SID)
+    assert d.status["phase"] == "Stalled"
+    assert "PhaseStuck:reward" in d.status["message"]
+    assert any(t == "Warning" and r == "Stalled" and "reward" in m for t, r, m in d.events)
+    assert "stop" not in d.actions
+    cond = next(c for c in d.status["conditions"] if c["type"] == "Stalled")
+    assert cond["status"] == "True" and cond["reason"] == "PhaseStuck:reward"
+
+
+def test_restart_policy_stops_the_stuck_attempt_and_restarts() -> None:
+    d = decide(running("Restart", restarts=1), obs(ray_job=ray("RUNNING"), metrics=stuck_metrics()), SID)
+    assert d.status["phase"] == "Restarting"
+    assert d.status["restarts"] == 2
+    assert "stop" in d.actions and d.stop_submission_id == SID
+    assert "submissionId" not in d.status
+
+
+def test_restart_policy_fails_after_the_backoff_limit() -> None:
+    j = running("Restart", restarts=3)
+    d = decide(j, obs(ray_job=ray("RUNNING"), metrics=stuck_metrics()), SID)
+    assert d.status["phase"] == "Failed"
+    assert any(c["type"] == "Failed" and c["reason"] == "StalledBackoffLimitExceeded" for c in d.status["conditions"])
+    assert "delete_cluster" in d.actions and "stop" in d.actions
+
+
+def test_progress_clears_a_stall() -> None:
+    j = running("Alert", phase="Stalled")
+    fresh = stuck_in("generation", NOW - timedelta(seconds=5), NOW - timedelta(seconds=10), steps=5)
+    d = decide(j, obs(ray_job=ray("RUNNING"), metrics=fresh), SID)
+    assert d.status["phase"] == "Running"
+    assert ("Normal", "StallCleared", "step 5 completed: no longer stalled") in d.events
+
+
+def test_timestamps_are_timezone_aware() -> None:
+    stall = detect_stall(MON, None, datetime(2026, 1, 1, tzinfo=UTC), None, datetime(2026, 1, 2, tzinfo=UTC))
+    assert stall is not None and stall.last_progress.tzinfo is not None
