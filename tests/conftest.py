@@ -8,8 +8,10 @@ A missing prerequisite (Go, a failed build, a busy port) fails the test with the
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,35 +67,69 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
 
 
 @pytest.fixture(scope="session")
-def ray_head() -> Iterator[RayHead]:
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
+    """A local Ray head (the stand-in for every RayCluster's head), in its own process group.
+
+    Stopped by signalling that group, never with `ray stop`, which would kill every Ray process on the
+    machine (a trainer run of another test session included).
+    """
+    # Token auth off explicitly: Ray turns it on whenever ~/.ray/auth_token exists (any earlier
+    # `ray.init()` writes one), and this head listens on loopback only.
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    started = False
+    proc: subprocess.Popen[bytes] | None = None
     if not _dashboard_up():
-        proc = subprocess.run(
+        temp = Path(tempfile.mkdtemp(prefix="rlhf-ray-"))  # short: Ray's socket paths have a length limit
+        log = (tmp_path_factory.mktemp("ray") / "ray-head.log").open("wb")
+        proc = subprocess.Popen(
             [
                 str(VENV_BIN / "ray"),
                 "start",
                 "--head",
+                "--block",
                 f"--port={RAY_PORT}",
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={RAY_DASHBOARD_PORT}",
                 "--num-cpus=4",
                 "--include-dashboard=true",
                 "--disable-usage-stats",
+                f"--temp-dir={temp}",
+                # Ray's default worker range (10002-19999) holds our fixed ports; keep workers clear of them.
+                "--min-worker-port=30000",
+                "--max-worker-port=30999",
             ],
             env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-        if proc.returncode != 0:
-            pytest.fail(f"could not start the local Ray head:\n{proc.stdout}\n{proc.stderr}", pytrace=False)
-        started = True
-        wait_for(lambda: _dashboard_up() or None, 60, "the Ray dashboard")
+
+        def dashboard_or_exit() -> bool | None:
+            if proc is not None and proc.poll() is not None:
+                pytest.fail(f"the local Ray head exited ({proc.returncode}); see {log.name}", pytrace=False)
+            return _dashboard_up() or None
+
+        try:
+            wait_for(dashboard_or_exit, 120, "the Ray dashboard")
+        except BaseException:
+            _stop_group(proc)
+            raise
     yield RayHead(address=f"127.0.0.1:{RAY_PORT}", dashboard_url=f"http://127.0.0.1:{RAY_DASHBOARD_PORT}")
-    if started:
-        subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+    if proc is not None:
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=grace)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,9 @@ deterministic, so a retried submit after an operator crash finds the job instead
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -42,12 +44,29 @@ class RayJobInfo:
         )
 
 
+def auth_token() -> str | None:
+    """The Ray token for clusters with token authentication (Ray's RAY_AUTH_MODE=token), if configured.
+
+    `RLHF_RAY_AUTH_TOKEN`, or the file named by `RLHF_RAY_AUTH_TOKEN_PATH` (a mounted Secret).
+    """
+    token = os.environ.get("RLHF_RAY_AUTH_TOKEN", "").strip()
+    path = os.environ.get("RLHF_RAY_AUTH_TOKEN_PATH", "")
+    if not token and path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as e:
+            raise RayJobsError(f"reading the Ray auth token from {path}: {e}") from e
+    return token or None
+
+
 class RayJobsClient:
     """A small synchronous client; the operator calls it from kopf's handler threads."""
 
-    def __init__(self, dashboard_url: str, timeout: float = 10.0) -> None:
+    def __init__(self, dashboard_url: str, timeout: float = 10.0, token: str | None = None) -> None:
         self.base = dashboard_url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout)
+        token = token if token is not None else auth_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(timeout=timeout, headers=headers)
 
     def close(self) -> None:
         self._http.close()

@@ -187,6 +187,6 @@ def _pct(x: float) -> str:
 
 
 def _span(shares: Sequence[float]) -> str:
-    """72%, or 68-75% over several different shares."""
+    """72%, or 68%-75% over several different shares."""
     low, high = _pct(min(shares)), _pct(max(shares))
     return low if low == high else f"{low}-{high}"

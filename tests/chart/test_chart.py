@@ -53,6 +53,8 @@ OPERATOR_NAMESPACED_RULES = {
     ("events.k8s.io", "events"): {"create", "patch"},
 }
 CRD_READ = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
+# kopf with a namespace list also lists and watches namespaces (test_chart_cluster.py runs it).
+NAMESPACE_READ = {("", "namespaces"): {"list", "watch"}}
 
 
 def kinds(objects: list[dict[str, Any]]) -> set[str]:
@@ -233,9 +235,9 @@ def test_watch_namespaces_rbac_is_per_namespace() -> None:
         assert bindings[ns]["subjects"] == [
             {"kind": "ServiceAccount", "name": sa_name, "namespace": NAMESPACE}
         ]
-    # Cluster-wide, only the CRD read that kopf needs.
+    # Cluster-wide, only the CRD and namespace reads that kopf makes in this mode.
     cluster_role = one(objects, "ClusterRole")
-    assert rule_table(cluster_role) == CRD_READ
+    assert rule_table(cluster_role) == CRD_READ | NAMESPACE_READ
     assert one(objects, "ClusterRoleBinding")["roleRef"]["name"] == cluster_role["metadata"]["name"]
     args = container(one(objects, "Deployment"))["args"]
     assert "--all-namespaces" not in args

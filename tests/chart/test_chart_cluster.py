@@ -1,19 +1,27 @@
 """The Helm chart on the local control plane: install, upgrade, uninstall, and what its RBAC allows.
 
-Permissions are checked with `kubectl auth can-i --as=system:serviceaccount:...` (a
-SubjectAccessReview), so the real API server's RBAC evaluates the chart's roles and bindings.
+Permissions are checked two ways: with `kubectl auth can-i --as=system:serviceaccount:...` (a
+SubjectAccessReview, so the real API server's RBAC evaluates the chart's roles and bindings), and
+by running the real operator with a token of the chart's ServiceAccount, as its pod would.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
-from chart_tools import CHART
-from support import Cluster, wait_for
+import yaml
+from chart_tools import CHART, ROOT
+from support import VENV_BIN, Cluster, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -113,7 +121,7 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
         )
         assert cluster.get("clusterrole", cluster_role) is None
         assert cluster.get("role", RELEASE, watched) is not None
-        assert cluster.get("clusterrole", f"{cluster_role}-crds") is not None
+        assert cluster.get("clusterrole", f"{cluster_role}-discovery") is not None
         args = operator_args(cluster, namespace)
         assert "--all-namespaces" not in args and args[args.index("--namespace") + 1] == watched
         assert can_i(cluster, namespace, "list", "rlhfjobs.rlhf.dev", "-n", watched)
@@ -125,7 +133,7 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
             ("deployment", RELEASE, namespace),
             ("serviceaccount", RELEASE, namespace),
             ("role", RELEASE, watched),
-            ("clusterrole", f"{cluster_role}-crds", None),
+            ("clusterrole", f"{cluster_role}-discovery", None),
             ("clusterrole", f"{cluster_role}-edit", None),
         ]
         for kind, name, obj_ns in leftovers:
@@ -147,7 +155,10 @@ def test_watch_namespaces_mode_denies_other_namespaces(cluster: Cluster, namespa
             assert not can_i(cluster, namespace, "list", "pods", "-n", ns), ns
         assert not can_i(cluster, namespace, "list", "rlhfjobs.rlhf.dev", "-A")
         assert not can_i(cluster, namespace, "get", "secrets", "-n", namespace)
-        assert not can_i(cluster, namespace, "list", "namespaces")
+        # kopf with a namespace list follows the namespaces themselves (names and labels), nothing in them.
+        assert can_i(cluster, namespace, "watch", "namespaces")
+        assert not can_i(cluster, namespace, "create", "namespaces")
+        assert not can_i(cluster, namespace, "get", f"namespaces/{other}")
         assert can_i(cluster, namespace, "list", "customresourcedefinitions.apiextensions.k8s.io")
 
 
@@ -215,3 +226,206 @@ def test_bad_values_are_rejected_before_anything_is_created(cluster: Cluster, na
     assert "/watchNamespaces/0" in proc.stderr, proc.stderr
     assert cluster.get("deployment", RELEASE, namespace) is None
     assert cluster.helm("list", "-n", namespace, "-q").stdout.strip() == ""
+
+
+# ---- the operator itself, with the ServiceAccount's token ---------------------------------------------
+
+PERMISSION_ERRORS = ("forbidden", " 403", "(403)", "not enough permissions")
+
+
+def token_kubeconfig(cluster: Cluster, namespace: str, sa: str, path: Path) -> Path:
+    """A kubeconfig that authenticates with a fresh token of ServiceAccount `namespace/sa` (TokenRequest)."""
+    token = cluster.kubectl("-n", namespace, "create", "token", sa, "--duration=30m").stdout.strip()
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    (server,) = admin["clusters"]
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [server],
+                "users": [{"name": sa, "user": {"token": token}}],
+                "contexts": [{"name": sa, "context": {"cluster": server["name"], "user": sa}}],
+                "current-context": sa,
+            }
+        )
+    )
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def operator_process(
+    kubeconfig: Path, watched: str, log: Path, health_port: int
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`rlhf operator` with the chart's arguments (watch-namespaces mode), authenticated by `kubeconfig`.
+
+    No development override of the Ray head: the operator reaches for the head Service's DNS name,
+    which does not resolve here, so it never submits anything to a local Ray.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHF_")}
+    env.update({"KUBECONFIG": str(kubeconfig), "RLHF_RECONCILE_INTERVAL": "1", "RLHF_LOG_FORMAT": "plain"})
+    args = ["--liveness", f"http://127.0.0.1:{health_port}/healthz", "--metrics-port", "0", "--verbose"]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [str(VENV_BIN / "rlhf"), "operator", *args, "--namespace", watched],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def permission_errors(log: Path) -> list[str]:
+    return [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        if any(e in line.lower() for e in PERMISSION_ERRORS)
+    ]
+
+
+def audit_log(cluster: Cluster) -> Path:
+    audit = cluster.kubeconfig.parent / "logs" / "audit.log"
+    assert audit.is_file(), f"no audit log at {audit} (tests/controlplane/devcluster.py configures it)"
+    return audit
+
+
+def audited_writes(cluster: Cluster, username: str, since: int) -> list[dict[str, Any]]:
+    """The API server's audit events of one user from byte `since` of its log (the policy records writes)."""
+    audit = audit_log(cluster)
+    with audit.open("rb") as f:
+        f.seek(since if audit.stat().st_size >= since else 0)  # from the start again after a rotation
+        lines = f.read().decode(errors="replace").splitlines()
+    events = []
+    for line in lines:
+        if username in line:
+            event = json.loads(line)
+            if event.get("user", {}).get("username") == username:
+                events.append(event)
+    return events
+
+
+def test_the_operator_runs_with_its_service_account(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """The real operator, holding only the chart's ServiceAccount token, reconciles an RLHFJob in its
+    watched namespace: it sees the job, creates and owns the RayCluster, writes status and Events, and
+    no request it makes is refused. The same operator with a ServiceAccount the chart did not bind is
+    refused, so the check can fail.
+
+    Watch-namespaces mode only: a cluster-wide operator here would also reconcile the RLHFJobs of
+    other tests. The cluster-wide ClusterRole holds the same job rules (test_chart.py checks that)."""
+    from rlhf_operator import manifests
+
+    username = f"system:serviceaccount:{namespace}:{RELEASE}"
+    audit_start = audit_log(cluster).stat().st_size
+    with released(cluster, namespace), extra_namespace(cluster, "jobs") as jobs:
+        install(cluster, namespace, "--set-json", f"watchNamespaces={json.dumps([jobs])}")
+        wait_for(
+            lambda: cluster.get("serviceaccount", "default", jobs),
+            30,
+            f"the default ServiceAccount in {jobs}",
+        )
+
+        # Negative control: the watched namespace's `default` ServiceAccount has no grant.
+        port = free_port()
+        denied_log = tmp_path / "denied.log"
+        with operator_process(
+            token_kubeconfig(cluster, jobs, "default", tmp_path / "denied.kubeconfig"), jobs, denied_log, port
+        ):
+            wait_for(lambda: permission_errors(denied_log), 60, "the unbound ServiceAccount to be refused")
+
+        # Suspended (runPolicy.suspend): the operator still creates the RayCluster, suspends it and
+        # reports the phase, but no operator (nor one of another test's running concurrently with the
+        # development head override) submits a trainer for it.
+        job = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
+        job["metadata"] = {"name": "rbac-probe", "namespace": jobs}
+        job["spec"].setdefault("runPolicy", {})["suspend"] = True
+        cluster_name = manifests.raycluster_name("rbac-probe")
+
+        port = free_port()
+        log = tmp_path / "operator.log"
+        with operator_process(
+            token_kubeconfig(cluster, namespace, RELEASE, tmp_path / "sa.kubeconfig"), jobs, log, port
+        ) as proc:
+            wait_for(lambda: healthy(port), 60, "the operator's /healthz (the chart's probes)")
+            cluster.apply(job, jobs)
+            created = wait_for(lambda: cluster.get("raycluster", cluster_name, jobs), 60, "the RayCluster")
+            uid = cluster.get("rlhfjob", "rbac-probe", jobs)["metadata"]["uid"]  # type: ignore[index]
+            assert [o["uid"] for o in created["metadata"].get("ownerReferences", [])] == [uid]
+            wait_for(
+                lambda: (
+                    (cluster.get("rlhfjob", "rbac-probe", jobs) or {}).get("status", {}).get("phase")
+                    == "Suspended"
+                ),
+                60,
+                "the job's status.phase to be Suspended",
+            )
+            wait_for(
+                lambda: (cluster.get("raycluster", cluster_name, jobs) or {}).get("spec", {}).get("suspend"),
+                60,
+                "the RayCluster to be suspended",
+            )
+            events = wait_for(
+                lambda: [
+                    e
+                    for e in cluster.list("events", jobs)
+                    if e["involvedObject"].get("name") == "rbac-probe"
+                    and e.get("reason") == "RayClusterCreated"
+                ],
+                60,
+                "the RayClusterCreated Event",
+            )
+            assert events
+            wait_for(
+                lambda: audited_writes(cluster, username, audit_start), 60, f"audited writes by {username}"
+            )
+            assert proc.poll() is None, f"the operator exited:\n{log.read_text()[-3000:]}"
+            assert healthy(port)
+            # Its own periodic reconcile of the job ran to the end (read the RayCluster, wrote status).
+            assert "Timer 'reconcile' succeeded" in log.read_text(), log.read_text()[-3000:]
+
+        # Every write of the operator's ServiceAccount, as the API server recorded it.
+        writes = audited_writes(cluster, username, audit_start)
+        refused = [
+            f"{e['verb']} {e['objectRef'].get('resource')}/{e['objectRef'].get('subresource', '')}"
+            for e in writes
+            if e.get("responseStatus", {}).get("code") == 403
+        ]
+        assert not refused, f"the API server refused the operator: {refused}"
+        done = {
+            (e["verb"], e["objectRef"].get("resource"), e["objectRef"].get("subresource")) for e in writes
+        }
+        # Alone on the job, this operator makes all of these; another test's operator running at the
+        # same time may make some of them first.
+        assert done & {
+            ("create", "rayclusters", None),
+            ("patch", "rayclusters", None),
+            ("patch", "rlhfjobs", "status"),
+            ("create", "events", None),
+        }, done
+        assert {e["objectRef"].get("namespace") for e in writes} == {jobs}, (
+            "the operator wrote outside its namespace"
+        )
+        assert not permission_errors(log), "\n".join(permission_errors(log))

@@ -152,7 +152,9 @@ def test_lint_exceptions_are_few_and_explained(dockerfile: Path) -> None:
         if not m:
             continue
         rules = set(m.group(1).split(","))
-        assert rules <= ALLOWED_IGNORES, f"{dockerfile.name}:{n + 1}: ignores {sorted(rules - ALLOWED_IGNORES)}"
+        assert rules <= ALLOWED_IGNORES, (
+            f"{dockerfile.name}:{n + 1}: ignores {sorted(rules - ALLOWED_IGNORES)}"
+        )
         previous = lines[n - 1].strip() if n else ""
         assert previous.startswith("#") and len(previous) > 10, (
             f"{dockerfile.name}:{n + 1}: say why above `# hadolint ignore=`"
@@ -207,7 +209,9 @@ def test_final_stage_runs_as_the_non_root_user_it_creates(dockerfile: Path) -> N
     assert uid.isdigit() and int(uid) != 0, f"USER {user}: a numeric non-root uid (runAsNonRoot checks it)"
     assert gid.isdigit() and int(gid) != 0, user
     created = runs(dockerfile, stage=-1)
-    assert f"--uid {uid}" in created and f"--gid {gid}" in created, "the final stage does not create that user"
+    assert f"--uid {uid}" in created and f"--gid {gid}" in created, (
+        "the final stage does not create that user"
+    )
     # The USER comes after every RUN of the final stage (nothing runs as root afterwards by accident).
     final = [i for i in instructions(dockerfile) if i.stage == max(j.stage for j in instructions(dockerfile))]
     words = [i.word for i in final]
@@ -312,7 +316,18 @@ def build_context_wheel(dockerfile: Path, stage: int, tmp_path: Path) -> zipfile
                 shutil.copy2(src, target / src.name)
     out = tmp_path / "wheel"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), "."],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            ".",
+        ],
         cwd=workdir,
         capture_output=True,
         text=True,

@@ -635,7 +635,15 @@ def _install_kuberay_crds() -> None:
 def _register_nodes() -> None:
     for i in range(NODES):
         kubectl("apply", "-f", "-", input=json.dumps(node_manifest(i)))
-    kubectl("wait", "--for=condition=Ready", "--timeout=60s", *[f"node/kwok-gpu-{i}" for i in range(NODES)])
+    names = [f"node/kwok-gpu-{i}" for i in range(NODES)]
+    kubectl("wait", "--for=condition=Ready", "--timeout=60s", *names)
+    # The TaintNodesByCondition admission plugin gives every new node the not-ready taint, and the node
+    # lifecycle controller (off here: KWOK's leases are the only heartbeat) is what would lift it.
+    for name in names:
+        proc = kubectl("taint", "nodes", name.split("/", 1)[1], "node.kubernetes.io/not-ready:NoSchedule-",
+                       check=False)
+        if proc.returncode != 0 and "not found" not in proc.stderr:
+            raise ClusterError(f"removing the not-ready taint of {name}: {proc.stderr}")
 
 
 def down(quiet: bool = False, keep_logs: bool = False) -> None:

@@ -1,29 +1,19 @@
-"""Fixtures of the trainer tests: one offline tiny model for the session and a runner for `rlhf run`.
-
-Every run is a real subprocess (Ray driver + DeepSpeed ranks + vLLM engine), so a test sees what a
-user sees: exit status, stderr, the summary JSON, /metrics while it runs, and checkpoint directories.
+"""Fixtures of the trainer tests: one offline tiny model for the session, a private Ray temp dir, and
+cleanup of processes a test starts. The helpers that run `rlhf run` live in trainer_runs.py.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import shutil
 import signal
-import socket
 import subprocess
-import sys
-import threading
-import time
-import urllib.request
+import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "rlhfjob-tiny.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -35,82 +25,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def tiny_sets(tiny: Path, ckpt: Path) -> list[str]:
-    return [f"model.actor={tiny}/model", f"model.critic={tiny}/model", f"data.prompts={tiny}/prompts.jsonl",
-            f"checkpoint.path={ckpt}"]
-
-
-def cli_cmd(spec: Path, sets: list[str], summary: Path | None = None, steps: int | None = None,
-            port: int | None = None) -> list[str]:
-    """`rlhf run`; with a port, /metrics is served there (monitoring.metricsPort), else not at all."""
-    cmd = [sys.executable, "-m", "rlhf_trainer.cli", str(spec), "--quiet"]
-    cmd += ["--set", f"monitoring.metricsPort={port}"] if port else ["--metrics-port", "0"]
-    for s in sets:
-        cmd += ["--set", s]
-    if summary is not None:
-        cmd += ["--summary-json", str(summary)]
-    if steps is not None:
-        cmd += ["--steps", str(steps)]
-    return cmd
-
-
-def run_env() -> dict[str, str]:
-    env = {**os.environ, "RLHF_WORKER_LOGS": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-@dataclass
-class Run:
-    returncode: int
-    stderr: str
-    seconds: float
-    summary: dict[str, Any] | None
-    scrapes: list[str] = field(default_factory=list)
-
-
-class MetricsWatcher:
-    """Scrapes http://127.0.0.1:port/metrics every second while a run is alive; keeps every scrape."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.scrapes: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
-                    self.scrapes.append(r.read().decode())
-            except OSError:
-                pass
-            self._stop.wait(1.0)
-
-    def stop(self) -> list[str]:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        return self.scrapes
-
-
-def run_cli(spec: Path, sets: list[str], tmp: Path, *, steps: int | None = None, port: int | None = None,
-            timeout: float = 900) -> Run:
-    summary = tmp / f"summary-{time.monotonic_ns()}.json"
-    watcher = MetricsWatcher(port) if port else None
-    t0 = time.monotonic()
-    proc = subprocess.run(cli_cmd(spec, sets, summary, steps, port), capture_output=True, text=True, env=run_env(),
-                          timeout=timeout, start_new_session=True)
-    seconds = time.monotonic() - t0
-    scrapes = watcher.stop() if watcher else []
-    data = json.loads(summary.read_text()) if summary.exists() else None
-    return Run(proc.returncode, proc.stderr, seconds, data, scrapes)
+@pytest.fixture(scope="session")
+def ray_tmp() -> Iterator[Path]:
+    """Ray's temp dir for every run of the session: short (Ray's unix sockets live under it) and private."""
+    path = Path(tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -120,8 +40,6 @@ def popen_group() -> Iterator[list[subprocess.Popen[str]]]:
     yield procs
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(timeout=30)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,7 +40,7 @@ def test_load_by_module_and_file(tmp_path: Path) -> None:
     ("/does/not/exist.py:fn", "/does/not/exist.py"),
 ])
 def test_bad_reward_names_the_function(ref: str, needle: str) -> None:
-    with pytest.raises(RewardSetupError, match="model.reward.function") as e:
+    with pytest.raises(RewardSetupError, match=r"model\.reward\.function") as e:
         load_reward_function(ref)
     assert needle in str(e.value)
 
@@ -65,3 +68,52 @@ def test_labels_passed_when_accepted(tmp_path: Path) -> None:
     r.labels = ["a", "x"]
     _, result = scorer.score(0, r)
     assert result.scores.tolist() == [1.0, 0.0]
+
+
+class _RewardServer(http.server.BaseHTTPRequestHandler):
+    """A remote reward endpoint: rewards = response lengths; 'fail' in a response makes it answer 500."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if any("fail" in r for r in body["responses"]):
+            self.send_response(500)
+            self.end_headers()
+            return
+        out = json.dumps({"rewards": [float(len(r)) for r in body["responses"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args: object) -> None:
+        del args
+
+
+def test_http_reward_scores_and_counts_server_errors() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RewardServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/score"
+        scorer = RewardScorer({"type": "http", "url": url, "timeout_seconds": 5})
+        meta, result = scorer.score(0, _rollout(["ab", "abcd"]))
+        assert meta.errors == 0 and result.scores.tolist() == [2.0, 4.0]
+        meta, result = scorer.score(1, _rollout(["ab", "fail", "abc"]))
+        assert meta.errors == 1 and result.valid.tolist() == [True, False, True]
+        assert result.scores.tolist() == [2.0, 0.0, 3.0] and "500" in " ".join(meta.messages)
+    finally:
+        server.shutdown()
+
+
+def test_model_reward_scores_with_an_hf_sequence_classifier(tmp_path: Path) -> None:
+    from rlhf_trainer.tiny import make_tiny_model
+
+    paths = make_tiny_model(tmp_path, num_prompts=4)
+    scorer = RewardScorer({"type": "model", "model": paths["model"]})
+    meta, result = scorer.score(0, _rollout(["ba ko", "stou plaing tre zu", "a"]))
+    assert meta.errors == 0 and result.valid.all()
+    # batched scores (padded) equal one-at-a-time scores: padding does not leak into the reward
+    singles = [float(scorer.score(0, _rollout([r]))[1].scores[0]) for r in ["ba ko", "stou plaing tre zu", "a"]]
+    assert result.scores.tolist() == pytest.approx(singles, abs=1e-4)
+    assert len(set(singles)) == 3

@@ -7,7 +7,7 @@ DeepSpeed or vLLM; every function here is unit-tested in tests/unit/test_trainer
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +139,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return (loss * mask).sum()
 
 
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> object:
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base LR at optimizer step s: linear warmup, then constant, cosine or linear decay."""
 
     def f(step: int) -> float:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rich.markup import escape
 
 
 def apply_overrides(manifest: dict[str, Any], sets: list[str]) -> dict[str, Any]:
@@ -29,7 +30,10 @@ def apply_overrides(manifest: dict[str, Any], sets: list[str]) -> dict[str, Any]
             if not isinstance(node, dict):
                 raise ValueError(f"--set {path}: {k!r} is not inside a mapping")
             node = node.setdefault(k, {})
-        node[keys[-1]] = yaml.safe_load(raw)
+        try:
+            node[keys[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {path}: the value {raw!r} is not valid YAML (quote it): {e}") from e
     return manifest
 
 
@@ -72,7 +76,7 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
         spec = parse_spec(manifest)
         job = getattr(args, "job_name", None) or str((manifest.get("metadata") or {}).get("name") or "local")
     except InputError as e:
-        console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        _error(console, str(e))
         return 2
 
     quiet = bool(getattr(args, "quiet", False))
@@ -85,27 +89,27 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
         if progress is not None:
             progress.update(task, advance=1, description=f"step {report.step} reward {report.reward_mean:.3f}")
         if not quiet:
-            console.print(_step_line(report), highlight=False)
+            console.print(_step_line(report), highlight=False, markup=False, soft_wrap=True)
 
     try:
         if progress is not None:
             progress.start()
         summary = run(spec, job, steps=args.steps, metrics_port=getattr(args, "metrics_port", None), on_step=on_step,
-                      log=(lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/dim]", highlight=False)))
+                      log=(lambda m: None) if quiet else (lambda m: console.print(f"[dim]{escape(m)}[/dim]", highlight=False, soft_wrap=True)))
     except InputError as e:
         _stop(progress)
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        _error(console, str(e))
         return 2
     except RewardFailure as e:
         _stop(progress)
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        _error(console, str(e))
         return 3
     except KeyboardInterrupt:
         _stop(progress)
         return 130
     except Exception as e:
         _stop(progress)
-        console.print(f"[red]error:[/red] {type(e).__name__}: {e}", highlight=False)
+        _error(console, f"{type(e).__name__}: {e}")
         return 1
     _stop(progress)
     if not quiet and rows:
@@ -113,6 +117,11 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def _error(console: Any, message: str) -> None:
+    """One error, never wrapped (tests and users grep for the field or path it names), never parsed as markup."""
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def _progress(console: Any, total: int, quiet: bool) -> tuple[Any, Any]:

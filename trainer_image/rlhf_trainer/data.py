@@ -65,7 +65,8 @@ class PromptDataset:
         self._order = self._permutation(self.position.epoch)
 
     def next_batch(self, n: int) -> tuple[list[str], list[Any]]:
-        prompts, labels = [], []
+        prompts: list[str] = []
+        labels: list[Any] = []
         while len(prompts) < n:
             if self.position.offset >= len(self._order):
                 self.position = DataPosition(self.position.epoch + 1, 0)

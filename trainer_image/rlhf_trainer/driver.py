@@ -130,16 +130,17 @@ class Trainer:
     # ---- placement ----------------------------------------------------------------------------
     def _process_count(self) -> int:
         n = sum(p.ranks for roles, p in self.spec.gpu_groups() if set(roles) - {"reward"})
-        return n + self.spec.rollout.engines + 1
+        return int(n + self.spec.rollout.engines + 1)
 
     def _resources(self, custom: str | None, gpus: float) -> Any:
         import ray
 
         from rlhf_trainer.groups import Resources
 
-        total_cpu = float(ray.cluster_resources().get("CPU", 1.0))
+        resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        total_cpu = float(resources.get("CPU", 1.0))
         cpus = min(1.0, total_cpu / max(1, self._process_count()))
-        have_custom = custom is not None and ray.cluster_resources().get(custom, 0) > 0
+        have_custom = custom is not None and resources.get(custom, 0) > 0
         return Resources(cpus=cpus, gpus=gpus, custom={custom: 1.0} if have_custom and custom else {})
 
     def place(self) -> None:
@@ -213,7 +214,7 @@ class Trainer:
 
         def for_group(world: int) -> int:
             local = a.samples_per_step // world
-            return max(1, math.ceil(local / a.train_micro_batch_size))
+            return max(1, math.ceil(int(local) / int(a.train_micro_batch_size)))
 
         out = {
             "actor": {**base, "path": spec.model.actor, "lr": a.actor_learning_rate, "grad_accum": for_group(ranks)},
@@ -275,13 +276,14 @@ class Trainer:
             per_engine.setdefault(engine, []).append({
                 "chunk": c, "shard": shard, "prompts": [prompts[i] for i in idx], "groups": list(idx),
                 "labels": [labels[i] for i in idx]})
-        gens = {engines[e].handle.generate_chunks.options(num_returns="streaming").remote(batch, sampling): e
+        gens: dict[Any, int] = {engines[e].handle.generate_chunks.options(num_returns="streaming").remote(batch, sampling): e
                 for e, batch in per_engine.items()}
         packed: list[Any] = [None] * len(chunks)
         metas: list[Any] = [None] * len(chunks)
         reward_calls: list[Any] = [None] * len(chunks)
         while gens:
             ready, _ = ray.wait(list(gens), num_returns=1)
+            gen: Any
             for gen in ready:
                 try:
                     meta_ref = next(gen)

@@ -39,8 +39,8 @@ class RayGroup:
         self.world_size = world_size
         self.pg: PlacementGroup = placement_group([res.bundle() for _ in range(world_size)], strategy="PACK",
                                                   name=f"rlhf-{name}")
-        remote_cls = ray.remote(cls)
-        self.handles = [
+        remote_cls: Any = ray.remote(cls)
+        self.handles: list[Any] = [
             remote_cls.options(  # type: ignore[attr-defined]
                 num_cpus=res.cpus,
                 num_gpus=res.gpus,

@@ -54,7 +54,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> object:
     tok.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(synthetic_sentences(4000, seed), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         pad_token="<pad>",
         bos_token="<s>",
@@ -97,10 +97,10 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
         bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
         eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)  # type: ignore[attr-defined]
 

@@ -142,7 +142,8 @@ class RolloutEngine:
         """Greedy token ids for fixed prompts (weight-sync checks)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        # min_tokens masks EOS like HF generate(min_new_tokens=...): both runs pick the same argmax.
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
         inputs: list[Any] = [{"prompt_token_ids": self.tokenizer(p)["input_ids"]} for p in prompts]
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]

@@ -41,7 +41,7 @@ class EnginePool:
     def desired_from_cluster(self, fallback: int) -> int:
         """Engines the cluster can hold now: total rollout slots of alive nodes, else the spec's count."""
         slots = 0.0
-        for node in ray.nodes():
+        for node in ray.nodes():  # type: ignore[no-untyped-call]
             if node.get("Alive"):
                 slots += float(node.get("Resources", {}).get(ROLLOUT_RESOURCE, 0.0))
         return int(slots) if slots > 0 else fallback
@@ -74,7 +74,7 @@ class EnginePool:
             max_concurrency=1,  # one LLM per actor: calls run one at a time
         ).remote(idx, self.options)
         slot = EngineSlot(index=idx, handle=handle)
-        slot.ready_ref = handle.ready.remote()
+        slot.ready_ref = handle.ready.remote()  # type: ignore[attr-defined]
         self.slots.append(slot)
 
     def wait_ready(self, timeout: float = 900.0) -> None:

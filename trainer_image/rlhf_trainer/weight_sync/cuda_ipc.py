@@ -27,7 +27,7 @@ class CudaIpcChannel:
 
         self._held = flat.cuda()
         torch.cuda.current_stream().synchronize()
-        self.pg.broadcast_obj((index, reduce_tensor(self._held)), src=0)
+        self.pg.broadcast_obj((index, reduce_tensor(self._held)), src=0)  # type: ignore[no-untyped-call]
         self.pg.barrier()  # every engine loaded it
         self._held = None
 

@@ -7,6 +7,7 @@ trainer's default (DeepSpeed) group and never touches torch.distributed's global
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,13 +17,13 @@ from rlhf_trainer.weight_sync.bucketing import Bucket, dtype_from_name
 
 def open_gloo_group(
     master_addr: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float = 600.0
-) -> tuple[dist.ProcessGroup, dist.Store]:
+) -> tuple[Any, Any]:
     """A gloo group over its own TCPStore; returns (group, store): keep the store alive with the group."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
     )
-    prefixed = dist.PrefixStore(group_name, store)
+    prefixed = dist.PrefixStore(group_name, store)  # type: ignore[attr-defined]
     pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     return pg, store
 

@@ -95,11 +95,11 @@ class PolicyModel:
                     ref = pad_response_values(ref_logprobs[sl], act.cpu()).to(act.device)
                     kl = (algorithms.kl_per_token(lp, ref, "k3") * mask).sum()
                     loss = loss + kl_loss_coef * kl
-                    stats["kl_loss"] += float(kl) / denom / epochs
+                    stats["kl_loss"] += float(kl.detach()) / denom / epochs
                 # DeepSpeed divides by gradient_accumulation_steps; we want a token mean over the rank.
                 self.engine.backward(loss / denom * ga)
                 self.engine.step()
-                stats["policy_loss"] += float(loss_sum) / denom / epochs
+                stats["policy_loss"] += float(loss_sum.detach()) / denom / epochs
                 stats["clip_frac"] += float(clipped) / denom / epochs
         stats["seconds"] = time.perf_counter() - t0
         stats["lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else 0.0

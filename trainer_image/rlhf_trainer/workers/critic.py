@@ -71,7 +71,7 @@ class ValueModel:
                 loss = algorithms.value_loss(v, old, ret, mask, clip)
                 self.engine.backward(loss / denom * ga)
                 self.engine.step()
-                total += float(loss) / denom / epochs
+                total += float(loss.detach()) / denom / epochs
         return {"value_loss": total, "seconds": time.perf_counter() - t0}
 
     def save(self, directory: str, tag: str) -> None:

@@ -56,13 +56,13 @@ def ds_config(
     return cfg
 
 
-def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any]:
     """from_pretrained under HfDeepSpeedConfig (ZeRO-3 partitions while loading); returns (model, keepalive)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
     # Must stay alive until deepspeed.initialize: transformers checks it through a weakref.
-    keepalive = HfDeepSpeedConfig(cfg) if cfg["zero_optimization"]["stage"] == 3 else None
+    keepalive = HfDeepSpeedConfig(cfg) if cfg["zero_optimization"]["stage"] == 3 else None  # type: ignore[no-untyped-call]
     if kind == "causal_lm":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     elif kind == "value":

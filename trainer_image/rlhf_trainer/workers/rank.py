@@ -29,7 +29,7 @@ def free_port() -> int:
 def node_ip() -> str:
     import ray
 
-    return str(ray.util.get_node_ip_address())
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
 
 class ModelRank:
@@ -221,7 +221,7 @@ class ModelRank:
 
     # ---- checkpoint ---------------------------------------------------------------------------------
     def save(self, directory: str) -> list[str]:
-        saved = []
+        saved: list[str] = []
         for role in ("actor", "critic"):
             if role in self.models:
                 self.models[role].save(directory, role)
@@ -229,7 +229,7 @@ class ModelRank:
         return saved
 
     def load(self, directory: str) -> list[str]:
-        loaded = []
+        loaded: list[str] = []
         for role in ("actor", "critic"):
             if role in self.models:
                 self.models[role].load(directory, role)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -73,7 +73,7 @@ def load_reward_function(ref: str) -> RewardFn:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardSetupError(f"model.reward.function {ref!r}: {target} has no callable {name!r}")
-    return fn
+    return cast(RewardFn, fn)
 
 
 def _accepts_labels(fn: RewardFn) -> bool:
@@ -112,7 +112,7 @@ class RewardScorer:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=int(reward.get("concurrency", 4)))
 
     def ready(self) -> str:
-        return self.kind
+        return str(self.kind)
 
     def _call(self, prompts: list[str], responses: list[str], labels: list[Any]) -> list[Any]:
         if self.fn is not None:
