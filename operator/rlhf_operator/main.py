@@ -29,7 +29,8 @@ def main(argv: list[str]) -> int:
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN,
     )
-    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    for noisy in ("kubernetes", "httpx", "httpcore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     import rlhf_operator.handlers  # noqa: F401  (registers the handlers)
 
     kopf.run(

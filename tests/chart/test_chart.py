@@ -534,6 +534,21 @@ def test_notes(tmp_path: Path) -> None:
     assert "RLHFOperatorDown is left out" in namespaced
 
 
+def test_chart_crd_is_the_generated_one() -> None:
+    """crds/ holds exactly the CRD generated from the operator's model (Helm installs what is there)."""
+    from rlhf_operator.crd import crd_yaml
+
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == ["rlhfjobs.rlhf.dev.yaml"]
+    assert (CHART / "crds" / "rlhfjobs.rlhf.dev.yaml").read_text() == crd_yaml(), (
+        "charts/rlhf-operator/crds/ drifted from the model: run `make crd`"
+    )
+    # What `helm install` sends: the same object, through Helm's own reading of crds/.
+    proc = helm_template("--include-crds")
+    assert proc.returncode == 0, proc.stderr
+    crds = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "CustomResourceDefinition"]
+    assert crds == [yaml.safe_load(crd_yaml())]
+
+
 def test_readme_is_up_to_date() -> None:
     proc = subprocess.run(
         [sys.executable, str(CHART / "gen_readme.py"), "--check"], capture_output=True, text=True

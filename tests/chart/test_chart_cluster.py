@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_tools import CHART, ROOT
+from chart_tools import CHART, ROOT, monitoring_args, one, render
 from support import VENV_BIN, Cluster, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -33,7 +33,7 @@ def can_i(cluster: Cluster, namespace: str, verb: str, resource: str, *where: st
     proc = cluster.kubectl(
         "auth", "can-i", verb, resource, *where, f"--as=system:serviceaccount:{namespace}:{sa}", check=False
     )
-    answer = proc.stdout.strip()
+    answer = str(proc.stdout).strip()
     assert answer in {"yes", "no"}, (
         f"kubectl auth can-i {verb} {resource} {where}: {proc.stdout}{proc.stderr}"
     )
@@ -64,7 +64,16 @@ def install(cluster: Cluster, namespace: str, *values: str) -> str:
         "install", RELEASE, str(CHART), "-n", namespace, "--wait", "--timeout", "120s", *values
     )
     cluster.kubectl("-n", namespace, "rollout", "status", f"deployment/{RELEASE}", "--timeout=60s")
-    return proc.stdout
+    return str(proc.stdout)
+
+
+def ready_endpoints(cluster: Cluster, namespace: str, service: str) -> list[tuple[str, int]]:
+    """(port name, port) of the Service's ready endpoints, from its EndpointSlices."""
+    found = []
+    for eps in cluster.list("endpointslices", namespace, selector=f"kubernetes.io/service-name={service}"):
+        addresses = [e for e in eps.get("endpoints") or [] if e.get("conditions", {}).get("ready")]
+        found += [(p["name"], p["port"]) for p in eps.get("ports") or [] for _ in addresses]
+    return found
 
 
 def operator_args(cluster: Cluster, namespace: str) -> list[str]:
@@ -88,6 +97,13 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
             "metrics.prometheusRule.enabled=true",
         )
         assert "does not serve\nmonitoring.coreos.com/v1" in out, out
+        # The metrics Service (what the ServiceMonitor scrapes) selects the operator pod's `metrics` port.
+        ready = wait_for(
+            lambda: ready_endpoints(cluster, namespace, f"{RELEASE}-metrics"),
+            60,
+            "the metrics Service's endpoints",
+        )
+        assert ready == [("metrics", 8000)], ready
         assert cluster.get("crd", "rlhfjobs.rlhf.dev") is not None
         assert cluster.get("clusterrole", cluster_role) is not None
         assert "--all-namespaces" in operator_args(cluster, namespace)
@@ -260,21 +276,34 @@ def free_port() -> int:
         return port
 
 
+def container_command(cluster: Cluster, namespace: str) -> tuple[list[str], dict[str, str]]:
+    """The arguments and plain environment variables of the chart's operator container, as installed."""
+    dep = cluster.get("deployment", RELEASE, namespace)
+    assert dep is not None
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    return list(container["args"]), env
+
+
 @contextmanager
 def operator_process(
-    kubeconfig: Path, watched: str, log: Path, health_port: int
+    chart_args: list[str], chart_env: dict[str, str], kubeconfig: Path, log: Path, health_port: int
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`rlhf operator` with the chart's arguments (watch-namespaces mode), authenticated by `kubeconfig`.
+    """`rlhf operator` (the image's ENTRYPOINT) with the installed Deployment's arguments and
+    environment, authenticated by `kubeconfig`. Only the ports change, to free local ones: the
+    liveness endpoint moves to 127.0.0.1:`health_port`, and the metrics endpoint is switched off.
 
     No development override of the Ray head: the operator reaches for the head Service's DNS name,
     which does not resolve here, so it never submits anything to a local Ray.
     """
+    args = list(chart_args)
+    args[args.index("--liveness") + 1] = f"http://127.0.0.1:{health_port}/healthz"
+    args[args.index("--metrics-port") + 1] = "0"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLHF_")}
-    env.update({"KUBECONFIG": str(kubeconfig), "RLHF_RECONCILE_INTERVAL": "1", "RLHF_LOG_FORMAT": "plain"})
-    args = ["--liveness", f"http://127.0.0.1:{health_port}/healthz", "--metrics-port", "0", "--verbose"]
+    env.update({**chart_env, "KUBECONFIG": str(kubeconfig), "RLHF_RECONCILE_INTERVAL": "1"})
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [str(VENV_BIN / "rlhf"), "operator", *args, "--namespace", watched],
+            [str(VENV_BIN / "rlhf"), "operator", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -308,7 +337,7 @@ def permission_errors(log: Path) -> list[str]:
 
 
 def audit_log(cluster: Cluster) -> Path:
-    audit = cluster.kubeconfig.parent / "logs" / "audit.log"
+    audit = Path(cluster.kubeconfig).parent / "logs" / "audit.log"
     assert audit.is_file(), f"no audit log at {audit} (tests/controlplane/devcluster.py configures it)"
     return audit
 
@@ -341,7 +370,16 @@ def test_the_operator_runs_with_its_service_account(cluster: Cluster, namespace:
     username = f"system:serviceaccount:{namespace}:{RELEASE}"
     audit_start = audit_log(cluster).stat().st_size
     with released(cluster, namespace), extra_namespace(cluster, "jobs") as jobs:
-        install(cluster, namespace, "--set-json", f"watchNamespaces={json.dumps([jobs])}")
+        install(
+            cluster,
+            namespace,
+            "--set-json",
+            f"watchNamespaces={json.dumps([jobs])}",
+            "--set",
+            "operator.verbose=true",
+        )
+        chart_args, chart_env = container_command(cluster, namespace)
+        assert chart_args[-2:] == ["--namespace", jobs], chart_args
         wait_for(
             lambda: cluster.get("serviceaccount", "default", jobs),
             30,
@@ -351,9 +389,8 @@ def test_the_operator_runs_with_its_service_account(cluster: Cluster, namespace:
         # Negative control: the watched namespace's `default` ServiceAccount has no grant.
         port = free_port()
         denied_log = tmp_path / "denied.log"
-        with operator_process(
-            token_kubeconfig(cluster, jobs, "default", tmp_path / "denied.kubeconfig"), jobs, denied_log, port
-        ):
+        denied = token_kubeconfig(cluster, jobs, "default", tmp_path / "denied.kubeconfig")
+        with operator_process(chart_args, chart_env, denied, denied_log, port):
             wait_for(lambda: permission_errors(denied_log), 60, "the unbound ServiceAccount to be refused")
 
         # Suspended (runPolicy.suspend): the operator still creates the RayCluster, suspends it and
@@ -366,9 +403,8 @@ def test_the_operator_runs_with_its_service_account(cluster: Cluster, namespace:
 
         port = free_port()
         log = tmp_path / "operator.log"
-        with operator_process(
-            token_kubeconfig(cluster, namespace, RELEASE, tmp_path / "sa.kubeconfig"), jobs, log, port
-        ) as proc:
+        granted = token_kubeconfig(cluster, namespace, RELEASE, tmp_path / "sa.kubeconfig")
+        with operator_process(chart_args, chart_env, granted, log, port) as proc:
             wait_for(lambda: healthy(port), 60, "the operator's /healthz (the chart's probes)")
             cluster.apply(job, jobs)
             created = wait_for(lambda: cluster.get("raycluster", cluster_name, jobs), 60, "the RayCluster")
@@ -429,3 +465,38 @@ def test_the_operator_runs_with_its_service_account(cluster: Cluster, namespace:
             "the operator wrote outside its namespace"
         )
         assert not permission_errors(log), "\n".join(permission_errors(log))
+
+
+def test_pod_monitor_selects_the_head_pod_kuberay_creates(cluster: Cluster, namespace: str) -> None:
+    """The chart's PodMonitor selector, applied to the pods KubeRay really creates for an RLHFJob's
+    RayCluster (built by the operator's own manifests code), selects the head pod only, and that pod
+    has the `rlhf-metrics` port the PodMonitor scrapes."""
+    from rlhf_operator import manifests
+    from rlhf_operator.spec import RLHFJob
+
+    job_manifest = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
+    job_manifest["metadata"] = {"name": "scrape-probe", "namespace": namespace}
+    raycluster = manifests.build_raycluster(RLHFJob.model_validate(job_manifest))
+    cluster.apply(raycluster, namespace)
+
+    def head_and_workers() -> list[dict[str, Any]] | None:
+        pods = cluster.list("pods", namespace, selector=f"{manifests.JOB_LABEL}=scrape-probe")
+        kinds = {p["metadata"]["labels"].get("ray.io/node-type") for p in pods}
+        return pods if {"head", "worker"} <= kinds else None
+
+    all_pods = wait_for(head_and_workers, 60, "KubeRay to create the head and worker pods")
+
+    monitor = one(render(*monitoring_args()), "PodMonitor")
+    selector = monitor["spec"]["selector"]
+    terms = [f"{k}={v}" for k, v in selector.get("matchLabels", {}).items()]
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "Exists", expr
+        terms.append(expr["key"])
+    selected = cluster.list("pods", namespace, selector=",".join(terms))
+    assert [p["metadata"]["labels"].get("ray.io/node-type") for p in selected] == ["head"], (
+        f"selected {[p['metadata']['name'] for p in selected]} of {[p['metadata']['name'] for p in all_pods]}"
+    )
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ports = {p["name"] for c in selected[0]["spec"]["containers"] for p in c.get("ports", [])}
+    assert endpoint["port"] in ports, ports
+    cluster.kubectl("-n", namespace, "delete", "raycluster", raycluster["metadata"]["name"], "--wait=false")

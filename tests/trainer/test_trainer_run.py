@@ -128,10 +128,11 @@ def test_ppo_gae_learns_checkpoints_and_serves_metrics(tiny: Path, tmp_path: Pat
     )
 
 
-def test_grpo_learns_and_engine_greedy_equals_hf_from_gathered_weights(
+def test_grpo_learns_and_every_engine_greedy_equals_hf_from_gathered_weights(
     tiny: Path, tmp_path: Path, ray_tmp: Path
 ) -> None:
-    """GRPO on the tiny task (shared-memory weight sync), then the engine is checked against the actor."""
+    """GRPO on the tiny task (shared-memory weight sync); the pool grows to two engines before the end,
+    and then both engines are checked token for token against the actor's gathered weights."""
     sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *GRPO, "algorithm.totalSteps=15", "checkpoint.path=null",
             "weightSync.backend=shm"]  # fmt: skip
     cmd = [sys.executable, str(Path(__file__).with_name("weight_sync_check.py")), str(EXAMPLE), *sets]
@@ -146,11 +147,19 @@ def test_grpo_learns_and_engine_greedy_equals_hf_from_gathered_weights(
     assert len(rewards) == 15
     assert _learning_gain(rewards) >= MIN_GAIN, f"GRPO did not learn: rewards {rewards}"
     assert seconds < 600, f"run took {seconds:.0f}s"
-    assert result["weight_sync_bytes"] == [result["param_bytes"]] * 15
-    assert result["vllm"] == result["hf"], "engine output after sync differs from the actor's weights"
+    # elastic pool: one engine for 14 steps (the second starts in the background during step 14),
+    # then the last step generates on both
+    assert result["engines"] == [0, 1]
+    assert result["engines_used"] == [[0]] * 14 + [[0, 1]]
+    assert result["engines_metric"] == 1  # rlhf_rollout_engines{state="ready"} 2
+    # every step sends the whole actor once per engine; step 15 also brings the new engine up to date
+    p = result["param_bytes"]
+    assert result["weight_sync_bytes"] == [p] * 14 + [4 * p]
     assert result["hf"] != result["hf_base"], (
         "training did not change greedy output: the check proves nothing"
     )
+    for engine, tokens in zip(result["engines"], result["vllm"], strict=True):
+        assert tokens == result["hf"], f"engine {engine} after sync differs from the actor's weights"
 
 
 def test_resume_after_kill_continues_at_next_step(
@@ -251,3 +260,26 @@ def test_bad_input_exits_nonzero_naming_the_culprit(
     assert "Started a local Ray instance" not in run.stderr
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_driver_entrypoint_rejects_a_bad_spec_from_the_operator(
+    tiny: Path, tmp_path: Path, ray_tmp: Path
+) -> None:
+    """The operator's entrypoint (`python -m rlhf_trainer.driver --spec-env RLHF_SPEC_JSON`) fails fast too."""
+    import yaml
+    from rlhf_trainer.cli import apply_overrides
+
+    manifest = apply_overrides(yaml.safe_load(EXAMPLE.read_text()), tiny_sets(tiny, tmp_path / "ckpt"))
+    spec = manifest["spec"]
+    spec["data"]["prompts"] = str(tmp_path / "missing.jsonl")
+    env = {**run_env(ray_tmp), "RLHF_SPEC_JSON": json.dumps(spec)}
+    cmd = [sys.executable, "-m", "rlhf_trainer.driver", "--job-name", "tiny", "--spec-env", "RLHF_SPEC_JSON"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"spec.data.prompts {tmp_path / 'missing.jsonl'}: cannot read" in proc.stderr, proc.stderr[-2000:]
+    assert "Started a local Ray instance" not in proc.stderr
+
+    spec["algorithm"]["clipRange"] = 5
+    env["RLHF_SPEC_JSON"] = json.dumps(spec)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "spec.algorithm.clipRange" in proc.stderr, proc.stderr[-2000:]

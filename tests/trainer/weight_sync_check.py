@@ -1,8 +1,9 @@
 """GRPO run plus weight-sync check, run as a subprocess by test_trainer_run.py (it needs its own driver).
 
 Trains totalSteps GRPO steps through the real loop (so the actor's weights move far from the files the
-engine loaded), then compares the vLLM engine's greedy tokens with an HF model built from the actor's
-gathered ZeRO-3 weights. Prints one JSON line: per-step rewards and sync stats, and both generations.
+engines loaded), growing the engine pool from one to two engines before the last two steps, then
+compares every engine's greedy tokens with an HF model built from the actor's gathered ZeRO-3 weights.
+Prints one JSON line: per-step rewards, phase timings and sync stats, and the generations.
 Usage: weight_sync_check.py MANIFEST [path.to.field=value ...]
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import ray
 import torch
 import yaml
+from prometheus_client import generate_latest
 from rlhf_trainer.cli import apply_overrides
 from rlhf_trainer.driver import Trainer, connect_ray, parse_spec, preflight
 from rlhf_trainer.loop import run_step
@@ -44,10 +46,19 @@ def main() -> int:
     try:
         trainer.place()
         trainer.setup()
-        reports = [run_step(trainer, step) for step in range(1, spec.algorithm.total_steps + 1)]
-        engine = trainer.pool.ready()[0].handle
-        vllm_tokens = ray.get(engine.greedy.remote(PROMPTS, NEW_TOKENS))
+        total = spec.algorithm.total_steps
+        reports = [run_step(trainer, step) for step in range(1, total - 1)]
+        # The cluster gains a rollout slot: at the next step boundary the pool starts an engine in the
+        # background (step total-1 still generates on one engine); once it is ready, the last step's
+        # boundary rebuilds the sync group, and from then on every bucket goes once to both engines.
+        trainer.pool.desired_from_cluster = lambda fallback: fallback + 1  # type: ignore[method-assign]
+        reports.append(run_step(trainer, total - 1))
+        trainer.pool.wait_ready()
+        reports.append(run_step(trainer, total))
+        engines = trainer.pool.ready()
+        engine_tokens = ray.get([e.handle.greedy.remote(PROMPTS, NEW_TOKENS) for e in engines])
         state = ray.get(trainer.actor_group.call("gathered_state_dict"))[0]
+        scrape = generate_latest(trainer.metrics.registry).decode()
     finally:
         trainer.shutdown()
         if started:
@@ -67,7 +78,12 @@ def main() -> int:
                 "weight_sync_seconds": [r.phase_seconds.get("weight_sync", 0.0) for r in reports],
                 "weight_sync_bytes": [r.weight_sync_bytes for r in reports],
                 "step_seconds": [sum(r.phase_seconds.values()) for r in reports],
-                "vllm": vllm_tokens,
+                "phase_seconds": [r.phase_seconds for r in reports],
+                "generated_tokens": [r.generated_tokens for r in reports],
+                "engines": [e.index for e in engines],
+                "engines_used": [r.engines for r in reports],
+                "engines_metric": scrape.count('rlhf_rollout_engines{rlhfjob="wscheck",state="ready"} 2.0'),
+                "vllm": engine_tokens,
                 "hf": hf_tokens,
                 "hf_base": base_tokens,
                 "tensors": len(state),

@@ -14,11 +14,21 @@ from rlhf_trainer.phases import PHASES, PhaseTimer, TrainerMetrics
 pytestmark = pytest.mark.unit
 
 CONTRACT = [
-    "rlhf_step_phase_seconds", "rlhf_phase_duration_seconds_bucket", "rlhf_phase_in_progress",
-    "rlhf_phase_started_timestamp_seconds", "rlhf_steps_completed_total",
-    "rlhf_last_step_completed_timestamp_seconds", "rlhf_total_steps", "rlhf_stall_timeout_seconds",
-    "rlhf_generated_tokens_total", "rlhf_trained_tokens_total", "rlhf_reward_mean", "rlhf_kl",
-    "rlhf_reward_errors_total", "rlhf_weight_sync_bytes_total", "rlhf_rollout_engines",
+    "rlhf_step_phase_seconds",
+    "rlhf_phase_duration_seconds_bucket",
+    "rlhf_phase_in_progress",
+    "rlhf_phase_started_timestamp_seconds",
+    "rlhf_steps_completed_total",
+    "rlhf_last_step_completed_timestamp_seconds",
+    "rlhf_total_steps",
+    "rlhf_stall_timeout_seconds",
+    "rlhf_generated_tokens_total",
+    "rlhf_trained_tokens_total",
+    "rlhf_reward_mean",
+    "rlhf_kl",
+    "rlhf_reward_errors_total",
+    "rlhf_weight_sync_bytes_total",
+    "rlhf_rollout_engines",
 ]
 
 
@@ -51,7 +61,9 @@ def test_exposition_has_every_contract_series_with_rlhfjob_label() -> None:
             assert "job" not in s.labels
     phases = {s.labels["phase"] for s in samples if s.name == "rlhf_step_phase_seconds"}
     assert phases == set(PHASES)
-    gen = [s.value for s in samples if s.name == "rlhf_step_phase_seconds" and s.labels["phase"] == "generation"]
+    gen = [
+        s.value for s in samples if s.name == "rlhf_step_phase_seconds" and s.labels["phase"] == "generation"
+    ]
     assert gen == [1.5]
     states = {s.labels["state"] for s in samples if s.name == "rlhf_rollout_engines"}
     assert {"ready", "starting", "failed"} <= states

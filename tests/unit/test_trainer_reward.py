@@ -19,8 +19,9 @@ pytestmark = pytest.mark.unit
 
 
 def _rollout(responses: list[str]) -> PackedRollout:
-    return PackedRollout.from_samples([([1], [2], [0.0]) for _ in responses], list(range(len(responses))),
-                                      ["p"] * len(responses), responses)
+    return PackedRollout.from_samples(
+        [([1], [2], [0.0]) for _ in responses], list(range(len(responses))), ["p"] * len(responses), responses
+    )
 
 
 def test_tiny_reward_is_vowel_share() -> None:
@@ -34,11 +35,14 @@ def test_load_by_module_and_file(tmp_path: Path) -> None:
     assert load_reward_function(f"{f}:score")(["a"], ["b"]) == [1.0]
 
 
-@pytest.mark.parametrize("ref, needle", [
-    ("no_such_module_xyz:fn", "no_such_module_xyz"),
-    ("rlhf_trainer.tasks.tiny:nope", "'nope'"),
-    ("/does/not/exist.py:fn", "/does/not/exist.py"),
-])
+@pytest.mark.parametrize(
+    "ref, needle",
+    [
+        ("no_such_module_xyz:fn", "no_such_module_xyz"),
+        ("rlhf_trainer.tasks.tiny:nope", "'nope'"),
+        ("/does/not/exist.py:fn", "/does/not/exist.py"),
+    ],
+)
 def test_bad_reward_names_the_function(ref: str, needle: str) -> None:
     with pytest.raises(RewardSetupError, match=r"model\.reward\.function") as e:
         load_reward_function(ref)
@@ -51,7 +55,8 @@ def test_errors_are_counted_never_scored(tmp_path: Path) -> None:
         "def reward(prompts, responses):\n"
         "    if any('boom' in r for r in responses):\n"
         "        raise RuntimeError('boom in reward')\n"
-        "    return [float('nan') if r == 'nan' else 1.0 for r in responses]\n")
+        "    return [float('nan') if r == 'nan' else 1.0 for r in responses]\n"
+    )
     scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "timeout_seconds": 5})
     meta, result = scorer.score(0, _rollout(["ok", "boom", "nan", "ok"]))
     assert meta.errors == 2 and meta.samples == 4
@@ -62,7 +67,9 @@ def test_errors_are_counted_never_scored(tmp_path: Path) -> None:
 
 def test_labels_passed_when_accepted(tmp_path: Path) -> None:
     f = tmp_path / "lab.py"
-    f.write_text("def reward(prompts, responses, labels):\n    return [float(l == r) for r, l in zip(responses, labels)]\n")
+    f.write_text(
+        "def reward(prompts, responses, labels):\n    return [float(l == r) for r, l in zip(responses, labels)]\n"
+    )
     scorer = RewardScorer({"type": "function", "function": f"{f}:reward"})
     r = _rollout(["a", "b"])
     r.labels = ["a", "x"]
@@ -114,6 +121,8 @@ def test_model_reward_scores_with_an_hf_sequence_classifier(tmp_path: Path) -> N
     meta, result = scorer.score(0, _rollout(["ba ko", "stou plaing tre zu", "a"]))
     assert meta.errors == 0 and result.valid.all()
     # batched scores (padded) equal one-at-a-time scores: padding does not leak into the reward
-    singles = [float(scorer.score(0, _rollout([r]))[1].scores[0]) for r in ["ba ko", "stou plaing tre zu", "a"]]
+    singles = [
+        float(scorer.score(0, _rollout([r]))[1].scores[0]) for r in ["ba ko", "stou plaing tre zu", "a"]
+    ]
     assert result.scores.tolist() == pytest.approx(singles, abs=1e-4)
     assert len(set(singles)) == 3

@@ -21,8 +21,14 @@ pytestmark = pytest.mark.unit
 
 
 def _rollout() -> PackedRollout:
-    samples = [([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3]), ([6], [7], [-0.4]), ([8, 9, 10], [11, 12], [-0.5, -0.6])]
-    return PackedRollout.from_samples(samples, [0, 0, 1], ["a", "b", "c"], ["x", "y", "z"], [True, False, True])
+    samples = [
+        ([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3]),
+        ([6], [7], [-0.4]),
+        ([8, 9, 10], [11, 12], [-0.5, -0.6]),
+    ]
+    return PackedRollout.from_samples(
+        samples, [0, 0, 1], ["a", "b", "c"], ["x", "y", "z"], [True, False, True]
+    )
 
 
 def test_packed_has_no_padding_and_round_trips() -> None:

@@ -62,8 +62,9 @@ def gae(
     return Advantages(advs, rets)
 
 
-def group_normalised_scores(scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor | None = None,
-                            scale: bool = True) -> torch.Tensor:
+def group_normalised_scores(
+    scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor | None = None, scale: bool = True
+) -> torch.Tensor:
     """(score - group mean) / (group std + eps) per sample; invalid samples get 0 and don't count."""
     valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
     out = torch.zeros_like(scores, dtype=torch.float32)
@@ -80,16 +81,26 @@ def group_normalised_scores(scores: torch.Tensor, groups: torch.Tensor, valid: t
     return out
 
 
-def grpo(scores: torch.Tensor, groups: torch.Tensor, response_lens: Sequence[int],
-         valid: torch.Tensor | None = None) -> Advantages:
+def grpo(
+    scores: torch.Tensor,
+    groups: torch.Tensor,
+    response_lens: Sequence[int],
+    valid: torch.Tensor | None = None,
+) -> Advantages:
     """Group-relative advantages: the normalised score broadcast over the sample's tokens."""
     a = group_normalised_scores(scores, groups, valid)
     advs = [torch.full((int(n),), float(a[i])) for i, n in enumerate(response_lens)]
     return Advantages(advs, [torch.zeros_like(x) for x in advs])
 
 
-def reinforce_pp(scores: torch.Tensor, groups: torch.Tensor, kls: Sequence[torch.Tensor], kl_coef: float,
-                 gamma: float, valid: torch.Tensor | None = None) -> Advantages:
+def reinforce_pp(
+    scores: torch.Tensor,
+    groups: torch.Tensor,
+    kls: Sequence[torch.Tensor],
+    kl_coef: float,
+    gamma: float,
+    valid: torch.Tensor | None = None,
+) -> Advantages:
     """REINFORCE++ (group-baseline variant): returns-to-go of (score - group mean) with a per-token KL
     penalty, then whitened over every valid token of the batch."""
     baseline = group_normalised_scores(scores, groups, valid, scale=False)
@@ -120,8 +131,13 @@ def whiten(values: Sequence[torch.Tensor], valid: torch.Tensor | None = None) ->
     ]
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate summed over masked tokens (caller normalises); also the clip fraction sum."""
     ratio = (logprobs - old_logprobs).exp()
     unclipped = ratio * advantages
@@ -131,8 +147,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return (loss * mask).sum(), (clipped_frac * mask).sum()
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+) -> torch.Tensor:
     """Clipped value loss (0.5 * max of squared errors), summed over masked tokens."""
     v_clipped = old_values + (values - old_values).clamp(-clip, clip)
     loss = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)

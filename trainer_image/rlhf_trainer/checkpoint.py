@@ -85,7 +85,9 @@ class CheckpointStore:
             return []
         removed = []
         for p in self.root.iterdir():
-            if p.is_dir() and (p.name.startswith(".tmp-") or (_STEP_DIR.match(p.name) and not _is_complete(p))):
+            if p.is_dir() and (
+                p.name.startswith(".tmp-") or (_STEP_DIR.match(p.name) and not _is_complete(p))
+            ):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
         return removed

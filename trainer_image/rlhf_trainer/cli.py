@@ -38,11 +38,19 @@ def apply_overrides(manifest: dict[str, Any], sets: list[str]) -> dict[str, Any]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlhf run", description="Run an RLHFJob spec locally on an embedded Ray.")
+    p = argparse.ArgumentParser(
+        prog="rlhf run", description="Run an RLHFJob spec locally on an embedded Ray."
+    )
     p.add_argument("file", help="RLHFJob YAML manifest")
     p.add_argument("--steps", type=int, help="run at most this many steps (from the resume point)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="PATH=VALUE",
-                   help="override a spec field, e.g. --set algorithm.totalSteps=5 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a spec field, e.g. --set algorithm.totalSteps=5 (repeatable)",
+    )
     p.add_argument("--summary-json", help="write the run summary (per-step rewards and phase seconds) here")
     p.add_argument("--metrics-port", type=int, help="override monitoring.metricsPort (0 disables /metrics)")
     p.add_argument("--job-name", help="the rlhfjob label (default: metadata.name)")
@@ -87,15 +95,25 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
     def on_step(report: Any) -> None:
         rows.append(report)
         if progress is not None:
-            progress.update(task, advance=1, description=f"step {report.step} reward {report.reward_mean:.3f}")
+            progress.update(
+                task, advance=1, description=f"step {report.step} reward {report.reward_mean:.3f}"
+            )
         if not quiet:
             console.print(_step_line(report), highlight=False, markup=False, soft_wrap=True)
 
     try:
         if progress is not None:
             progress.start()
-        summary = run(spec, job, steps=args.steps, metrics_port=getattr(args, "metrics_port", None), on_step=on_step,
-                      log=(lambda m: None) if quiet else (lambda m: console.print(f"[dim]{escape(m)}[/dim]", highlight=False, soft_wrap=True)))
+        summary = run(
+            spec,
+            job,
+            steps=args.steps,
+            metrics_port=getattr(args, "metrics_port", None),
+            on_step=on_step,
+            log=(lambda m: None)
+            if quiet
+            else (lambda m: console.print(f"[dim]{escape(m)}[/dim]", highlight=False, soft_wrap=True)),
+        )
     except InputError as e:
         _stop(progress)
         _error(console, str(e))
@@ -129,8 +147,14 @@ def _progress(console: Any, total: int, quiet: bool) -> tuple[Any, Any]:
         return None, None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
     task = progress.add_task("starting", total=total)
     return progress, task
 
@@ -142,8 +166,10 @@ def _stop(progress: Any) -> None:
 
 def _step_line(r: Any) -> str:
     phases = " ".join(f"{k}={v:.2f}" for k, v in r.phase_seconds.items())
-    return (f"step {r.step}: reward {r.reward_mean:.3f} kl {r.kl:.4f} tok/s {r.tokens_per_second:.0f} "
-            f"errors {r.reward_errors} | {phases}")
+    return (
+        f"step {r.step}: reward {r.reward_mean:.3f} kl {r.kl:.4f} tok/s {r.tokens_per_second:.0f} "
+        f"errors {r.reward_errors} | {phases}"
+    )
 
 
 def _phase_table(rows: list[Any]) -> Any:
@@ -156,13 +182,19 @@ def _phase_table(rows: list[Any]) -> Any:
     totals = {p: sum(r.phase_seconds.get(p, 0.0) for r in rows) for p in used}
     grand = sum(totals.values()) or 1.0
     last = rows[-1]
-    table = Table(title=f"phases over {len(rows)} step(s); last step {last.step}, reward {last.reward_mean:.3f}, "
-                        f"{last.tokens_per_second:.0f} generated tok/s")
+    table = Table(
+        title=f"phases over {len(rows)} step(s); last step {last.step}, reward {last.reward_mean:.3f}, "
+        f"{last.tokens_per_second:.0f} generated tok/s"
+    )
     for col in ("phase", "last s", "mean s", "share"):
         table.add_column(col, justify="left" if col == "phase" else "right")
     for p in used:
-        table.add_row(p, f"{last.phase_seconds.get(p, 0.0):.2f}", f"{totals[p] / len(rows):.2f}",
-                      f"{100 * totals[p] / grand:.0f}%")
+        table.add_row(
+            p,
+            f"{last.phase_seconds.get(p, 0.0):.2f}",
+            f"{totals[p] / len(rows):.2f}",
+            f"{100 * totals[p] / grand:.0f}%",
+        )
     table.add_row("total", f"{sum(last.phase_seconds.values()):.2f}", f"{grand / len(rows):.2f}", "100%")
     return table
 
@@ -171,8 +203,10 @@ def make_tiny_model_main(argv: list[str] | argparse.Namespace) -> int:
     if isinstance(argv, argparse.Namespace):
         args = argv
     else:
-        p = argparse.ArgumentParser(prog="rlhf make-tiny-model",
-                                    description="Build the offline tiny Llama, its BPE tokenizer and a prompt set.")
+        p = argparse.ArgumentParser(
+            prog="rlhf make-tiny-model",
+            description="Build the offline tiny Llama, its BPE tokenizer and a prompt set.",
+        )
         p.add_argument("dir", help="output directory (model/ and prompts.jsonl are written inside)")
         p.add_argument("--prompts", type=int, default=2048, help="number of prompts")
         p.add_argument("--seed", type=int, default=0)

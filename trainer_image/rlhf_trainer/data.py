@@ -47,7 +47,9 @@ class PromptDataset:
             except json.JSONDecodeError as e:
                 raise DatasetError(f"data.prompts {path}: line {lineno}: not JSON: {e.msg}") from e
             if not isinstance(obj, dict) or not isinstance(obj.get(input_key), str):
-                raise DatasetError(f"data.prompts {path}: line {lineno}: no string field {input_key!r} (data.inputKey)")
+                raise DatasetError(
+                    f"data.prompts {path}: line {lineno}: no string field {input_key!r} (data.inputKey)"
+                )
             self.prompts.append(obj[input_key])
             self.labels.append(obj.get(label_key) if label_key else None)
         if not self.prompts:

@@ -41,7 +41,9 @@ def resolve_weight_sync_backend(requested: str, info: DeviceInfo) -> str:
     if requested in ("", "auto", None):
         return info.weight_sync_backend
     if requested in ("nccl", "cuda_ipc") and info.is_cpu:
-        raise ValueError(f"weightSync.backend={requested} needs CUDA; this process sees no GPU (use gloo or shm)")
+        raise ValueError(
+            f"weightSync.backend={requested} needs CUDA; this process sees no GPU (use gloo or shm)"
+        )
     return requested
 
 

@@ -53,7 +53,9 @@ def parse_spec(data: dict[str, Any]) -> Any:
 
     problems = violated(spec)
     if problems:
-        raise InputError("spec fails validation:\n" + "\n".join(f"  {r.field_path}: {r.message}" for r in problems))
+        raise InputError(
+            "spec fails validation:\n" + "\n".join(f"  {r.field_path}: {r.message}" for r in problems)
+        )
     return spec
 
 
@@ -88,12 +90,16 @@ def preflight(spec: Any) -> PromptDataset:
     a = spec.algorithm
     ranks = spec.trainer.actor.ranks
     if a.rollout_batch_size % ranks:
-        raise InputError(f"spec.algorithm.rolloutBatchSize: {a.rollout_batch_size} prompts do not split evenly "
-                         f"over {ranks} actor ranks (trainer.actor)")
+        raise InputError(
+            f"spec.algorithm.rolloutBatchSize: {a.rollout_batch_size} prompts do not split evenly "
+            f"over {ranks} actor ranks (trainer.actor)"
+        )
     for role in spec.model_roles():
         if role in ("critic", "reference") and ranks % spec.trainer.placement(role).ranks:
-            raise InputError(f"spec.trainer.{role}: its {spec.trainer.placement(role).ranks} ranks must divide the "
-                             f"actor's {ranks} ranks")
+            raise InputError(
+                f"spec.trainer.{role}: its {spec.trainer.placement(role).ranks} ranks must divide the "
+                f"actor's {ranks} ranks"
+            )
     return data
 
 
@@ -103,8 +109,14 @@ def preflight(spec: Any) -> PromptDataset:
 class Trainer:
     """Everything the loop needs, placed and ready. `run_step` in loop.py drives it."""
 
-    def __init__(self, spec: Any, job: str, data: PromptDataset, metrics: TrainerMetrics,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        job: str,
+        data: PromptDataset,
+        metrics: TrainerMetrics,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.spec = spec
         self.job = job
         self.data = data
@@ -162,9 +174,14 @@ class Trainer:
             share = 2.0 if spec.trainer.colocate_all else 1.0
             res = self._resources(TRAINER_RESOURCE, gpu / share)
             threads = max(1, cores // placement.ranks)
-            group = RayGroup(name, ModelRank, placement.ranks, res,
-                             [(name, hosted, r, placement.ranks, self.info.kind, threads) for r in range(placement.ranks)],
-                             env=env)
+            group = RayGroup(
+                name,
+                ModelRank,
+                placement.ranks,
+                res,
+                [(name, hosted, r, placement.ranks, self.info.kind, threads) for r in range(placement.ranks)],
+                env=env,
+            )
             self.groups.append(group)
             for role in hosted:
                 self.role_groups[role] = group
@@ -175,11 +192,16 @@ class Trainer:
         reward_gpu = gpu if spec.model.reward.type == "model" else 0.0
         if reward_gpu and spec.trainer.critic_reward_colocated:
             reward_gpu = gpu / 2.0
-        self.reward = _remote(RewardScorer, self._resources(None, reward_gpu),
-                              max_concurrency=spec.model.reward.concurrency + 1, env=env).remote(
-            spec.model.reward.model_dump(), self.info.kind)
+        self.reward = _remote(
+            RewardScorer,
+            self._resources(None, reward_gpu),
+            max_concurrency=spec.model.reward.concurrency + 1,
+            env=env,
+        ).remote(spec.model.reward.model_dump(), self.info.kind)
         # Rollout engines.
-        engine_gpu = float(spec.rollout.tensor_parallel_size) * (gpu / 2.0 if spec.trainer.colocate_all else gpu)
+        engine_gpu = float(spec.rollout.tensor_parallel_size) * (
+            gpu / 2.0 if spec.trainer.colocate_all else gpu
+        )
         options = {
             "model_path": spec.model.actor,
             "device": self.info.kind,
@@ -189,9 +211,13 @@ class Trainer:
             "gpu_memory_utilization": spec.rollout.gpu_memory_utilization,
             "enable_sleep": spec.rollout.enable_sleep,
             "threads": cores,
-            "dtype": "bfloat16" if spec.trainer.bf16 and not self.info.is_cpu else ("float32" if self.info.is_cpu else "auto"),
+            "dtype": "bfloat16"
+            if spec.trainer.bf16 and not self.info.is_cpu
+            else ("float32" if self.info.is_cpu else "auto"),
         }
-        self.pool = EnginePool(options, self._resources(ROLLOUT_RESOURCE, engine_gpu), spec.rollout.tensor_parallel_size)
+        self.pool = EnginePool(
+            options, self._resources(ROLLOUT_RESOURCE, engine_gpu), spec.rollout.tensor_parallel_size
+        )
 
     def _settings(self) -> dict[str, dict[str, Any]]:
         from transformers import AutoTokenizer
@@ -217,20 +243,29 @@ class Trainer:
             return max(1, math.ceil(int(local) / int(a.train_micro_batch_size)))
 
         out = {
-            "actor": {**base, "path": spec.model.actor, "lr": a.actor_learning_rate, "grad_accum": for_group(ranks)},
+            "actor": {
+                **base,
+                "path": spec.model.actor,
+                "lr": a.actor_learning_rate,
+                "grad_accum": for_group(ranks),
+            },
             "reference": {**base, "path": spec.model.reference_path, "lr": 0.0, "grad_accum": 1},
         }
         if spec.model.critic:
             world = spec.trainer.placement("critic").ranks
-            out["critic"] = {**base, "path": spec.model.critic, "lr": a.critic_learning_rate,
-                             "grad_accum": for_group(world)}
+            out["critic"] = {
+                **base,
+                "path": spec.model.critic,
+                "lr": a.critic_learning_rate,
+                "grad_accum": for_group(world),
+            }
         return out
 
     def setup(self) -> None:
         import ray
 
         t0 = time.perf_counter()
-        self.pool.resize(self.pool.desired_from_cluster(self.spec.rollout.engines), wait=False)
+        self.pool.resize(self.pool.desired_from_cluster(self.spec.rollout.engines))
         settings = self._settings()
         setups = []
         for group in self.groups:
@@ -254,8 +289,9 @@ class Trainer:
 
         return plan_chunks(n_prompts, self.spec.trainer.actor.ranks, len(self.pool.ready()))
 
-    def generate_and_score(self, step: int, chunks: list[tuple[int, int, list[int]]], prompts: list[str],
-                           labels: list[Any]) -> tuple[list[Any], list[Any], list[tuple[Any, Any]]]:
+    def generate_and_score(
+        self, step: int, chunks: list[tuple[int, int, list[int]]], prompts: list[str], labels: list[Any]
+    ) -> tuple[list[Any], list[Any], list[tuple[Any, Any]]]:
         """Stream chunks out of the engines; each finished chunk goes to the reward scorer at once.
 
         Returns (packed refs, chunk metas, (reward meta ref, reward result ref)) in chunk order. Only the
@@ -273,11 +309,19 @@ class Trainer:
         }
         per_engine: dict[int, list[dict[str, Any]]] = {}
         for c, (shard, engine, idx) in enumerate(chunks):
-            per_engine.setdefault(engine, []).append({
-                "chunk": c, "shard": shard, "prompts": [prompts[i] for i in idx], "groups": list(idx),
-                "labels": [labels[i] for i in idx]})
-        gens: dict[Any, int] = {engines[e].handle.generate_chunks.options(num_returns="streaming").remote(batch, sampling): e
-                for e, batch in per_engine.items()}
+            per_engine.setdefault(engine, []).append(
+                {
+                    "chunk": c,
+                    "shard": shard,
+                    "prompts": [prompts[i] for i in idx],
+                    "groups": list(idx),
+                    "labels": [labels[i] for i in idx],
+                }
+            )
+        gens: dict[Any, int] = {
+            engines[e].handle.generate_chunks.options(num_returns="streaming").remote(batch, sampling): e
+            for e, batch in per_engine.items()
+        }
         packed: list[Any] = [None] * len(chunks)
         metas: list[Any] = [None] * len(chunks)
         reward_calls: list[Any] = [None] * len(chunks)
@@ -293,7 +337,9 @@ class Trainer:
                 packed_ref = next(gen)
                 meta = ray.get(meta_ref)
                 packed[meta.chunk], metas[meta.chunk] = packed_ref, meta
-                reward_calls[meta.chunk] = self.reward.score.options(num_returns=2).remote(meta.chunk, packed_ref)
+                reward_calls[meta.chunk] = self.reward.score.options(num_returns=2).remote(
+                    meta.chunk, packed_ref
+                )
         missing = [c for c, m in enumerate(metas) if m is None]
         if missing:
             raise RuntimeError(f"step {step}: engines returned no rollout for chunks {missing}")
@@ -317,8 +363,10 @@ class Trainer:
 
         group = self.role_groups[role]
         W = group.world_size
-        per_rank = [({s: refs for s, refs in shards.items() if s % W == w}, self.algo.rollout_micro_batch_size)
-                    for w in range(W)]
+        per_rank = [
+            ({s: refs for s, refs in shards.items() if s % W == w}, self.algo.rollout_micro_batch_size)
+            for w in range(W)
+        ]
         refs = group.call(method, per_rank=per_rank)
         ray.wait(refs, num_returns=len(refs))
         ray.get(refs)  # surface errors inside the phase that caused them
@@ -327,22 +375,37 @@ class Trainer:
     def algo_wire(self) -> dict[str, Any]:
         a = self.algo
         return {
-            "estimator": a.advantage_estimator, "kl_coef": a.kl_coef if a.uses_reference else 0.0,
-            "gamma": a.gamma, "lam": a.lam, "clip": a.clip_range, "value_clip": a.value_clip_range,
-            "epochs": a.epochs, "train_micro_batch": a.train_micro_batch_size,
+            "estimator": a.advantage_estimator,
+            "kl_coef": a.kl_coef if a.uses_reference else 0.0,
+            "gamma": a.gamma,
+            "lam": a.lam,
+            "clip": a.clip_range,
+            "value_clip": a.value_clip_range,
+            "epochs": a.epochs,
+            "train_micro_batch": a.train_micro_batch_size,
         }
 
     # ---- engines and weight sync -----------------------------------------------------------------
-    def refresh_engines(self, timer: PhaseTimer) -> None:
-        desired = self.pool.desired_from_cluster(self.spec.rollout.engines)
-        if desired != len(self.pool.live()) or self._channel_version != self.pool.membership_version:
+    def refresh_engines(self, timer: PhaseTimer) -> int:
+        """Between steps: follow the cluster's rollout slots, let engines that finished starting join.
+
+        Engines start in the background (training goes on with the ready ones); a membership change
+        rebuilds the sync group and sends the current weights, since a new engine loaded the files.
+        Returns the bytes sent.
+        """
+        sent = 0
+        self.pool.resize(self.pool.desired_from_cluster(self.spec.rollout.engines))
+        self.pool.poll()
+        if not self.pool.ready():
+            self.pool.wait_ready()
+        if self._channel_version != self.pool.membership_version:
             with timer.phase("weight_sync"):
-                self.pool.resize(desired)
                 if self._channel_version >= 0 or self.resume_info:
-                    self.sync_weights()
-                else:
+                    sent = self.sync_weights()
+                else:  # first step, fresh start: the engines loaded the actor's own files
                     self._open_channel()
         self.metrics.set_engines(self.pool.counts())
+        return sent
 
     def _open_channel(self) -> None:
         import ray
@@ -350,7 +413,9 @@ class Trainer:
         # The group's store is served by actor rank 0: its node and a port free there.
         addr, port = ray.get(self.actor_group.handles[0].address.remote())
         rdzv = self.pool.rendezvous(self.sync_backend, addr, port, self.job)
-        refs = self.actor_group.call("open_weight_channel", rdzv.to_wire()) + self.pool.open_channel_refs(rdzv)
+        refs = self.actor_group.call("open_weight_channel", rdzv.to_wire()) + self.pool.open_channel_refs(
+            rdzv
+        )
         ray.get(refs)
         self._channel_version = self.pool.membership_version
 
@@ -360,7 +425,9 @@ class Trainer:
 
         if self._channel_version != self.pool.membership_version:
             self._open_channel()
-        plan = ray.get(self.actor_group.handles[0].weight_plan.remote(self.spec.weight_sync.bucket_size_mib << 20))
+        plan = ray.get(
+            self.actor_group.handles[0].weight_plan.remote(self.spec.weight_sync.bucket_size_mib << 20)
+        )
         sends = self.actor_group.call("send_weights")
         recvs = self.pool.receive_refs(plan)
         send_stats = ray.get(sends)
@@ -371,8 +438,9 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def checkpoint_due(self, step: int) -> bool:
-        return self.store is not None and (step % self.spec.checkpoint.interval_steps == 0
-                                           or step == self.algo.total_steps)
+        return self.store is not None and (
+            step % self.spec.checkpoint.interval_steps == 0 or step == self.algo.total_steps
+        )
 
     def save_checkpoint(self, step: int) -> str:
         import ray
@@ -382,8 +450,13 @@ class Trainer:
         try:
             ray.get([ref for g in self.groups for ref in g.call("save", str(tmp))])
             digests = self.actor_group.get("optimizer_digest")
-            state = {"data": self.data.position.to_dict(), "optimizer_digest": digests, "job": self.job,
-                     "history": [asdict(r) for r in self.history[-50:]], "time": time.time()}
+            state = {
+                "data": self.data.position.to_dict(),
+                "optimizer_digest": digests,
+                "job": self.job,
+                "history": [asdict(r) for r in self.history[-50:]],
+                "time": time.time(),
+            }
             final = self.store.commit(tmp, step, state)
         except BaseException:
             self.store.abort(tmp)
@@ -408,9 +481,13 @@ class Trainer:
         ray.get([ref for g in self.groups for ref in g.call("load", str(path))])
         self.data.restore(state["data"])
         loaded = self.actor_group.get("optimizer_digest")
-        self.resume_info = {"from_step": step, "path": str(path), "data": state["data"],
-                            "optimizer_digest_saved": state.get("optimizer_digest"),
-                            "optimizer_digest_loaded": loaded}
+        self.resume_info = {
+            "from_step": step,
+            "path": str(path),
+            "data": state["data"],
+            "optimizer_digest_saved": state.get("optimizer_digest"),
+            "optimizer_digest_loaded": loaded,
+        }
         self.log(f"resumed from {path} (step {step}); data position {state['data']}")
         return step + 1
 
@@ -434,8 +511,12 @@ def _remote(cls: type, res: Any, max_concurrency: int = 1, env: dict[str, str] |
     import ray
 
     return ray.remote(cls).options(  # type: ignore[attr-defined]
-        num_cpus=res.cpus, num_gpus=res.gpus, resources=res.custom or None, max_concurrency=max_concurrency,
-        runtime_env={"env_vars": env} if env else None)
+        num_cpus=res.cpus,
+        num_gpus=res.gpus,
+        resources=res.custom or None,
+        max_concurrency=max_concurrency,
+        runtime_env={"env_vars": env} if env else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- ray
@@ -457,8 +538,15 @@ def connect_ray(processes: int) -> bool:
         except (ConnectionError, RuntimeError):
             pass
     cores = os.cpu_count() or 1
-    ray.init(address="local", num_cpus=max(cores, processes), include_dashboard=False, log_to_driver=_log_workers(),
-             runtime_env={"env_vars": {"RLHF_DEVICE": os.environ.get("RLHF_DEVICE", "")}} if os.environ.get("RLHF_DEVICE") else None)
+    ray.init(
+        address="local",
+        num_cpus=max(cores, processes),
+        include_dashboard=False,
+        log_to_driver=_log_workers(),
+        runtime_env={"env_vars": {"RLHF_DEVICE": os.environ.get("RLHF_DEVICE", "")}}
+        if os.environ.get("RLHF_DEVICE")
+        else None,
+    )
     return True
 
 
@@ -466,9 +554,16 @@ def _log_workers() -> bool:
     return os.environ.get("RLHF_WORKER_LOGS", "1") != "0"
 
 
-def run(spec: Any, job: str, *, steps: int | None = None, metrics_port: int | None = None,
-        on_step: Callable[[Any], None] | None = None, log: Callable[[str], None] = print,
-        data: PromptDataset | None = None) -> dict[str, Any]:
+def run(
+    spec: Any,
+    job: str,
+    *,
+    steps: int | None = None,
+    metrics_port: int | None = None,
+    on_step: Callable[[Any], None] | None = None,
+    log: Callable[[str], None] = print,
+    data: PromptDataset | None = None,
+) -> dict[str, Any]:
     """Run the job's steps; returns the summary. Raises InputError / RewardFailure / RuntimeError."""
     import ray
 
@@ -478,8 +573,11 @@ def run(spec: Any, job: str, *, steps: int | None = None, metrics_port: int | No
     metrics = TrainerMetrics(job)
     metrics.total_steps.labels(job).set(spec.algorithm.total_steps)
     metrics.stall_timeout.labels(job).set(spec.monitoring.stall_timeout_seconds)
-    port = metrics_port if metrics_port is not None else int(os.environ.get("RLHF_METRICS_PORT") or
-                                                             spec.monitoring.metrics_port)
+    port = (
+        metrics_port
+        if metrics_port is not None
+        else int(os.environ.get("RLHF_METRICS_PORT") or spec.monitoring.metrics_port)
+    )
     if port:
         metrics.serve(port)
         log(f"metrics on :{port}/metrics")
@@ -489,19 +587,37 @@ def run(spec: Any, job: str, *, steps: int | None = None, metrics_port: int | No
         trainer.place()
         trainer.setup()
         first = trainer.maybe_resume()
-        last = spec.algorithm.total_steps if steps is None else min(spec.algorithm.total_steps, first + steps - 1)
-        summary: dict[str, Any] = {"job": job, "steps": [], "checkpoints": trainer.checkpoints,
-                                   "resumed_from": trainer.resume_info.get("from_step"), "resume": trainer.resume_info,
-                                   "engines": [s.info for s in trainer.pool.ready()]}
+        last = (
+            spec.algorithm.total_steps
+            if steps is None
+            else min(spec.algorithm.total_steps, first + steps - 1)
+        )
+        summary: dict[str, Any] = {
+            "job": job,
+            "steps": [],
+            "checkpoints": trainer.checkpoints,
+            "resumed_from": trainer.resume_info.get("from_step"),
+            "resume": trainer.resume_info,
+            "engines": [s.info for s in trainer.pool.ready()],
+        }
         for step in range(first, last + 1):
             report = run_step(trainer, step)
-            summary["steps"].append({
-                "step": report.step, "reward_mean": report.reward_mean, "kl": report.kl,
-                "phase_seconds": report.phase_seconds, "tokens_per_second": report.tokens_per_second,
-                "generated_tokens": report.generated_tokens, "trained_tokens": report.trained_tokens,
-                "reward_errors": report.reward_errors, "valid_samples": report.valid_samples,
-                "weight_sync_bytes": report.weight_sync_bytes, "checkpoint": report.checkpoint,
-            })
+            summary["steps"].append(
+                {
+                    "step": report.step,
+                    "reward_mean": report.reward_mean,
+                    "kl": report.kl,
+                    "phase_seconds": report.phase_seconds,
+                    "tokens_per_second": report.tokens_per_second,
+                    "generated_tokens": report.generated_tokens,
+                    "trained_tokens": report.trained_tokens,
+                    "reward_errors": report.reward_errors,
+                    "valid_samples": report.valid_samples,
+                    "weight_sync_bytes": report.weight_sync_bytes,
+                    "checkpoint": report.checkpoint,
+                    "engines": report.engines,
+                }
+            )
             if on_step is not None:
                 on_step(report)
         summary["data_position"] = data.position.to_dict()
@@ -548,10 +664,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         spec = load_spec_arg(args)
-        summary = run(spec, args.job_name, steps=args.steps,
-                      on_step=lambda r: print(json.dumps({"step": r.step, "reward_mean": round(r.reward_mean, 4),
-                                                          "phase_seconds": {k: round(v, 3) for k, v in
-                                                                            r.phase_seconds.items()}}), flush=True))
+        summary = run(
+            spec,
+            args.job_name,
+            steps=args.steps,
+            on_step=lambda r: print(
+                json.dumps(
+                    {
+                        "step": r.step,
+                        "reward_mean": round(r.reward_mean, 4),
+                        "phase_seconds": {k: round(v, 3) for k, v in r.phase_seconds.items()},
+                    }
+                ),
+                flush=True,
+            ),
+        )
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,12 +33,21 @@ class Resources:
 class RayGroup:
     """world_size Ray actors of `cls`, one per bundle of its own placement group."""
 
-    def __init__(self, name: str, cls: type, world_size: int, res: Resources, init_args: Sequence[Sequence[Any]],
-                 env: dict[str, str] | None = None, max_concurrency: int = 1) -> None:
+    def __init__(
+        self,
+        name: str,
+        cls: type,
+        world_size: int,
+        res: Resources,
+        init_args: Sequence[Sequence[Any]],
+        env: dict[str, str] | None = None,
+        max_concurrency: int = 1,
+    ) -> None:
         self.name = name
         self.world_size = world_size
-        self.pg: PlacementGroup = placement_group([res.bundle() for _ in range(world_size)], strategy="PACK",
-                                                  name=f"rlhf-{name}")
+        self.pg: PlacementGroup = placement_group(
+            [res.bundle() for _ in range(world_size)], strategy="PACK", name=f"rlhf-{name}"
+        )
         remote_cls: Any = ray.remote(cls)
         self.handles: list[Any] = [
             remote_cls.options(  # type: ignore[attr-defined]
@@ -55,8 +64,15 @@ class RayGroup:
             for rank in range(world_size)
         ]
 
-    def call(self, method: str, *args: Any, per_rank: Sequence[Sequence[Any]] | None = None,
-             ranks: Sequence[int] | None = None, num_returns: int = 1, **kwargs: Any) -> list[Any]:
+    def call(
+        self,
+        method: str,
+        *args: Any,
+        per_rank: Sequence[Sequence[Any]] | None = None,
+        ranks: Sequence[int] | None = None,
+        num_returns: int = 1,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Call `method` on every rank (or `ranks`): shared args, or per-rank positional args. Returns refs."""
         chosen = list(ranks) if ranks is not None else list(range(self.world_size))
         refs = []

@@ -33,13 +33,14 @@ class StepReport:
     valid_samples: int
     tokens_per_second: float
     weight_sync_bytes: int = 0
+    engines: list[int] = field(default_factory=list)
     checkpoint: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def run_step(t: Trainer, step: int) -> StepReport:
     timer = PhaseTimer(t.metrics)
-    t.refresh_engines(timer)  # elastic pool: new engines join (and get weights) between steps
+    sync_bytes = t.refresh_engines(timer)  # elastic pool: new engines join (and get weights) between steps
     prompts, labels = t.data.next_batch(t.algo.rollout_batch_size)
     chunks = t.plan_chunks(len(prompts))  # [(shard, engine, [prompt indices])], whole prompt groups
     t.actors_and_models_new_step()
@@ -80,7 +81,7 @@ def run_step(t: Trainer, step: int) -> StepReport:
             if valid:
                 t.critic_group.get("train_critic", [r for _, r in adv], t.algo_wire())
     with timer.phase("weight_sync"):
-        sync_bytes = t.sync_weights() if valid else 0
+        sync_bytes += t.sync_weights() if valid else 0
     checkpoint = None
     if t.checkpoint_due(step):
         with timer.phase("checkpoint"):
@@ -99,6 +100,7 @@ def run_step(t: Trainer, step: int) -> StepReport:
         valid_samples=valid,
         tokens_per_second=gen_tokens / max(timer.seconds.get("generation", 0.0), 1e-9),
         weight_sync_bytes=sync_bytes,
+        engines=sorted({m.engine for m in metas}),
         checkpoint=checkpoint,
     )
     t.record(report)

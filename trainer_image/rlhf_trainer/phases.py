@@ -35,27 +35,48 @@ class TrainerMetrics:
         self.job = job
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.step_phase_seconds = Gauge("rlhf_step_phase_seconds", "Duration of each phase in the last completed step",
-                                        [L, "phase"], registry=r)
-        self.phase_duration = Histogram("rlhf_phase_duration_seconds", "Duration of phases", [L, "phase"],
-                                        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
-                                        registry=r)
-        self.phase_in_progress = Gauge("rlhf_phase_in_progress", "1 while the phase runs", [L, "phase"], registry=r)
-        self.phase_started = Gauge("rlhf_phase_started_timestamp_seconds", "When the phase last started",
-                                   [L, "phase"], registry=r)
+        self.step_phase_seconds = Gauge(
+            "rlhf_step_phase_seconds",
+            "Duration of each phase in the last completed step",
+            [L, "phase"],
+            registry=r,
+        )
+        self.phase_duration = Histogram(
+            "rlhf_phase_duration_seconds",
+            "Duration of phases",
+            [L, "phase"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+            registry=r,
+        )
+        self.phase_in_progress = Gauge(
+            "rlhf_phase_in_progress", "1 while the phase runs", [L, "phase"], registry=r
+        )
+        self.phase_started = Gauge(
+            "rlhf_phase_started_timestamp_seconds", "When the phase last started", [L, "phase"], registry=r
+        )
         self.steps_completed = Counter("rlhf_steps_completed", "Completed training steps", [L], registry=r)
-        self.last_step_ts = Gauge("rlhf_last_step_completed_timestamp_seconds", "When the last step completed", [L],
-                                  registry=r)
+        self.last_step_ts = Gauge(
+            "rlhf_last_step_completed_timestamp_seconds", "When the last step completed", [L], registry=r
+        )
         self.total_steps = Gauge("rlhf_total_steps", "Steps this run will train", [L], registry=r)
-        self.stall_timeout = Gauge("rlhf_stall_timeout_seconds", "The job's monitoring.stallTimeoutSeconds", [L],
-                                   registry=r)
+        self.stall_timeout = Gauge(
+            "rlhf_stall_timeout_seconds", "The job's monitoring.stallTimeoutSeconds", [L], registry=r
+        )
         self.generated_tokens = Counter("rlhf_generated_tokens", "Generated response tokens", [L], registry=r)
-        self.trained_tokens = Counter("rlhf_trained_tokens", "Response tokens trained on (x epochs)", [L], registry=r)
-        self.reward_mean = Gauge("rlhf_reward_mean", "Mean reward of the last step's valid samples", [L], registry=r)
+        self.trained_tokens = Counter(
+            "rlhf_trained_tokens", "Response tokens trained on (x epochs)", [L], registry=r
+        )
+        self.reward_mean = Gauge(
+            "rlhf_reward_mean", "Mean reward of the last step's valid samples", [L], registry=r
+        )
         self.kl = Gauge("rlhf_kl", "Mean per-token KL(actor || reference) of the last step", [L], registry=r)
         self.reward_errors = Counter("rlhf_reward_errors", "Samples whose reward failed", [L], registry=r)
-        self.weight_sync_bytes = Counter("rlhf_weight_sync_bytes", "Bytes sent to rollout engines", [L], registry=r)
-        self.rollout_engines = Gauge("rlhf_rollout_engines", "Rollout engines by state", [L, "state"], registry=r)
+        self.weight_sync_bytes = Counter(
+            "rlhf_weight_sync_bytes", "Bytes sent to rollout engines", [L], registry=r
+        )
+        self.rollout_engines = Gauge(
+            "rlhf_rollout_engines", "Rollout engines by state", [L, "state"], registry=r
+        )
         # Create every labelled child now so /metrics shows the full contract from the first scrape.
         for phase in PHASES:
             self.step_phase_seconds.labels(job, phase)
@@ -64,8 +85,13 @@ class TrainerMetrics:
             self.phase_started.labels(job, phase)
         for state in ENGINE_STATES:
             self.rollout_engines.labels(job, state).set(0)
-        for c in (self.steps_completed, self.generated_tokens, self.trained_tokens, self.reward_errors,
-                  self.weight_sync_bytes):
+        for c in (
+            self.steps_completed,
+            self.generated_tokens,
+            self.trained_tokens,
+            self.reward_errors,
+            self.weight_sync_bytes,
+        ):
             c.labels(job)
         for g in (self.last_step_ts, self.total_steps, self.stall_timeout, self.reward_mean, self.kl):
             g.labels(job)

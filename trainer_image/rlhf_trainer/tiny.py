@@ -35,7 +35,9 @@ class TinyModelShape:
 
 
 def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3)))
+    return "".join(
+        rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3))
+    )
 
 
 def synthetic_sentences(n: int, seed: int) -> list[str]:

@@ -61,7 +61,9 @@ class PackedRollout:
         return self.tokens[int(off[i]) : int(off[i + 1])]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tokens, self.seq_lens, self.prompt_lens, self.group))
+        return sum(
+            t.numel() * t.element_size() for t in (self.tokens, self.seq_lens, self.prompt_lens, self.group)
+        )
 
     @staticmethod
     def from_samples(
@@ -177,8 +179,9 @@ def pad_response_values(packed: torch.Tensor, action_mask: torch.Tensor) -> torc
     return out
 
 
-def plan_chunks(n_prompts: int, shards: int, engines: int, chunks_per_shard: int | None = None
-                ) -> list[tuple[int, int, list[int]]]:
+def plan_chunks(
+    n_prompts: int, shards: int, engines: int, chunks_per_shard: int | None = None
+) -> list[tuple[int, int, list[int]]]:
     """Split a step's prompts into chunks of whole prompts: (shard = trainer rank, engine, prompt indices).
 
     Every shard gets the same number of prompts (so ZeRO-3 ranks run the same number of micro-batches);

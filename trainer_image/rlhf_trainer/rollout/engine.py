@@ -108,8 +108,13 @@ class RolloutEngine:
                     yield meta
                     yield packed
 
-    def _pack(self, ch: dict[str, Any], outs: dict[int, Any], prompt_ids: dict[tuple[int, int], list[int]],
-              t0: float) -> tuple[ChunkMeta, PackedRollout]:
+    def _pack(
+        self,
+        ch: dict[str, Any],
+        outs: dict[int, Any],
+        prompt_ids: dict[tuple[int, int], list[int]],
+        t0: float,
+    ) -> tuple[ChunkMeta, PackedRollout]:
         cid = int(ch["chunk"])
         labels = ch.get("labels") or [None] * len(ch["prompts"])
         samples, groups, texts, ptexts, finished, sample_labels = [], [], [], [], [], []
@@ -143,7 +148,9 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         # min_tokens masks EOS like HF generate(min_new_tokens=...): both runs pick the same argmax.
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            n=1, temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True
+        )
         inputs: list[Any] = [{"prompt_token_ids": self.tokenizer(p)["input_ids"]} for p in prompts]
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]

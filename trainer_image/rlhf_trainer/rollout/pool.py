@@ -6,7 +6,6 @@ spec) and the rendezvous of the weight-sync group. Must not hold rollout data: i
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,50 +45,67 @@ class EnginePool:
                 slots += float(node.get("Resources", {}).get(ROLLOUT_RESOURCE, 0.0))
         return int(slots) if slots > 0 else fallback
 
-    def resize(self, n: int, wait: bool = True) -> bool:
-        """Start or stop engines to reach n (blocks until new ones are ready); True if membership changed."""
-        changed = False
+    def resize(self, n: int) -> None:
+        """Start or stop engines to reach n live ones; never blocks (new engines join when ready).
+
+        Stopping takes the newest engines first; stopping a ready engine changes the membership.
+        """
         while len(self.live()) > n:
             slot = self.live()[-1]
+            if slot.state == "ready":
+                self.membership_version += 1
             slot.state = "stopping"
             ray.kill(slot.handle, no_restart=True)
             self.slots.remove(slot)
-            changed = True
-        missing = n - len(self.live())
-        for _ in range(missing):
+        for _ in range(n - len(self.live())):
             self._start_one()
-            changed = True
-        if wait:
-            self.wait_ready()
-        if changed:
-            self.membership_version += 1
-        return changed
 
     def _start_one(self) -> None:
         idx = self._next_index
         self._next_index += 1
         remote_cls = ray.remote(RolloutEngine)
         handle = remote_cls.options(  # type: ignore[attr-defined]
-            num_cpus=self.res.cpus, num_gpus=self.res.gpus, resources=self.res.custom or None,
+            num_cpus=self.res.cpus,
+            num_gpus=self.res.gpus,
+            resources=self.res.custom or None,
             max_concurrency=1,  # one LLM per actor: calls run one at a time
         ).remote(idx, self.options)
         slot = EngineSlot(index=idx, handle=handle)
         slot.ready_ref = handle.ready.remote()  # type: ignore[attr-defined]
         self.slots.append(slot)
 
-    def wait_ready(self, timeout: float = 900.0) -> None:
-        pending = [s for s in self.slots if s.state == "starting"]
-        deadline = time.monotonic() + timeout
-        for slot in pending:
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Move started engines to ready (or failed); True if the ready set changed.
+
+        timeout=0 only looks; a positive timeout waits up to that long for every starting engine.
+        """
+        starting = [s for s in self.slots if s.state == "starting"]
+        if not starting:
+            return False
+        done, _ = ray.wait([s.ready_ref for s in starting], num_returns=len(starting), timeout=timeout)
+        finished = set(done)
+        changed = False
+        for slot in starting:
+            if slot.ready_ref not in finished:
+                continue
             try:
-                slot.info = ray.get(slot.ready_ref, timeout=max(1.0, deadline - time.monotonic()))
+                slot.info = ray.get(slot.ready_ref)
                 slot.state = "ready"
-            except Exception as e:
+                changed = True
+            except Exception as e:  # the engine died while starting: counted, never silently used
                 slot.state = "failed"
                 slot.info = {"error": f"{type(e).__name__}: {e}"}
+        if changed:
+            self.membership_version += 1
+        return changed
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """Block until every starting engine is ready or failed; error if none is ready."""
+        self.poll(timeout)
         failed = [s for s in self.slots if s.state == "failed"]
-        if failed and not self.ready():
-            raise RuntimeError(f"no rollout engine started: {failed[0].info.get('error')}")
+        if not self.ready():
+            reason = failed[0].info.get("error") if failed else f"still starting after {timeout:.0f}s"
+            raise RuntimeError(f"no rollout engine is ready: {reason}")
 
     # ---- views --------------------------------------------------------------------------------
     def live(self) -> list[EngineSlot]:
@@ -107,12 +123,19 @@ class EnginePool:
     # ---- weight-sync group ----------------------------------------------------------------------
     def rendezvous(self, backend: str, master_addr: str, master_port: int, job: str) -> Rendezvous:
         world = 1 + len(self.ready()) * self.tp
-        return Rendezvous(backend=backend, master_addr=master_addr, master_port=master_port, world_size=world,
-                          group_name=f"{job}-ws{self.membership_version}")
+        return Rendezvous(
+            backend=backend,
+            master_addr=master_addr,
+            master_port=master_port,
+            world_size=world,
+            group_name=f"{job}-ws{self.membership_version}",
+        )
 
     def open_channel_refs(self, rdzv: Rendezvous) -> list[Any]:
-        return [s.handle.open_weight_channel.remote(rdzv.to_wire(), 1 + i * self.tp)
-                for i, s in enumerate(self.ready())]
+        return [
+            s.handle.open_weight_channel.remote(rdzv.to_wire(), 1 + i * self.tp)
+            for i, s in enumerate(self.ready())
+        ]
 
     def receive_refs(self, plan_wire: list[dict[str, Any]]) -> list[Any]:
         return [s.handle.receive_weights.remote(plan_wire) for s in self.ready()]

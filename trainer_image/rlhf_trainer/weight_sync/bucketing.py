@@ -86,7 +86,9 @@ def plan_buckets(params: Iterable[tuple[str, Sequence[int], torch.dtype]], bucke
     return done
 
 
-def pack_bucket(bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_bucket(
+    bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Copy tensors (in slot order) into one flat buffer of the bucket's dtype."""
     flat = out if out is not None else torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype))
     if len(tensors) != len(bucket.slots):
@@ -111,7 +113,10 @@ def plan_from_wire(wire: list[dict[str, Any]]) -> list[Bucket]:
     return [
         Bucket(
             dtype=b["dtype"],
-            slots=[ParamSlot(name=s["name"], shape=tuple(s["shape"]), offset=int(s["offset"])) for s in b["slots"]],
+            slots=[
+                ParamSlot(name=s["name"], shape=tuple(s["shape"]), offset=int(s["offset"]))
+                for s in b["slots"]
+            ],
         )
         for b in wire
     ]

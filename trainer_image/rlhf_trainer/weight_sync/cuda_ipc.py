@@ -14,12 +14,16 @@ from rlhf_trainer.weight_sync.bucketing import Bucket
 
 
 class CudaIpcChannel:
-    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str) -> None:
+    def __init__(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str
+    ) -> None:
         from vllm.distributed.utils import StatelessProcessGroup
 
         del group_name
         self.rank = rank
-        self.pg = StatelessProcessGroup.create(host=master_addr, port=master_port, rank=rank, world_size=world_size)
+        self.pg = StatelessProcessGroup.create(
+            host=master_addr, port=master_port, rank=rank, world_size=world_size
+        )
         self._held: torch.Tensor | None = None
 
     def send(self, flat: torch.Tensor, index: int) -> None:

@@ -31,7 +31,9 @@ def open_gloo_group(
 class GlooChannel:
     """Rank 0 sends, every other rank receives, one broadcast per bucket."""
 
-    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str) -> None:
+    def __init__(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str
+    ) -> None:
         self.rank = rank
         self.pg, self._store = open_gloo_group(master_addr, master_port, rank, world_size, group_name)
 

@@ -12,19 +12,25 @@ from rlhf_trainer.weight_sync.bucketing import Bucket, dtype_from_name
 
 
 class NcclChannel:
-    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str) -> None:
+    def __init__(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str
+    ) -> None:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
         del group_name
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device())
-        pg = StatelessProcessGroup.create(host=master_addr, port=master_port, rank=rank, world_size=world_size)
+        pg = StatelessProcessGroup.create(
+            host=master_addr, port=master_port, rank=rank, world_size=world_size
+        )
         self.comm = PyNcclCommunicator(pg, device=self.device)
 
     def send(self, flat: torch.Tensor, index: int) -> None:
         del index
-        self.comm.broadcast(flat.to(self.device, non_blocking=True), src=0, stream=torch.cuda.current_stream())
+        self.comm.broadcast(
+            flat.to(self.device, non_blocking=True), src=0, stream=torch.cuda.current_stream()
+        )
         torch.cuda.current_stream().synchronize()
 
     def recv(self, bucket: Bucket, index: int) -> torch.Tensor:

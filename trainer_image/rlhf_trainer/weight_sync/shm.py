@@ -18,9 +18,13 @@ SHM_DIR = Path(os.environ.get("RLHF_SHM_DIR", "/dev/shm"))
 
 
 class ShmChannel:
-    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str) -> None:
+    def __init__(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, group_name: str
+    ) -> None:
         self.rank = rank
-        self.pg, self._store = open_gloo_group(master_addr, master_port, rank, world_size, group_name + "-ctl")
+        self.pg, self._store = open_gloo_group(
+            master_addr, master_port, rank, world_size, group_name + "-ctl"
+        )
         self.path = SHM_DIR / f"rlhf-weights-{group_name}.bin"
         self._signal = torch.zeros(1, dtype=torch.int64)
 
@@ -40,7 +44,9 @@ class ShmChannel:
     def recv(self, bucket: Bucket, index: int) -> torch.Tensor:
         self.pg.broadcast(self._signal, 0).wait()
         if int(self._signal.item()) != index:
-            raise RuntimeError(f"shm weight sync out of order: expected bucket {index}, got {int(self._signal.item())}")
+            raise RuntimeError(
+                f"shm weight sync out of order: expected bucket {index}, got {int(self._signal.item())}"
+            )
         return self._map(bucket.numel, dtype_from_name(bucket.dtype))
 
     def done_with(self, index: int) -> None:

@@ -52,8 +52,13 @@ class RLHFWorkerExtension:
             nbytes += bucket.nbytes
         t_load = time.perf_counter() - t0
         repacked = repack_cpu_linears(model)
-        return {"tensors": loaded, "bytes": nbytes, "seconds": time.perf_counter() - t0, "load_seconds": t_load,
-                "repacked": repacked}
+        return {
+            "tensors": loaded,
+            "bytes": nbytes,
+            "seconds": time.perf_counter() - t0,
+            "load_seconds": t_load,
+            "repacked": repacked,
+        }
 
     def rlhf_weight_digest(self) -> str:
         """Digest of named parameters (for tests): equal digests mean equal weights."""

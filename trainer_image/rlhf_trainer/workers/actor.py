@@ -40,7 +40,9 @@ class PolicyModel:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8
         )
-        schedule = algorithms.lr_lambda(settings["lr_scheduler"], settings["lr_warmup_steps"], settings["total_steps"])
+        schedule = algorithms.lr_lambda(
+            settings["lr_scheduler"], settings["lr_warmup_steps"], settings["total_steps"]
+        )
 
         def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
             return torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -55,7 +57,10 @@ class PolicyModel:
     @torch.no_grad()
     def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
         self.engine.eval()
-        out = [response_logprobs(self.engine, rollout, s, e, self.pad_id)[0] for s, e in rollout.micro_batches(micro_batch)]
+        out = [
+            response_logprobs(self.engine, rollout, s, e, self.pad_id)[0]
+            for s, e in rollout.micro_batches(micro_batch)
+        ]
         return torch.cat(out) if out else torch.zeros(0)
 
     # ---- training -------------------------------------------------------------------------------
@@ -128,7 +133,12 @@ class PolicyModel:
                     channel.send(flat, index)
                     nbytes += bucket.nbytes
                     t_send += time.perf_counter() - t1
-        return {"gather_seconds": t_gather, "send_seconds": t_send, "bytes": float(nbytes), "buckets": len(plan)}
+        return {
+            "gather_seconds": t_gather,
+            "send_seconds": t_send,
+            "bytes": float(nbytes),
+            "buckets": len(plan),
+        }
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights on rank 0 (collective on every rank); for checks and HF export."""
@@ -146,8 +156,9 @@ class PolicyModel:
         self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
 
     def load(self, directory: str, tag: str) -> None:
-        path, _ = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        path, _ = self.engine.load_checkpoint(
+            directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")
 

@@ -34,8 +34,12 @@ class ValueModel:
         model, keepalive = load_hf_model(path, "value", cfg, dtype)
         if settings.get("gradient_checkpointing"):
             model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.0)
-        schedule = algorithms.lr_lambda(settings["lr_scheduler"], settings["lr_warmup_steps"], settings["total_steps"])
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.0
+        )
+        schedule = algorithms.lr_lambda(
+            settings["lr_scheduler"], settings["lr_warmup_steps"], settings["total_steps"]
+        )
 
         def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
             return torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -49,11 +53,23 @@ class ValueModel:
     @torch.no_grad()
     def values(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
         self.engine.eval()
-        out = [token_values(self.engine, rollout, s, e, self.pad_id)[0] for s, e in rollout.micro_batches(micro_batch)]
+        out = [
+            token_values(self.engine, rollout, s, e, self.pad_id)[0]
+            for s, e in rollout.micro_batches(micro_batch)
+        ]
         return torch.cat(out) if out else torch.zeros(0)
 
-    def train(self, rollout: PackedRollout, old_values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor,
-              *, micro_batch: int, epochs: int, clip: float) -> dict[str, float]:
+    def train(
+        self,
+        rollout: PackedRollout,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        valid: torch.Tensor,
+        *,
+        micro_batch: int,
+        epochs: int,
+        clip: float,
+    ) -> dict[str, float]:
         self.engine.train()
         resp_lens = rollout.response_lens
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), resp_lens]), 0)
@@ -78,7 +94,8 @@ class ValueModel:
         self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
 
     def load(self, directory: str, tag: str) -> None:
-        path, _ = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        path, _ = self.engine.load_checkpoint(
+            directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")

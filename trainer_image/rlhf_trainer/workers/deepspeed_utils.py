@@ -72,8 +72,14 @@ def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype)
     return model, keepalive
 
 
-def response_logprobs(model: torch.nn.Module, rollout: PackedRollout, start: int, end: int, pad_id: int,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def response_logprobs(
+    model: torch.nn.Module,
+    rollout: PackedRollout,
+    start: int,
+    end: int,
+    pad_id: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward samples [start, end): (packed response-token log-probs, padded [B,T-1] logprobs, action mask)."""
     ids, attn, act = pad_micro_batch(rollout, start, end, pad_id)
     device = next(model.parameters()).device
@@ -86,8 +92,9 @@ def response_logprobs(model: torch.nn.Module, rollout: PackedRollout, start: int
     return unpad_response_values(lp, act).detach().cpu(), lp, act
 
 
-def token_values(model: torch.nn.Module, rollout: PackedRollout, start: int, end: int,
-                 pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_values(
+    model: torch.nn.Module, rollout: PackedRollout, start: int, end: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Critic forward: V(state before each response token), as (packed, padded [B,T-1], action mask)."""
     ids, attn, act = pad_micro_batch(rollout, start, end, pad_id)
     device = next(model.parameters()).device

@@ -35,12 +35,16 @@ def node_ip() -> str:
 class ModelRank:
     """Hosts any of: actor (PolicyModel), reference, critic (ValueModel)."""
 
-    def __init__(self, group: str, roles: list[str], rank: int, world_size: int, dev: str, threads: int) -> None:
+    def __init__(
+        self, group: str, roles: list[str], rank: int, world_size: int, dev: str, threads: int
+    ) -> None:
         self.group = group
         self.roles = roles
         self.rank = rank
         self.world_size = world_size
-        self.info = device.DeviceInfo(dev, "nccl" if dev == "cuda" else "gloo", "nccl" if dev == "cuda" else "gloo")
+        self.info = device.DeviceInfo(
+            dev, "nccl" if dev == "cuda" else "gloo", "nccl" if dev == "cuda" else "gloo"
+        )
         device.configure_process(self.info, threads)
         self.models: dict[str, Any] = {}
         self.shards: dict[int, PackedRollout] = {}
@@ -52,14 +56,22 @@ class ModelRank:
     def address(self) -> tuple[str, int]:
         return node_ip(), free_port()
 
-    def setup(self, master_addr: str, master_port: int, settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def setup(
+        self, master_addr: str, master_port: int, settings: dict[str, dict[str, Any]]
+    ) -> dict[str, Any]:
         import deepspeed
 
         t0 = time.perf_counter()
-        os.environ.update({
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(self.rank),
-            "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-        })
+        os.environ.update(
+            {
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+            }
+        )
         if self.info.kind == "cuda":
             torch.cuda.set_device(0)
         deepspeed.init_distributed(dist_backend=self.info.dist_backend, auto_mpi_discovery=False)
@@ -79,7 +91,12 @@ class ModelRank:
                 self.models[role] = ReferenceModel(s["path"], s)
             else:
                 raise ValueError(f"a model rank cannot host role {role!r}")
-        return {"rank": self.rank, "roles": self.roles, "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+        return {
+            "rank": self.rank,
+            "roles": self.roles,
+            "seconds": time.perf_counter() - t0,
+            "pid": os.getpid(),
+        }
 
     # ---- rollout shards -----------------------------------------------------------------------------
     def _load_shards(self, shard_refs: dict[int, list[Any]]) -> None:
@@ -122,8 +139,13 @@ class ModelRank:
         return n
 
     # ---- advantages (actor ranks) -----------------------------------------------------------------
-    def advantages(self, reward_refs: dict[int, list[Any]], ref_refs: list[Any], value_refs: list[Any],
-                   algo: dict[str, Any]) -> tuple[dict[str, float], dict[int, dict[str, torch.Tensor]]]:
+    def advantages(
+        self,
+        reward_refs: dict[int, list[Any]],
+        ref_refs: list[Any],
+        value_refs: list[Any],
+        algo: dict[str, Any],
+    ) -> tuple[dict[str, float], dict[int, dict[str, torch.Tensor]]]:
         """Scores -> advantages per shard; returns (stats, {shard: {returns, values, valid}} for the critic)."""
         import ray
 
@@ -131,8 +153,13 @@ class ModelRank:
         values = _merge_shard_dicts(ray.get(value_refs)) if value_refs else {}
         est = algo["estimator"]
         kl_coef = float(algo["kl_coef"])
-        stats: dict[str, float] = {"kl_sum": 0.0, "kl_tokens": 0.0, "adv_abs_sum": 0.0, "valid": 0.0,
-                                   "score_sum": 0.0}
+        stats: dict[str, float] = {
+            "kl_sum": 0.0,
+            "kl_tokens": 0.0,
+            "adv_abs_sum": 0.0,
+            "valid": 0.0,
+            "score_sum": 0.0,
+        }
         for_critic: dict[int, dict[str, torch.Tensor]] = {}
         for s, rollout in self.shards.items():
             results = ray.get(reward_refs[s])
@@ -145,20 +172,26 @@ class ModelRank:
             kls = split_per_response(kl_tok, lens)
             if est == "gae":
                 v = split_per_response(values[s], lens)
-                rewards = [algorithms.token_rewards(float(scores[i]), kls[i], kl_coef) for i in range(len(kls))]
+                rewards = [
+                    algorithms.token_rewards(float(scores[i]), kls[i], kl_coef) for i in range(len(kls))
+                ]
                 adv = algorithms.gae(rewards, v, float(algo["gamma"]), float(algo["lam"]))
                 advs = algorithms.whiten(adv.advantages, valid)
-                for_critic[s] = {"returns": torch.cat(adv.returns) if adv.returns else torch.zeros(0),
-                                 "valid": valid}
+                for_critic[s] = {
+                    "returns": torch.cat(adv.returns) if adv.returns else torch.zeros(0),
+                    "valid": valid,
+                }
             elif est == "grpo":
                 advs = algorithms.grpo(scores, rollout.group, [int(x) for x in lens], valid).advantages
             elif est == "reinforce_pp":
-                advs = algorithms.reinforce_pp(scores, rollout.group, kls, kl_coef, float(algo["gamma"]),
-                                               valid).advantages
+                advs = algorithms.reinforce_pp(
+                    scores, rollout.group, kls, kl_coef, float(algo["gamma"]), valid
+                ).advantages
             else:
                 raise ValueError(f"unknown advantage estimator {est!r}")
-            self.local[s].update(advantages=torch.cat(advs) if advs else torch.zeros(0), valid=valid,
-                                 ref_logprobs=ref)
+            self.local[s].update(
+                advantages=torch.cat(advs) if advs else torch.zeros(0), valid=valid, ref_logprobs=ref
+            )
             vmask = torch.repeat_interleave(valid, lens)
             stats["kl_sum"] += float(kl_tok[vmask].sum())
             stats["kl_tokens"] += float(vmask.sum())
@@ -170,13 +203,24 @@ class ModelRank:
     # ---- training phases ---------------------------------------------------------------------------
     def train_actor(self, algo: dict[str, Any]) -> dict[str, float]:
         r = self._combined()
-        cat = {k: torch.cat([self.local[s][k] for s in sorted(self.shards)]) for k in ("old_logprobs", "advantages", "valid")}
+        cat = {
+            k: torch.cat([self.local[s][k] for s in sorted(self.shards)])
+            for k in ("old_logprobs", "advantages", "valid")
+        }
         refs = [self.local[s].get("ref_logprobs") for s in sorted(self.shards)]
         ref = torch.cat(refs) if all(x is not None for x in refs) else None  # type: ignore[arg-type]
         kl_loss = float(algo["kl_coef"]) if algo["estimator"] == "grpo" else 0.0
         stats: dict[str, float] = self.models["actor"].train(
-            r, cat["old_logprobs"], cat["advantages"], ref, cat["valid"], micro_batch=int(algo["train_micro_batch"]),
-            epochs=int(algo["epochs"]), clip=float(algo["clip"]), kl_loss_coef=kl_loss)
+            r,
+            cat["old_logprobs"],
+            cat["advantages"],
+            ref,
+            cat["valid"],
+            micro_batch=int(algo["train_micro_batch"]),
+            epochs=int(algo["epochs"]),
+            clip=float(algo["clip"]),
+            kl_loss_coef=kl_loss,
+        )
         stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"])
         return stats
 
@@ -192,8 +236,14 @@ class ModelRank:
         valid = torch.cat([got[s]["valid"] for s in order])
         old_values = torch.cat([self.local[s]["values"] for s in order])
         result: dict[str, float] = self.models["critic"].train(
-            r, old_values, returns, valid, micro_batch=int(algo["train_micro_batch"]), epochs=int(algo["epochs"]),
-            clip=float(algo["value_clip"]))
+            r,
+            old_values,
+            returns,
+            valid,
+            micro_batch=int(algo["train_micro_batch"]),
+            epochs=int(algo["epochs"]),
+            clip=float(algo["value_clip"]),
+        )
         return result
 
     # ---- weight sync (actor ranks) ---------------------------------------------------------------------

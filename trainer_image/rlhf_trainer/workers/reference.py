@@ -36,5 +36,8 @@ class ReferenceModel:
     @torch.no_grad()
     def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
         self.engine.eval()
-        out = [response_logprobs(self.engine, rollout, s, e, self.pad_id)[0] for s, e in rollout.micro_batches(micro_batch)]
+        out = [
+            response_logprobs(self.engine, rollout, s, e, self.pad_id)[0]
+            for s, e in rollout.micro_batches(micro_batch)
+        ]
         return torch.cat(out) if out else torch.zeros(0)

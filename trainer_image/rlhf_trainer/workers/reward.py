@@ -50,7 +50,9 @@ class RewardResult:
 def load_reward_function(ref: str) -> RewardFn:
     """`path/to/file.py:function` or `package.module:function` -> the callable, or RewardSetupError."""
     if ":" not in ref:
-        raise RewardSetupError(f"model.reward.function {ref!r}: expected 'module:function' or 'file.py:function'")
+        raise RewardSetupError(
+            f"model.reward.function {ref!r}: expected 'module:function' or 'file.py:function'"
+        )
     target, _, name = ref.rpartition(":")
     try:
         if target.endswith(".py"):
@@ -69,7 +71,9 @@ def load_reward_function(ref: str) -> RewardFn:
     except RewardSetupError:
         raise
     except Exception as e:
-        raise RewardSetupError(f"model.reward.function {ref!r}: import of {target} failed: {type(e).__name__}: {e}") from e
+        raise RewardSetupError(
+            f"model.reward.function {ref!r}: import of {target} failed: {type(e).__name__}: {e}"
+        ) from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardSetupError(f"model.reward.function {ref!r}: {target} has no callable {name!r}")
@@ -106,7 +110,9 @@ class RewardScorer:
 
             path = str(reward["model"])
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval().to(device)
+            self.model = (
+                AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval().to(device)
+            )
         else:
             raise RewardSetupError(f"model.reward.type {self.kind!r} is not function, model or http")
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=int(reward.get("concurrency", 4)))
@@ -121,8 +127,11 @@ class RewardScorer:
         if self.url is not None:
             import httpx
 
-            resp = httpx.post(self.url, json={"prompts": prompts, "responses": responses, "labels": labels},
-                              timeout=self.timeout)
+            resp = httpx.post(
+                self.url,
+                json={"prompts": prompts, "responses": responses, "labels": labels},
+                timeout=self.timeout,
+            )
             resp.raise_for_status()
             return list(resp.json()["rewards"])
         return self._score_with_model(prompts, responses)
@@ -134,7 +143,9 @@ class RewardScorer:
         logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
         return [float(x) for x in logits[:, 0].float().cpu()]
 
-    def _score_batch(self, prompts: list[str], responses: list[str], labels: list[Any]) -> tuple[list[float | None], str]:
+    def _score_batch(
+        self, prompts: list[str], responses: list[str], labels: list[Any]
+    ) -> tuple[list[float | None], str]:
         """Scores or None per sample, plus the first error message."""
         try:
             raw = self._pool.submit(self._call, prompts, responses, labels).result(timeout=self.timeout)
