@@ -258,6 +258,13 @@ def _printer_columns() -> list[dict[str, Any]]:
             "description": "Ready vLLM engines.",
         },
         {
+            "name": "Reward",
+            "type": "number",
+            "jsonPath": ".status.rewardMean",
+            "description": "Mean reward of the last step.",
+            "priority": 1,
+        },
+        {
             "name": "Desired",
             "type": "integer",
             "jsonPath": ".spec.rollout.engines",

@@ -177,17 +177,34 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
         except rayjobs.RayJobsError as e:
             obs["ray_job_error"] = str(e)
         if obs.get("ray_job") is not None and obs["ray_job"].status == rayjobs.RUNNING:
-            try:
-                obs["metrics"] = scrape.fetch_metrics(metrics_url(cluster, job), job.name)
-                metrics.SCRAPES.labels("ok").inc()
-            except scrape.MetricsUnavailable as e:
-                obs["metrics_error"] = str(e)
-                metrics.SCRAPES.labels("unavailable").inc()
-            except scrape.MalformedMetrics as e:
-                log.warning("malformed metrics from %s/%s ignored: %s", namespace, job.name, e)
-                obs["metrics_error"] = f"malformed metrics: {e}"
-                metrics.SCRAPES.labels("malformed").inc()
+            obs.update(_scrape(namespace, job, cluster, body.metadata.uid or ""))
     return Observed(**obs)
+
+
+# The last scrape of each job (by uid): (monotonic time, {"metrics": ...} or {"metrics_error": ...}).
+# The trainer is read at most once per monitoring.scrapeIntervalSeconds, however often the reconcile
+# timer fires, so the status (patched only when it changes) moves at most once per interval.
+_last_scrape: dict[str, tuple[float, dict[str, Any]]] = {}
+
+
+def _scrape(namespace: str, job: RLHFJob, cluster: dict[str, Any], uid: str) -> dict[str, Any]:
+    now = time.monotonic()
+    cached = _last_scrape.get(uid)
+    if cached is not None and now - cached[0] < job.spec.monitoring.scrape_interval_seconds:
+        return cached[1]
+    result: dict[str, Any]
+    try:
+        result = {"metrics": scrape.fetch_metrics(metrics_url(cluster, job), job.name)}
+        metrics.SCRAPES.labels("ok").inc()
+    except scrape.MetricsUnavailable as e:
+        result = {"metrics_error": str(e)}
+        metrics.SCRAPES.labels("unavailable").inc()
+    except scrape.MalformedMetrics as e:
+        log.warning("malformed metrics from %s/%s ignored: %s", namespace, job.name, e)
+        result = {"metrics_error": f"malformed metrics: {e}"}
+        metrics.SCRAPES.labels("malformed").inc()
+    _last_scrape[uid] = (now, result)
+    return result
 
 
 def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:
@@ -235,6 +252,9 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
         kopf.event(body, type=etype, reason=reason, message=message)
         if reason == "Restarting":
             metrics.RESTARTS.labels(namespace, job.name).inc()
+        elif reason == "Stalled":
+            stuck = message.split(":", 2)[1].strip() if message.startswith("PhaseStuck:") else "unknown"
+            metrics.STALLS.labels(namespace, job.name, stuck.split()[0] if stuck else "unknown").inc()
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0.2, sharp=False)
@@ -269,6 +289,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 def stop_trainer(body: kopf.Body, **_: Any) -> None:
     """Best effort: stop the Ray job (the RayCluster itself goes by owner-reference garbage collection)."""
     metrics.record_phase(body.metadata.namespace or "default", body.metadata.name or "", None)
+    _last_scrape.pop(body.metadata.uid or "", None)
     sid = body.status.get("submissionId")
     if not sid or not DEV_HEAD_HOST:
         return  # in a real cluster the RayCluster's deletion ends the job with it

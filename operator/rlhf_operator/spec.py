@@ -672,7 +672,12 @@ class RLHFJobStatus(_Status):
         default=None, ge=0, le=1, description="Fraction of the last step spent in generation."
     )
     tokens_per_second: float | None = Field(
-        default=None, ge=0, description="Generated tokens per second, last step."
+        default=None, ge=0, description="Generated tokens per wall-clock second between the last two observed steps."
+    )
+    reward_mean: float | None = Field(default=None, description="Mean reward of the last step's samples.")
+    kl: float | None = Field(default=None, description="KL divergence to the reference model, last step.")
+    generated_tokens: int | None = Field(
+        default=None, ge=0, description="Tokens generated so far (at the last completed step observed)."
     )
     rollout: RolloutStatus | None = Field(default=None, description="Rollout engine counts.")
     last_scale_time: datetime | None = Field(default=None, description="When the engine count last changed.")

@@ -7,6 +7,7 @@ an operator killed at any point converges to the same answer on restart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -290,6 +291,17 @@ def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
         st["conditions"] = set_condition(conds, "MetricsUnavailable", True, "ScrapeFailed", reason, observed.now)
         return
     st["conditions"] = set_condition(conds, "MetricsUnavailable", False, "Scraped", "", observed.now)
+    # Throughput between two observed step completions: generated tokens per wall-clock second, from the
+    # previous status (so it survives an operator restart). Computed before step/lastStepTime move on.
+    prev_step, prev_tokens = int(st.get("step") or 0), st.get("generatedTokens")
+    prev_time = parse_time(st.get("lastStepTime"))
+    if m.last_step_completed_ts and m.steps_completed > prev_step and prev_tokens is not None and prev_time:
+        new_time = datetime.fromtimestamp(m.last_step_completed_ts, UTC)
+        delta = m.generated_tokens_total - float(prev_tokens)
+        if new_time > prev_time and delta >= 0:
+            st["tokensPerSecond"] = round(delta / (new_time - prev_time).total_seconds(), 1)
+    if m.steps_completed != prev_step or prev_tokens is None:
+        st["generatedTokens"] = int(m.generated_tokens_total)
     st["step"] = m.steps_completed
     total = m.total_steps or job.spec.algorithm.total_steps
     st["totalSteps"] = total
@@ -301,8 +313,11 @@ def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
     share = m.generation_share
     if share is not None:
         st["generationShare"] = round(share, 3)
-    if m.in_progress_phase:
-        st["currentPhase"] = m.in_progress_phase
+    st["currentPhase"] = m.in_progress_phase  # None (removed) between phases
+    if m.reward_mean is not None and math.isfinite(m.reward_mean):
+        st["rewardMean"] = round(m.reward_mean, 4)
+    if m.kl is not None and math.isfinite(m.kl):
+        st["kl"] = round(m.kl, 6)
     if m.engines:
         rollout = dict(st.get("rollout") or {})
         rollout["readyEngines"] = int(m.engines.get("ready", 0))
