@@ -28,8 +28,8 @@ cluster-status:
 	@$(DEVCLUSTER) status
 
 lint: setup ## ruff and mypy
-	@$(VENV)/bin/ruff check operator trainer_image tests benchmarks
-	@$(VENV)/bin/ruff format --check operator trainer_image tests benchmarks
+	@$(VENV)/bin/ruff check operator trainer_image tests benchmarks scripts
+	@$(VENV)/bin/ruff format --check operator trainer_image tests benchmarks scripts
 	@$(VENV)/bin/mypy
 
 crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Placeholder until the demo issue: will start the control plane, install the chart with Helm, run the
-# operator locally, apply examples/rlhfjob-tiny.yaml and follow it to Succeeded.
+# `make demo`: control plane, `helm install`, the operator, and examples/rlhfjob-tiny.yaml run to
+# Succeeded with live progress (scripts/demo.py). Set-up (make setup) has run before this.
 set -euo pipefail
-echo "make demo: not built yet. It will: set up, start the local control plane, helm install the chart,"
-echo "run the operator locally, apply examples/rlhfjob-tiny.yaml and show live progress until Succeeded."
+cd "$(dirname "$0")/.."
+exec .venv/bin/python scripts/demo.py "$@"

@@ -229,6 +229,11 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
 
     st["submissionId"] = job_info.submission_id
     if job_info.status == rayjobs.SUCCEEDED:
+        # The driver exits 0 only after its last step, and its /metrics ends with it: the final step is
+        # usually completed between two scrapes, so the count comes from that contract.
+        st["step"] = spec.algorithm.total_steps
+        st["progress"] = f"{spec.algorithm.total_steps}/{spec.algorithm.total_steps}"
+        st["currentPhase"] = None
         return finish("Succeeded", "TrainingComplete", f"trained {spec.algorithm.total_steps} steps")
     def restart_or_fail(reason: str, limit_reason: str) -> Decision:
         restarts = int(st.get("restarts") or 0)

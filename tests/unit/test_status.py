@@ -115,6 +115,7 @@ def test_success_releases_the_cluster() -> None:
     d = decide(job({"phase": "Running"}), obs(ray_job=ray("SUCCEEDED")), SID)
     assert d.status["phase"] == "Succeeded"
     assert d.status["completionTime"] == iso(NOW)
+    assert (d.status["step"], d.status["progress"]) == (20, "20/20")
     assert "delete_cluster" in d.actions
 
 

@@ -26,10 +26,13 @@ def apply_overrides(manifest: dict[str, Any], sets: list[str]) -> dict[str, Any]
         if keys[0] not in ("spec", "metadata", "apiVersion", "kind"):
             keys = ["spec", *keys]
         node: Any = manifest
-        for k in keys[:-1]:
+        for depth, k in enumerate(keys[:-1]):
+            if node.get(k) is None:  # absent or null: the override creates the mapping
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
-                raise ValueError(f"--set {path}: {k!r} is not inside a mapping")
-            node = node.setdefault(k, {})
+                where = ".".join(keys[: depth + 1])
+                raise ValueError(f"--set {path}: {where} is {node!r}, not a mapping")
         try:
             node[keys[-1]] = yaml.safe_load(raw)
         except yaml.YAMLError as e:
@@ -99,7 +102,9 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
                 task, advance=1, description=f"step {report.step} reward {report.reward_mean:.3f}"
             )
         if not quiet:
-            console.print(_step_line(report), highlight=False, markup=False, soft_wrap=True)
+            if len(rows) == 1:
+                console.print(_step_header(), highlight=False, markup=False, soft_wrap=True)
+            console.print(_step_row(report), highlight=False, markup=False, soft_wrap=True)
 
     try:
         if progress is not None:
@@ -164,11 +169,33 @@ def _stop(progress: Any) -> None:
         progress.stop()
 
 
-def _step_line(r: Any) -> str:
-    phases = " ".join(f"{k}={v:.2f}" for k, v in r.phase_seconds.items())
+# The per-step table: one aligned row per step, a column per phase (seconds; "-" if it did not run).
+_PHASE_COLUMNS = {
+    "generation": "gen",
+    "reward": "reward",
+    "reference": "ref",
+    "critic_values": "values",
+    "old_logprobs": "oldlp",
+    "advantages": "adv",
+    "actor_train": "actor",
+    "critic_train": "critic",
+    "weight_sync": "sync",
+    "checkpoint": "ckpt",
+}
+
+
+def _step_header() -> str:
+    phases = "".join(f"{c:>7}" for c in _PHASE_COLUMNS.values())
+    return f"{'step':>5} {'reward':>7} {'kl':>7} {'tok/s':>6} {'errors':>6} |{phases} {'total':>7}"
+
+
+def _step_row(r: Any) -> str:
+    cells = "".join(
+        f"{r.phase_seconds[p]:>7.2f}" if p in r.phase_seconds else f"{'-':>7}" for p in _PHASE_COLUMNS
+    )
     return (
-        f"step {r.step}: reward {r.reward_mean:.3f} kl {r.kl:.4f} tok/s {r.tokens_per_second:.0f} "
-        f"errors {r.reward_errors} | {phases}"
+        f"{r.step:>5} {r.reward_mean:>7.3f} {r.kl:>7.4f} {r.tokens_per_second:>6.0f} {r.reward_errors:>6} |"
+        f"{cells} {sum(r.phase_seconds.values()):>7.2f}"
     )
 
 

@@ -170,9 +170,7 @@ class Trainer:
             if not hosted:
                 continue
             name = "+".join(hosted)
-            # Colocated with the engines (colocateAll): each device is shared by a rank and an engine.
-            share = 2.0 if spec.trainer.colocate_all else 1.0
-            res = self._resources(TRAINER_RESOURCE, gpu / share)
+            res = self._resources(TRAINER_RESOURCE, gpu / sharers_per_device(spec, roles))
             threads = max(1, cores // placement.ranks)
             group = RayGroup(
                 name,
@@ -189,9 +187,7 @@ class Trainer:
         self.actor_group = self.role_groups["actor"]
         self.critic_group = self.role_groups.get("critic")
         # Reward scorer: a threaded actor (function/http), or the holder of the reward model.
-        reward_gpu = gpu if spec.model.reward.type == "model" else 0.0
-        if reward_gpu and spec.trainer.critic_reward_colocated:
-            reward_gpu = gpu / 2.0
+        reward_gpu = gpu / sharers_per_device(spec, ("reward",)) if spec.model.reward.type == "model" else 0.0
         self.reward = _remote(
             RewardScorer,
             self._resources(None, reward_gpu),
@@ -199,9 +195,7 @@ class Trainer:
             env=env,
         ).remote(spec.model.reward.model_dump(), self.info.kind)
         # Rollout engines.
-        engine_gpu = float(spec.rollout.tensor_parallel_size) * (
-            gpu / 2.0 if spec.trainer.colocate_all else gpu
-        )
+        engine_gpu = float(spec.rollout.tensor_parallel_size) * gpu / sharers_per_device(spec, ("engine",))
         options = {
             "model_path": spec.model.actor,
             "device": self.info.kind,
@@ -236,6 +230,8 @@ class Trainer:
             "lr_warmup_steps": a.lr_warmup_steps * a.epochs,
             "total_steps": a.total_steps * a.epochs,
             "train_micro_batch": a.train_micro_batch_size,
+            # log-probs of the distribution the engines sampled from (logits / T); greedy (T=0) -> 1
+            "temperature": float(spec.rollout.temperature) if spec.rollout.temperature > 0 else 1.0,
         }
 
         def for_group(world: int) -> int:
@@ -383,6 +379,8 @@ class Trainer:
             "value_clip": a.value_clip_range,
             "epochs": a.epochs,
             "train_micro_batch": a.train_micro_batch_size,
+            # log-probs of the distribution the engines sampled from (logits / T); greedy (T=0) -> 1
+            "temperature": float(spec.rollout.temperature) if spec.rollout.temperature > 0 else 1.0,
         }
 
     # ---- engines and weight sync -----------------------------------------------------------------
@@ -500,11 +498,32 @@ class Trainer:
         m.step_done(report.phase_seconds)
 
     def shutdown(self) -> None:
+        import ray
+
+        if self.actor_group is not None and self._channel_version >= 0:
+            # close the sync channel first: the shm backend's buffer file is removed by its owner
+            with contextlib.suppress(Exception):
+                ray.get(self.actor_group.call("open_weight_channel", None), timeout=30)
         for g in self.groups:
             with contextlib.suppress(Exception):
                 g.shutdown()
         if self.pool is not None:
             self.pool.shutdown()
+
+
+def sharers_per_device(spec: Any, roles: tuple[str, ...]) -> int:
+    """How many processes share each device of `roles` (a gpu_groups() group, ("reward",) or ("engine",)).
+
+    colocateAll: every device of the actor runs a model rank and an engine (and the reward model, if
+    any). A reward model colocated with the critic shares the critic's devices. Otherwise one each.
+    """
+    reward_model = spec.model.reward.type == "model"
+    if spec.trainer.colocate_all:
+        return 2 + int(reward_model)
+    critic_and_reward = reward_model and spec.algorithm.uses_critic and spec.trainer.critic_reward_colocated
+    if critic_and_reward and ("reward" in roles or "critic" in roles):
+        return 2
+    return 1
 
 
 def _remote(cls: type, res: Any, max_concurrency: int = 1, env: dict[str, str] | None = None) -> Any:

@@ -26,6 +26,8 @@ class ShmChannel:
             master_addr, master_port, rank, world_size, group_name + "-ctl"
         )
         self.path = SHM_DIR / f"rlhf-weights-{group_name}.bin"
+        if rank == 0:  # a run killed mid-sync leaves its file behind: never map stale bytes
+            self.path.unlink(missing_ok=True)
         self._signal = torch.zeros(1, dtype=torch.int64)
 
     def _map(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -52,13 +52,14 @@ class PolicyModel:
         )
         del keepalive
         self.pad_id = int(settings["pad_id"])
+        self.temperature = float(settings.get("temperature", 1.0))
 
     # ---- experience ---------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
         self.engine.eval()
         out = [
-            response_logprobs(self.engine, rollout, s, e, self.pad_id)[0]
+            response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature)[0]
             for s, e in rollout.micro_batches(micro_batch)
         ]
         return torch.cat(out) if out else torch.zeros(0)
@@ -89,7 +90,7 @@ class PolicyModel:
         for _ in range(epochs):
             for s, e in rollout.micro_batches(micro_batch):
                 sl = slice(int(offsets[s]), int(offsets[e]))
-                _, lp, act = response_logprobs(self.engine, rollout, s, e, self.pad_id)
+                _, lp, act = response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature)
                 sample_valid = valid[s:e].float().unsqueeze(1).to(act.device)
                 mask = act * sample_valid
                 old = pad_response_values(old_logprobs[sl], act.cpu()).to(act.device)

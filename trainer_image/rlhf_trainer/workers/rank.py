@@ -254,6 +254,7 @@ class ModelRank:
         return plan_to_wire(self.plan)
 
     def open_weight_channel(self, rdzv_wire: dict[str, Any] | None) -> None:
+        """Join a (new) weight-sync group as its rank 0 (actor rank 0 only); None just closes the old one."""
         if self.channel is not None:
             self.channel.close()
             self.channel = None

@@ -32,12 +32,13 @@ class ReferenceModel:
         self.engine, *_ = deepspeed.initialize(model=model, config=cfg)
         del keepalive
         self.pad_id = int(settings["pad_id"])
+        self.temperature = float(settings.get("temperature", 1.0))
 
     @torch.no_grad()
     def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
         self.engine.eval()
         out = [
-            response_logprobs(self.engine, rollout, s, e, self.pad_id)[0]
+            response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature)[0]
             for s, e in rollout.micro_batches(micro_batch)
         ]
         return torch.cat(out) if out else torch.zeros(0)

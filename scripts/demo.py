@@ -1,0 +1,264 @@
+"""`make demo`: the whole product on one machine, as a new user first sees it.
+
+1. the local control plane (real etcd, kube-apiserver, controller-manager, scheduler, KWOK, KubeRay);
+2. `helm install` of charts/rlhf-operator (CRD, RBAC, Deployment, Service);
+3. the operator as a local process pointed at that cluster (pods cannot run containers here, so the
+   chart's Deployment has a fake-Running pod on a KWOK node and the real operator runs beside it), with a
+   local Ray head standing in for the RayCluster's head pod (RLHF_DEV_HEAD_HOST, docs/development.md);
+4. `kubectl apply -f examples/rlhfjob-tiny.yaml`, then live progress until the job Succeeds.
+
+Everything it starts lives under .demo/ (and /tmp/rlhf-tiny, the example's paths) on ports of its own,
+so it runs beside a test cluster. Ctrl-C, or any failure, cleans up; a second run starts clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / ".demo"
+VENV_BIN = ROOT / ".venv" / "bin"
+PORT_OFFSET = int(os.environ.get("RLHF_DEMO_PORT_OFFSET", "100"))
+RAY_PORT, DASHBOARD_PORT = 16379 + PORT_OFFSET, 18265 + PORT_OFFSET
+TINY = Path("/tmp/rlhf-tiny")  # the paths examples/rlhfjob-tiny.yaml names
+NAMESPACE, JOB, RELEASE = "default", "tiny", "rlhf-operator"
+TIMEOUT = float(os.environ.get("RLHF_DEMO_TIMEOUT", "1800"))
+PIDS = DEMO / "pids.json"
+
+console = Console()
+ENV = {
+    **os.environ,
+    "RLHF_CLUSTER_DIR": str(DEMO / "cluster"),
+    "RLHF_CLUSTER_PORT_OFFSET": str(PORT_OFFSET),
+    "KUBECONFIG": str(DEMO / "cluster" / "kubeconfig"),
+    "PATH": f"{DEMO / 'cluster' / 'bin'}:{VENV_BIN}:{os.environ['PATH']}",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",  # the demo head listens on loopback only
+}
+ENV.pop("RAY_ADDRESS", None)
+
+
+class DemoError(Exception):
+    pass
+
+
+def run(*cmd: str, quiet: bool = False, timeout: float = 1800) -> str:
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise DemoError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    if not quiet and proc.stdout.strip():
+        console.print(proc.stdout.rstrip(), highlight=False)
+    return proc.stdout
+
+
+def step(title: str) -> float:
+    console.rule(f"[bold]{title}")
+    return time.monotonic()
+
+
+def done(t0: float, what: str) -> None:
+    console.print(f"[green]✓[/] {what} [dim]({time.monotonic() - t0:.1f}s)[/]")
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def spawn(name: str, cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    log = (DEMO / f"{name}.log").open("ab")
+    proc = subprocess.Popen(cmd, env={**ENV, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=ROOT, start_new_session=True)
+    pids = json.loads(PIDS.read_text()) if PIDS.exists() else {}
+    pids[name] = proc.pid
+    PIDS.write_text(json.dumps(pids))
+    return proc
+
+
+def stop_group(pid: int) -> None:
+    for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def cleanup(quiet: bool = False) -> None:
+    """Stops everything a demo run (this one or an interrupted earlier one) started."""
+    if not quiet:
+        console.rule("[bold]cleaning up")
+    if (DEMO / "cluster" / "kubeconfig").exists():
+        subprocess.run(["kubectl", "delete", "rlhfjob", JOB, "-n", NAMESPACE, "--ignore-not-found", "--wait=false"],
+                       env=ENV, capture_output=True, timeout=60)
+    if PIDS.exists():
+        for name, pid in json.loads(PIDS.read_text()).items():
+            stop_group(int(pid))
+            if not quiet:
+                console.print(f"stopped {name}")
+        PIDS.unlink()
+    subprocess.run([sys.executable, "tests/controlplane/devcluster.py", "down"], env=ENV, capture_output=True,
+                   timeout=120, cwd=ROOT)
+    shutil.rmtree(Path("/tmp/rlhf-demo-ray"), ignore_errors=True)
+    if not quiet:
+        console.print("control plane stopped; logs were in .demo/")
+
+
+def wait_http(url: str, timeout: float, what: str, proc: subprocess.Popen[bytes], log: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DemoError(f"{what} exited ({proc.returncode}); see .demo/{log}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise DemoError(f"timed out after {timeout:.0f}s waiting for {what}; see .demo/{log}")
+
+
+# ------------------------------------------------------------------------------------------ live view
+
+
+def get_job() -> dict[str, Any] | None:
+    proc = subprocess.run(["kubectl", "get", "rlhfjob", JOB, "-n", NAMESPACE, "-o", "json"], env=ENV,
+                          capture_output=True, text=True, timeout=30)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def render(job: dict[str, Any] | None, started: float) -> Group:
+    st = (job or {}).get("status", {})
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    phase = st.get("phase") or "Pending"
+    colour = {"Succeeded": "green", "Failed": "red", "Stalled": "yellow", "Restarting": "yellow"}.get(phase, "cyan")
+    head.add_row("RLHFJob", f"{NAMESPACE}/{JOB}   [dim]elapsed {time.monotonic() - started:.0f}s[/]")
+    head.add_row("phase", f"[{colour}]{phase}[/]  {st.get('message', '')}")
+    head.add_row("step", f"{st.get('step', 0)}/{st.get('totalSteps', '?')}"
+                 + (f"   now in [bold]{st['currentPhase']}[/]" if st.get("currentPhase") else ""))
+    reward = st.get("rewardMean")
+    head.add_row("reward", f"{reward:.3f}" if isinstance(reward, (int, float)) else "-")
+    share = st.get("generationShare")
+    head.add_row("generation share", f"{share:.0%}" if isinstance(share, (int, float)) else "-")
+    tps = st.get("tokensPerSecond")
+    head.add_row("tokens/s", f"{tps:.0f}" if isinstance(tps, (int, float)) else "-")
+    head.add_row("engines", f"{(st.get('rollout') or {}).get('readyEngines', 0)} ready")
+    phases = Table(title="last step, seconds per phase", title_justify="left", expand=False)
+    phases.add_column("phase")
+    phases.add_column("seconds", justify="right")
+    phases.add_column("share", justify="right")
+    phases.add_column("")
+    secs: dict[str, float] = st.get("phaseSeconds") or {}
+    total = sum(secs.values()) or 1.0
+    for name, value in sorted(secs.items(), key=lambda kv: -kv[1]):
+        bar = "█" * max(0, round(30 * value / total))
+        phases.add_row(name, f"{value:.2f}", f"{value / total:.0%}", f"[magenta]{bar}[/]")
+    return Group(Panel(head, title="rlhf-operator demo", border_style=colour), phases)
+
+
+def follow(started: float, operator: subprocess.Popen[bytes]) -> dict[str, Any]:
+    deadline = time.monotonic() + TIMEOUT
+    job = get_job()
+    with Live(render(job, started), console=console, refresh_per_second=2, transient=False) as live:
+        while time.monotonic() < deadline:
+            if operator.poll() is not None:
+                raise DemoError(f"the operator exited ({operator.returncode}); see .demo/operator.log")
+            job = get_job()
+            live.update(render(job, started))
+            phase = ((job or {}).get("status") or {}).get("phase")
+            if phase in ("Succeeded", "Failed"):
+                return job or {}
+            time.sleep(1)
+    raise DemoError(f"the job did not finish within {TIMEOUT:.0f}s; see .demo/operator.log")
+
+
+def summary(job: dict[str, Any], started: float) -> None:
+    st = job.get("status", {})
+    console.rule("[bold]summary")
+    console.print(f"RLHFJob {NAMESPACE}/{JOB}: [bold]{st.get('phase')}[/] after {st.get('step')} steps "
+                  f"({time.monotonic() - started:.0f}s from apply), {st.get('restarts', 0)} restarts")
+    console.print(f"final mean reward {st.get('rewardMean')}, generation share {st.get('generationShare')}")
+    ckpts = sorted(p.name for p in (TINY / "checkpoints").glob("step-*"))
+    console.print(f"checkpoints in {TINY / 'checkpoints'}: {', '.join(ckpts) or 'none'}")
+    events = run("kubectl", "get", "events", "-n", NAMESPACE, "--field-selector",
+                 f"involvedObject.kind=RLHFJob,involvedObject.name={JOB}", "--sort-by=.lastTimestamp", quiet=True)
+    console.print(events.rstrip(), highlight=False)
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    DEMO.mkdir(exist_ok=True)
+    cleanup(quiet=True)  # whatever an interrupted run left behind
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    t_all = time.monotonic()
+    try:
+        t0 = step("1/5 local control plane (built once from the Go module proxy, then cached)")
+        run(sys.executable, "tests/controlplane/devcluster.py", "build", quiet=True, timeout=3600)
+        run(sys.executable, "tests/controlplane/devcluster.py", "up")
+        done(t0, "etcd, kube-apiserver, controller-manager, scheduler, KWOK (2 fake 8-GPU nodes), KubeRay")
+
+        t0 = step("2/5 helm install charts/rlhf-operator")
+        run("helm", "upgrade", "--install", RELEASE, "charts/rlhf-operator", "--namespace", "rlhf-system",
+            "--create-namespace", "--wait", "--timeout", "3m")
+        run("kubectl", "get", "crd", "rlhfjobs.rlhf.dev")
+        done(t0, "chart installed: CRD, RBAC, Deployment (fake-Running on KWOK), metrics Service")
+
+        t0 = step("3/5 local Ray head and the operator")
+        shutil.rmtree(TINY / "checkpoints", ignore_errors=True)  # a fresh run, not a resume of the last demo
+        if not (TINY / "model" / "config.json").exists():
+            run(str(VENV_BIN / "rlhf"), "make-tiny-model", str(TINY))
+        ray = spawn("ray-head", [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={RAY_PORT}",
+                                 "--dashboard-host=127.0.0.1", f"--dashboard-port={DASHBOARD_PORT}",
+                                 "--num-cpus=4", "--disable-usage-stats", "--temp-dir=/tmp/rlhf-demo-ray",
+                                 "--min-worker-port=31000", "--max-worker-port=31999"])
+        wait_http(f"http://127.0.0.1:{DASHBOARD_PORT}/api/version", 180, "the Ray head", ray, "ray-head.log")
+        operator = spawn("operator", [str(VENV_BIN / "rlhf"), "operator", "--all-namespaces"],
+                         {"RLHF_DEV_HEAD_HOST": "127.0.0.1", "RLHF_DEV_DASHBOARD_PORT": str(DASHBOARD_PORT),
+                          "RLHF_OPERATOR_METRICS_PORT": "0", "RLHF_RECONCILE_INTERVAL": "1"})
+        done(t0, f"Ray head on :{RAY_PORT} (dashboard :{DASHBOARD_PORT}); operator pid {operator.pid}, "
+                 "log .demo/operator.log")
+
+        t0 = step("4/5 kubectl apply -f examples/rlhfjob-tiny.yaml")
+        run("kubectl", "apply", "-n", NAMESPACE, "-f", "examples/rlhfjob-tiny.yaml")
+        started = time.monotonic()
+        job = follow(started, operator)
+        run("kubectl", "get", "rlhf", "-n", NAMESPACE, "-o", "wide")
+        summary(job, started)
+        ok = job.get("status", {}).get("phase") == "Succeeded"
+        console.rule("[bold]5/5 done")
+        console.print(f"[{'green' if ok else 'red'}]demo {'succeeded' if ok else 'FAILED'}[/] in "
+                      f"{time.monotonic() - t_all:.0f}s")
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
+    except DemoError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
