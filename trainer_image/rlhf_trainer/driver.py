@@ -76,6 +76,18 @@ def preflight(spec: Any) -> PromptDataset:
             raise InputError(f"{field}: model directory {path} does not exist")
         if not (p / "config.json").is_file():
             raise InputError(f"{field}: {path} is not an HF model directory (no config.json)")
+    if spec.trainer.sequence_parallel_size > 1:
+        raise InputError(
+            f"spec.trainer.sequenceParallelSize: {spec.trainer.sequence_parallel_size} is not supported by this "
+            "trainer yet (ring attention is not implemented); use 1"
+        )
+    if spec.data.apply_chat_template:
+        from transformers import AutoTokenizer
+
+        if not getattr(AutoTokenizer.from_pretrained(spec.model.actor), "chat_template", None):
+            raise InputError(
+                f"spec.data.applyChatTemplate: the actor's tokenizer ({spec.model.actor}) has no chat template"
+            )
     try:
         data = PromptDataset(spec.data.prompts, spec.data.input_key, spec.data.label_key, spec.algorithm.seed)
     except DatasetError as e:
@@ -200,6 +212,7 @@ class Trainer:
             "model_path": spec.model.actor,
             "device": self.info.kind,
             "seed": spec.algorithm.seed,
+            "chat_template": spec.data.apply_chat_template,
             "max_model_len": spec.algorithm.max_prompt_length + spec.algorithm.max_response_length + 8,
             "tensor_parallel_size": spec.rollout.tensor_parallel_size,
             "gpu_memory_utilization": spec.rollout.gpu_memory_utilization,

@@ -16,6 +16,19 @@ from rlhf_trainer.transfer import ChunkMeta, PackedRollout
 EXTENSION = "rlhf_trainer.weight_sync.worker_extension.RLHFWorkerExtension"
 
 
+def encode_prompt(tokenizer: Any, text: str, chat_template: bool, max_tokens: int | None) -> list[int]:
+    """Prompt text -> token ids: wrapped as one user turn of the tokenizer's chat template (the template
+    adds its own special tokens) or plain with them; keeps the last max_tokens tokens."""
+    if chat_template:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    else:
+        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return ids[-max_tokens:] if max_tokens else ids
+
+
 class RolloutEngine:
     """Instantiated as a Ray actor by the pool; every public method is a remote call."""
 
@@ -79,9 +92,7 @@ class RolloutEngine:
             pending[cid] = len(ch["prompts"])
             outputs[cid] = {}
             for i, text in enumerate(ch["prompts"]):
-                ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-                if max_prompt is not None:
-                    ids = ids[-max_prompt:]
+                ids = encode_prompt(self.tokenizer, text, bool(self.options.get("chat_template")), max_prompt)
                 prompt_ids[(cid, i)] = ids
                 params = SamplingParams(
                     n=int(sampling["n"]),
