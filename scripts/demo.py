@@ -59,7 +59,9 @@ class DemoError(Exception):
 def run(*cmd: str, quiet: bool = False, timeout: float = 1800) -> str:
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
-        raise DemoError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        raise DemoError(
+            f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        )
     if not quiet and proc.stdout.strip():
         console.print(proc.stdout.rstrip(), highlight=False)
     return proc.stdout
@@ -79,8 +81,14 @@ def done(t0: float, what: str) -> None:
 
 def spawn(name: str, cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     log = (DEMO / f"{name}.log").open("ab")
-    proc = subprocess.Popen(cmd, env={**ENV, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env={**ENV, **(extra_env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     pids = json.loads(PIDS.read_text()) if PIDS.exists() else {}
     pids[name] = proc.pid
     PIDS.write_text(json.dumps(pids))
@@ -107,16 +115,25 @@ def cleanup(quiet: bool = False) -> None:
     if not quiet:
         console.rule("[bold]cleaning up")
     if (DEMO / "cluster" / "kubeconfig").exists():
-        subprocess.run(["kubectl", "delete", "rlhfjob", JOB, "-n", NAMESPACE, "--ignore-not-found", "--wait=false"],
-                       env=ENV, capture_output=True, timeout=60)
+        subprocess.run(
+            ["kubectl", "delete", "rlhfjob", JOB, "-n", NAMESPACE, "--ignore-not-found", "--wait=false"],
+            env=ENV,
+            capture_output=True,
+            timeout=60,
+        )
     if PIDS.exists():
         for name, pid in json.loads(PIDS.read_text()).items():
             stop_group(int(pid))
             if not quiet:
                 console.print(f"stopped {name}")
         PIDS.unlink()
-    subprocess.run([sys.executable, "tests/controlplane/devcluster.py", "down"], env=ENV, capture_output=True,
-                   timeout=120, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "tests/controlplane/devcluster.py", "down"],
+        env=ENV,
+        capture_output=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     shutil.rmtree(Path("/tmp/rlhf-demo-ray"), ignore_errors=True)
     if not quiet:
         console.print("control plane stopped; logs were in .demo/")
@@ -139,8 +156,13 @@ def wait_http(url: str, timeout: float, what: str, proc: subprocess.Popen[bytes]
 
 
 def get_job() -> dict[str, Any] | None:
-    proc = subprocess.run(["kubectl", "get", "rlhfjob", JOB, "-n", NAMESPACE, "-o", "json"], env=ENV,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["kubectl", "get", "rlhfjob", JOB, "-n", NAMESPACE, "-o", "json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return json.loads(proc.stdout) if proc.returncode == 0 else None
 
 
@@ -150,11 +172,16 @@ def render(job: dict[str, Any] | None, started: float) -> Group:
     head.add_column(style="bold")
     head.add_column()
     phase = st.get("phase") or "Pending"
-    colour = {"Succeeded": "green", "Failed": "red", "Stalled": "yellow", "Restarting": "yellow"}.get(phase, "cyan")
+    colour = {"Succeeded": "green", "Failed": "red", "Stalled": "yellow", "Restarting": "yellow"}.get(
+        phase, "cyan"
+    )
     head.add_row("RLHFJob", f"{NAMESPACE}/{JOB}   [dim]elapsed {time.monotonic() - started:.0f}s[/]")
     head.add_row("phase", f"[{colour}]{phase}[/]  {st.get('message', '')}")
-    head.add_row("step", f"{st.get('step', 0)}/{st.get('totalSteps', '?')}"
-                 + (f"   now in [bold]{st['currentPhase']}[/]" if st.get("currentPhase") else ""))
+    head.add_row(
+        "step",
+        f"{st.get('step', 0)}/{st.get('totalSteps', '?')}"
+        + (f"   now in [bold]{st['currentPhase']}[/]" if st.get("currentPhase") else ""),
+    )
     reward = st.get("rewardMean")
     head.add_row("reward", f"{reward:.3f}" if isinstance(reward, (int, float)) else "-")
     share = st.get("generationShare")
@@ -194,13 +221,24 @@ def follow(started: float, operator: subprocess.Popen[bytes]) -> dict[str, Any]:
 def summary(job: dict[str, Any], started: float) -> None:
     st = job.get("status", {})
     console.rule("[bold]summary")
-    console.print(f"RLHFJob {NAMESPACE}/{JOB}: [bold]{st.get('phase')}[/] after {st.get('step')} steps "
-                  f"({time.monotonic() - started:.0f}s from apply), {st.get('restarts', 0)} restarts")
+    console.print(
+        f"RLHFJob {NAMESPACE}/{JOB}: [bold]{st.get('phase')}[/] after {st.get('step')} steps "
+        f"({time.monotonic() - started:.0f}s from apply), {st.get('restarts', 0)} restarts"
+    )
     console.print(f"final mean reward {st.get('rewardMean')}, generation share {st.get('generationShare')}")
     ckpts = sorted(p.name for p in (TINY / "checkpoints").glob("step-*"))
     console.print(f"checkpoints in {TINY / 'checkpoints'}: {', '.join(ckpts) or 'none'}")
-    events = run("kubectl", "get", "events", "-n", NAMESPACE, "--field-selector",
-                 f"involvedObject.kind=RLHFJob,involvedObject.name={JOB}", "--sort-by=.lastTimestamp", quiet=True)
+    events = run(
+        "kubectl",
+        "get",
+        "events",
+        "-n",
+        NAMESPACE,
+        "--field-selector",
+        f"involvedObject.kind=RLHFJob,involvedObject.name={JOB}",
+        "--sort-by=.lastTimestamp",
+        quiet=True,
+    )
     console.print(events.rstrip(), highlight=False)
 
 
@@ -219,8 +257,19 @@ def main() -> int:
         done(t0, "etcd, kube-apiserver, controller-manager, scheduler, KWOK (2 fake 8-GPU nodes), KubeRay")
 
         t0 = step("2/5 helm install charts/rlhf-operator")
-        run("helm", "upgrade", "--install", RELEASE, "charts/rlhf-operator", "--namespace", "rlhf-system",
-            "--create-namespace", "--wait", "--timeout", "3m")
+        run(
+            "helm",
+            "upgrade",
+            "--install",
+            RELEASE,
+            "charts/rlhf-operator",
+            "--namespace",
+            "rlhf-system",
+            "--create-namespace",
+            "--wait",
+            "--timeout",
+            "3m",
+        )
         run("kubectl", "get", "crd", "rlhfjobs.rlhf.dev")
         done(t0, "chart installed: CRD, RBAC, Deployment (fake-Running on KWOK), metrics Service")
 
@@ -228,16 +277,39 @@ def main() -> int:
         shutil.rmtree(TINY / "checkpoints", ignore_errors=True)  # a fresh run, not a resume of the last demo
         if not (TINY / "model" / "config.json").exists():
             run(str(VENV_BIN / "rlhf"), "make-tiny-model", str(TINY))
-        ray = spawn("ray-head", [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={RAY_PORT}",
-                                 "--dashboard-host=127.0.0.1", f"--dashboard-port={DASHBOARD_PORT}",
-                                 "--num-cpus=4", "--disable-usage-stats", "--temp-dir=/tmp/rlhf-demo-ray",
-                                 "--min-worker-port=31000", "--max-worker-port=31999"])
+        ray = spawn(
+            "ray-head",
+            [
+                str(VENV_BIN / "ray"),
+                "start",
+                "--head",
+                "--block",
+                f"--port={RAY_PORT}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={DASHBOARD_PORT}",
+                "--num-cpus=4",
+                "--disable-usage-stats",
+                "--temp-dir=/tmp/rlhf-demo-ray",
+                "--min-worker-port=31000",
+                "--max-worker-port=31999",
+            ],
+        )
         wait_http(f"http://127.0.0.1:{DASHBOARD_PORT}/api/version", 180, "the Ray head", ray, "ray-head.log")
-        operator = spawn("operator", [str(VENV_BIN / "rlhf"), "operator", "--all-namespaces"],
-                         {"RLHF_DEV_HEAD_HOST": "127.0.0.1", "RLHF_DEV_DASHBOARD_PORT": str(DASHBOARD_PORT),
-                          "RLHF_OPERATOR_METRICS_PORT": "0", "RLHF_RECONCILE_INTERVAL": "1"})
-        done(t0, f"Ray head on :{RAY_PORT} (dashboard :{DASHBOARD_PORT}); operator pid {operator.pid}, "
-                 "log .demo/operator.log")
+        operator = spawn(
+            "operator",
+            [str(VENV_BIN / "rlhf"), "operator", "--all-namespaces"],
+            {
+                "RLHF_DEV_HEAD_HOST": "127.0.0.1",
+                "RLHF_DEV_DASHBOARD_PORT": str(DASHBOARD_PORT),
+                "RLHF_OPERATOR_METRICS_PORT": "0",
+                "RLHF_RECONCILE_INTERVAL": "1",
+            },
+        )
+        done(
+            t0,
+            f"Ray head on :{RAY_PORT} (dashboard :{DASHBOARD_PORT}); operator pid {operator.pid}, "
+            "log .demo/operator.log",
+        )
 
         t0 = step("4/5 kubectl apply -f examples/rlhfjob-tiny.yaml")
         run("kubectl", "apply", "-n", NAMESPACE, "-f", "examples/rlhfjob-tiny.yaml")
@@ -247,8 +319,10 @@ def main() -> int:
         summary(job, started)
         ok = job.get("status", {}).get("phase") == "Succeeded"
         console.rule("[bold]5/5 done")
-        console.print(f"[{'green' if ok else 'red'}]demo {'succeeded' if ok else 'FAILED'}[/] in "
-                      f"{time.monotonic() - t_all:.0f}s")
+        console.print(
+            f"[{'green' if ok else 'red'}]demo {'succeeded' if ok else 'FAILED'}[/] in "
+            f"{time.monotonic() - t_all:.0f}s"
+        )
         return 0 if ok else 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")

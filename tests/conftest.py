@@ -75,8 +75,12 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
     """
     # Token auth off explicitly: Ray turns it on whenever ~/.ray/auth_token exists (any earlier
     # `ray.init()` writes one), and this head listens on loopback only.
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }
     env.pop("RAY_ADDRESS", None)
     proc: subprocess.Popen[bytes] | None = None
     if not _dashboard_up():

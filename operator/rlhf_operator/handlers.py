@@ -71,8 +71,13 @@ def _parse(body: kopf.Body) -> RLHFJob | str:
     """The typed job, or the validation error text (a bad object must never crash the operator)."""
     try:
         return RLHFJob.model_validate(
-            {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body.metadata),
-             "spec": dict(body.spec), "status": _clean_status(dict(body.status))}
+            {
+                "apiVersion": body.get("apiVersion"),
+                "kind": body.get("kind"),
+                "metadata": dict(body.metadata),
+                "spec": dict(body.spec),
+                "status": _clean_status(dict(body.status)),
+            }
         )
     except ValidationError as e:
         first = e.errors()[0]
@@ -108,13 +113,18 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
     kopf.adopt(manifest, owner=body)  # owner reference: deleting the job deletes the cluster
     namespace = body.metadata.namespace or "default"
     try:
-        created = cast(dict[str, Any], custom().create_namespaced_custom_object(
-            RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest
-        ))
+        created = cast(
+            dict[str, Any],
+            custom().create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest),
+        )
         metrics.CLUSTERS_CREATED.labels(namespace).inc()
         failpoints.hit("after_cluster_create")
-        kopf.event(body, type="Normal", reason="RayClusterCreated",
-                   message=f"created RayCluster {manifest['metadata']['name']}")
+        kopf.event(
+            body,
+            type="Normal",
+            reason="RayClusterCreated",
+            message=f"created RayCluster {manifest['metadata']['name']}",
+        )
         return created
     except ApiException as e:
         if e.status == 409:  # created by an earlier incarnation of this operator: adopt it
@@ -152,8 +162,10 @@ def dashboard_url(cluster: dict[str, Any]) -> str:
     namespace = cluster["metadata"]["namespace"]
     svc = cluster.get("status", {}).get("head", {}).get("serviceName") or f"{name}-head-svc"
     host = DEV_HEAD_HOST or f"{svc}.{namespace}.svc"
-    port = os.environ.get("RLHF_DEV_DASHBOARD_PORT", str(manifests.DASHBOARD_PORT)) if DEV_HEAD_HOST else str(
-        manifests.DASHBOARD_PORT
+    port = (
+        os.environ.get("RLHF_DEV_DASHBOARD_PORT", str(manifests.DASHBOARD_PORT))
+        if DEV_HEAD_HOST
+        else str(manifests.DASHBOARD_PORT)
     )
     return f"http://{host}:{port}"
 
@@ -231,7 +243,11 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
                 log.warning("stopping %s: %s", decision.stop_submission_id, e)
         elif action == "suspend_cluster" and cluster is not None:
             custom().patch_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, cluster["metadata"]["name"],
+                RAY_GROUP,
+                RAY_VERSION,
+                namespace,
+                RAY_PLURAL,
+                cluster["metadata"]["name"],
                 {"spec": {"suspend": job.spec.run_policy.suspend}},
             )
         elif action == "delete_cluster" and cluster is not None:
@@ -294,7 +310,9 @@ def stop_trainer(body: kopf.Body, **_: Any) -> None:
     if not sid or not DEV_HEAD_HOST:
         return  # in a real cluster the RayCluster's deletion ends the job with it
     try:
-        with rayjobs.RayJobsClient(f"http://{DEV_HEAD_HOST}:{os.environ.get('RLHF_DEV_DASHBOARD_PORT', '8265')}") as rj:
+        with rayjobs.RayJobsClient(
+            f"http://{DEV_HEAD_HOST}:{os.environ.get('RLHF_DEV_DASHBOARD_PORT', '8265')}"
+        ) as rj:
             rj.stop(sid)
     except rayjobs.RayJobsError as e:
         log.warning("could not stop %s: %s", sid, e)

@@ -15,12 +15,22 @@ import kopf
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlhf operator", description="Run the RLHFJob operator (kopf).")
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)")
+    scope.add_argument(
+        "--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)"
+    )
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (default)")
-    parser.add_argument("--liveness", default=None, help="kopf health endpoint, e.g. http://0.0.0.0:8080/healthz")
-    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("RLHF_OPERATOR_METRICS_PORT", "8000")),
-                        help="port of the operator's own /metrics (0 disables)")
-    parser.add_argument("--log-format", choices=["plain", "json"], default=os.environ.get("RLHF_LOG_FORMAT", "plain"))
+    parser.add_argument(
+        "--liveness", default=None, help="kopf health endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("RLHF_OPERATOR_METRICS_PORT", "8000")),
+        help="port of the operator's own /metrics (0 disables)",
+    )
+    parser.add_argument(
+        "--log-format", choices=["plain", "json"], default=os.environ.get("RLHF_LOG_FORMAT", "plain")
+    )
     parser.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
 

@@ -199,7 +199,9 @@ def scale_patch(raycluster: dict[str, Any], replicas: int) -> list[dict[str, Any
         if int(group.get("replicas", 0)) != replicas:
             ops.append({"op": "replace", "path": f"/spec/workerGroupSpecs/{i}/replicas", "value": replicas})
         if int(group.get("maxReplicas", 0)) < replicas:
-            ops.append({"op": "replace", "path": f"/spec/workerGroupSpecs/{i}/maxReplicas", "value": replicas})
+            ops.append(
+                {"op": "replace", "path": f"/spec/workerGroupSpecs/{i}/maxReplicas", "value": replicas}
+            )
         return ops or None
     return None
 
@@ -212,7 +214,15 @@ def submission_id(job: RLHFJob, uid: str, attempt: int) -> str:
 def trainer_entrypoint(job: RLHFJob) -> str:
     return " ".join(
         shlex.quote(a)
-        for a in ["python", "-m", "rlhf_trainer.driver", "--job-name", job.name, "--spec-env", "RLHF_SPEC_JSON"]
+        for a in [
+            "python",
+            "-m",
+            "rlhf_trainer.driver",
+            "--job-name",
+            job.name,
+            "--spec-env",
+            "RLHF_SPEC_JSON",
+        ]
     )
 
 

@@ -13,16 +13,23 @@ from rlhf_operator.spec import PHASES
 
 JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase, as last reconciled.", ["namespace", "phase"])
 JOB_PHASE = Gauge(
-    "rlhf_operator_job_phase", "1 for the phase each RLHFJob is in, 0 for the others.", ["namespace", "rlhfjob", "phase"]
+    "rlhf_operator_job_phase",
+    "1 for the phase each RLHFJob is in, 0 for the others.",
+    ["namespace", "rlhfjob", "phase"],
 )
 RECONCILE_SECONDS = Histogram(
-    "rlhf_operator_reconcile_duration_seconds", "Time of one reconcile of one RLHFJob.",
+    "rlhf_operator_reconcile_duration_seconds",
+    "Time of one reconcile of one RLHFJob.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
-RECONCILE_ERRORS = Counter("rlhf_operator_reconcile_errors_total", "Reconciles that raised.", ["namespace", "reason"])
+RECONCILE_ERRORS = Counter(
+    "rlhf_operator_reconcile_errors_total", "Reconciles that raised.", ["namespace", "reason"]
+)
 SCRAPES = Counter("rlhf_operator_scrapes_total", "Trainer /metrics scrapes by result.", ["result"])
 STALLS = Counter("rlhf_operator_stalls_detected_total", "Stalls detected.", ["namespace", "rlhfjob", "phase"])
-RESTARTS = Counter("rlhf_operator_restarts_total", "Trainer restarts from checkpoint.", ["namespace", "rlhfjob"])
+RESTARTS = Counter(
+    "rlhf_operator_restarts_total", "Trainer restarts from checkpoint.", ["namespace", "rlhfjob"]
+)
 SCALE_DECISIONS = Counter(
     "rlhf_operator_scale_decisions_total", "Engine-count changes.", ["namespace", "rlhfjob", "direction"]
 )

@@ -81,7 +81,9 @@ class RayJobsClient:
         try:
             return self._http.request(method, f"{self.base}{path}", **kw)
         except httpx.HTTPError as e:
-            raise RayJobsError(f"Ray dashboard at {self.base} unreachable: {e.__class__.__name__}: {e}") from e
+            raise RayJobsError(
+                f"Ray dashboard at {self.base} unreachable: {e.__class__.__name__}: {e}"
+            ) from e
 
     def get(self, submission_id: str) -> RayJobInfo | None:
         resp = self._request("GET", f"/api/jobs/{submission_id}")

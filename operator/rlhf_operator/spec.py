@@ -672,7 +672,9 @@ class RLHFJobStatus(_Status):
         default=None, ge=0, le=1, description="Fraction of the last step spent in generation."
     )
     tokens_per_second: float | None = Field(
-        default=None, ge=0, description="Generated tokens per wall-clock second between the last two observed steps."
+        default=None,
+        ge=0,
+        description="Generated tokens per wall-clock second between the last two observed steps.",
     )
     reward_mean: float | None = Field(default=None, description="Mean reward of the last step's samples.")
     kl: float | None = Field(default=None, description="KL divergence to the reference model, last step.")

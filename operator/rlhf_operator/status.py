@@ -73,7 +73,12 @@ def parse_time(value: Any) -> datetime | None:
 
 
 def set_condition(
-    conditions: list[dict[str, Any]], ctype: str, status: bool, reason: str, message: str, now: datetime,
+    conditions: list[dict[str, Any]],
+    ctype: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
     generation: int | None = None,
 ) -> list[dict[str, Any]]:
     """Upsert a metav1.Condition; lastTransitionTime changes only when status flips."""
@@ -88,7 +93,11 @@ def set_condition(
                 c["observedGeneration"] = generation
             return out
     new: dict[str, Any] = {
-        "type": ctype, "status": value, "reason": reason, "message": message, "lastTransitionTime": iso(now)
+        "type": ctype,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": iso(now),
     }
     if generation is not None:
         new["observedGeneration"] = generation
@@ -116,7 +125,9 @@ def cluster_problem(raycluster: dict[str, Any] | None) -> str | None:
 def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     """The next status and actions. `submission_id` is the id of the current attempt (from restarts)."""
     spec = job.spec
-    cur: dict[str, Any] = job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
+    cur: dict[str, Any] = (
+        job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
+    )
     now = observed.now
     phase = cur.get("phase") or "Pending"
     st: dict[str, Any] = dict(cur)
@@ -155,7 +166,9 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         go(new_phase, message, reason, warning=new_phase == "Failed")
         st["completionTime"] = iso(now)
         nonlocal conds
-        conds = set_condition(conds, "Succeeded" if new_phase == "Succeeded" else "Failed", True, reason, message, now)
+        conds = set_condition(
+            conds, "Succeeded" if new_phase == "Succeeded" else "Failed", True, reason, message, now
+        )
         conds = set_condition(conds, "Running", False, reason, message, now)
         st["conditions"] = conds
         if observed.ray_job and observed.ray_job.status not in rayjobs.TERMINAL:
@@ -173,25 +186,35 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             d.actions.append("stop")
             d.stop_submission_id = observed.ray_job.submission_id
         go("Suspended", "runPolicy.suspend is true: pods released, resumes from the last checkpoint")
-        st["conditions"] = set_condition(conds, "Suspended", True, "Suspended", "suspended by runPolicy.suspend", now)
+        st["conditions"] = set_condition(
+            conds, "Suspended", True, "Suspended", "suspended by runPolicy.suspend", now
+        )
         return d
     if observed.raycluster and observed.raycluster.get("spec", {}).get("suspend"):
         d.actions.append("suspend_cluster")  # un-suspend: the handler sets it to runPolicy.suspend (false)
-    conds = set_condition(conds, "Suspended", False, "NotSuspended", "", now) if any(
-        c.get("type") == "Suspended" for c in conds
-    ) else conds
+    conds = (
+        set_condition(conds, "Suspended", False, "NotSuspended", "", now)
+        if any(c.get("type") == "Suspended" for c in conds)
+        else conds
+    )
 
     # Active deadline, counted from the first start like a Kubernetes Job.
     started = parse_time(cur.get("startTime"))
     deadline = spec.run_policy.active_deadline_seconds
     if deadline is not None and started and (now - started).total_seconds() > deadline:
-        return finish("Failed", "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}")
+        return finish(
+            "Failed", "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}"
+        )
 
     if observed.raycluster is None:
         d.actions.append("create_cluster")
         if phase not in ("Pending", "Restarting"):
-            go("Provisioning", "RayCluster missing: recreating it; the trainer resumes from its checkpoint",
-               "ClusterRecreated", warning=True)
+            go(
+                "Provisioning",
+                "RayCluster missing: recreating it; the trainer resumes from its checkpoint",
+                "ClusterRecreated",
+                warning=True,
+            )
         else:
             go("Pending" if phase == "Pending" else phase, "creating the RayCluster")
         st["conditions"] = conds
@@ -211,7 +234,9 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
 
     job_info = observed.ray_job
     if observed.ray_job_error and job_info is None:
-        conds = set_condition(conds, "JobSubmitted", False, "RayDashboardUnavailable", observed.ray_job_error, now)
+        conds = set_condition(
+            conds, "JobSubmitted", False, "RayDashboardUnavailable", observed.ray_job_error, now
+        )
         st["conditions"] = conds
         if phase in ("Pending", "Provisioning"):
             go("Provisioning", f"cannot reach the Ray dashboard: {observed.ray_job_error}")
@@ -235,20 +260,29 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         st["progress"] = f"{spec.algorithm.total_steps}/{spec.algorithm.total_steps}"
         st["currentPhase"] = None
         return finish("Succeeded", "TrainingComplete", f"trained {spec.algorithm.total_steps} steps")
+
     def restart_or_fail(reason: str, limit_reason: str) -> Decision:
         restarts = int(st.get("restarts") or 0)
         if restarts < spec.run_policy.backoff_limit:
             st["restarts"] = restarts + 1
             st["lastRestartTime"] = iso(now)
             st.pop("submissionId", None)
-            go("Restarting", f"{reason}; restart {restarts + 1}/{spec.run_policy.backoff_limit} from the last "
-               "checkpoint", "Restarting", warning=True)
+            go(
+                "Restarting",
+                f"{reason}; restart {restarts + 1}/{spec.run_policy.backoff_limit} from the last checkpoint",
+                "Restarting",
+                warning=True,
+            )
             st["conditions"] = set_condition(conds, "Running", False, "Restarting", reason, now)
             return d
-        return finish("Failed", limit_reason, f"{reason}; backoffLimit {spec.run_policy.backoff_limit} reached")
+        return finish(
+            "Failed", limit_reason, f"{reason}; backoffLimit {spec.run_policy.backoff_limit} reached"
+        )
 
     if job_info.status in (rayjobs.FAILED, rayjobs.STOPPED):
-        reason = f"Ray job {job_info.submission_id} {job_info.status.lower()}: {job_info.message[-300:]}".strip()
+        reason = (
+            f"Ray job {job_info.submission_id} {job_info.status.lower()}: {job_info.message[-300:]}".strip()
+        )
         return restart_or_fail(reason, "BackoffLimitExceeded")
 
     if job_info.status == rayjobs.PENDING:
@@ -268,8 +302,12 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
 
     # Stall detection (seed problem 5): no completed step within stallTimeoutSeconds of the latest
     # progress. The clock of an attempt starts when it starts, so a restart gets a full timeout.
-    attempt_started = max(t for t in (started or now, parse_time(cur.get("lastRestartTime"))) if t is not None)
-    stall = detect_stall(spec.monitoring, observed.metrics, attempt_started, parse_time(cur.get("lastStepTime")), now)
+    attempt_started = max(
+        t for t in (started or now, parse_time(cur.get("lastRestartTime"))) if t is not None
+    )
+    stall = detect_stall(
+        spec.monitoring, observed.metrics, attempt_started, parse_time(cur.get("lastStepTime")), now
+    )
     st["conditions"] = set_stalled_condition(st["conditions"], stall, now, generation)
     if stall is None:
         if phase == "Stalled":
@@ -293,7 +331,9 @@ def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
     m = observed.metrics
     if m is None:
         reason = observed.metrics_error or "no metrics yet"
-        st["conditions"] = set_condition(conds, "MetricsUnavailable", True, "ScrapeFailed", reason, observed.now)
+        st["conditions"] = set_condition(
+            conds, "MetricsUnavailable", True, "ScrapeFailed", reason, observed.now
+        )
         return
     st["conditions"] = set_condition(conds, "MetricsUnavailable", False, "Scraped", "", observed.now)
     # Throughput between two observed step completions: generated tokens per wall-clock second, from the

@@ -95,7 +95,9 @@ def test_tiny_job_runs_to_succeeded_with_phase_timings_in_status(
     # The trainer's checkpoint of the last step is there, complete.
     assert (tmp_path / "ckpt" / "step-00000003" / "trainer_state.json").exists()
     # A finished job releases its GPUs: the RayCluster (and its pods) go.
-    wait_for(lambda: cluster.get("raycluster", "tiny", namespace) is None or None, 60, "the RayCluster deleted")
+    wait_for(
+        lambda: cluster.get("raycluster", "tiny", namespace) is None or None, 60, "the RayCluster deleted"
+    )
 
 
 def test_active_deadline_stops_a_running_trainer(
@@ -114,6 +116,11 @@ def test_active_deadline_stops_a_running_trainer(
     cond = next(c for c in st["conditions"] if c["type"] == "Failed")
     assert cond["reason"] == "DeadlineExceeded"
     # The trainer was stopped, not left running on the Ray cluster.
-    wait_for(lambda: ray_job_status(st["submissionId"]) in ("STOPPED", "FAILED") or None, 120,
-             "the Ray job stopped")
-    wait_for(lambda: cluster.get("raycluster", "late", namespace) is None or None, 60, "the RayCluster deleted")
+    wait_for(
+        lambda: ray_job_status(st["submissionId"]) in ("STOPPED", "FAILED") or None,
+        120,
+        "the Ray job stopped",
+    )
+    wait_for(
+        lambda: cluster.get("raycluster", "late", namespace) is None or None, 60, "the RayCluster deleted"
+    )

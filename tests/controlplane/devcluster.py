@@ -67,7 +67,12 @@ def _k8s_ldflags() -> str:
 BINARIES = [
     Binary("etcd", "etcd", ".", "-s -w"),
     Binary("kube-apiserver", "kubernetes", "k8s.io/kubernetes/cmd/kube-apiserver", _k8s_ldflags()),
-    Binary("kube-controller-manager", "kubernetes", "k8s.io/kubernetes/cmd/kube-controller-manager", _k8s_ldflags()),
+    Binary(
+        "kube-controller-manager",
+        "kubernetes",
+        "k8s.io/kubernetes/cmd/kube-controller-manager",
+        _k8s_ldflags(),
+    ),
     Binary("kube-scheduler", "kubernetes", "k8s.io/kubernetes/cmd/kube-scheduler", _k8s_ldflags()),
     Binary("kubectl", "kubernetes", "k8s.io/kubernetes/cmd/kubectl", _k8s_ldflags()),
     Binary("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "-s -w"),
@@ -142,7 +147,9 @@ def build(verbose: bool = True) -> dict[str, Path]:
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(".tmp")
             cmd = [go, "build", "-ldflags", binary.ldflags, "-o", str(tmp), binary.package]
-            proc = subprocess.run(cmd, cwd=GO_DIR / binary.module_dir, env=env, capture_output=True, text=True)
+            proc = subprocess.run(
+                cmd, cwd=GO_DIR / binary.module_dir, env=env, capture_output=True, text=True
+            )
             if proc.returncode != 0:
                 raise ClusterError(
                     f"building {binary.name} failed (go build in {GO_DIR / binary.module_dir}):\n"
@@ -165,24 +172,67 @@ def build(verbose: bool = True) -> dict[str, Path]:
 
 def _openssl(*args: str, cwd: Path) -> None:
     if not shutil.which("openssl"):
-        raise ClusterError("openssl not found: install Debian's `openssl` package (apt-get install -y openssl).")
+        raise ClusterError(
+            "openssl not found: install Debian's `openssl` package (apt-get install -y openssl)."
+        )
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
 def make_pki(pki: Path) -> str:
     """A CA, the API server's serving certificate, the service-account key pair and an admin token."""
     pki.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-             "-days", "3650", "-subj", "/CN=rlhf-local-ca", cwd=pki)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=rlhf-local-ca",
+        cwd=pki,
+    )
     (pki / "server.ext").write_text(
         "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
         "DNS:kubernetes.default,DNS:kubernetes.default.svc\n"
         "extendedKeyUsage=serverAuth\n"
     )
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-             "-subj", "/CN=kube-apiserver", cwd=pki)
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "server.crt", "-days", "3650", "-extfile", "server.ext", cwd=pki)
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=kube-apiserver",
+        cwd=pki,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "3650",
+        "-extfile",
+        "server.ext",
+        cwd=pki,
+    )
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
     token = base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=")
@@ -202,10 +252,19 @@ def write_kubeconfig(path: Path, ca: Path, token: str, port: int) -> None:
             {
                 "apiVersion": "v1",
                 "kind": "Config",
-                "clusters": [{"name": "rlhf-local", "cluster": {"server": f"https://{HOST}:{port}",
-                                                                "certificate-authority-data": ca_data}}],
+                "clusters": [
+                    {
+                        "name": "rlhf-local",
+                        "cluster": {
+                            "server": f"https://{HOST}:{port}",
+                            "certificate-authority-data": ca_data,
+                        },
+                    }
+                ],
                 "users": [{"name": TOKEN_USER, "user": {"token": token}}],
-                "contexts": [{"name": "rlhf-local", "context": {"cluster": "rlhf-local", "user": TOKEN_USER}}],
+                "contexts": [
+                    {"name": "rlhf-local", "context": {"cluster": "rlhf-local", "user": TOKEN_USER}}
+                ],
                 "current-context": "rlhf-local",
             },
             indent=2,
@@ -306,8 +365,13 @@ def start(component: Component) -> int:
     env = dict(os.environ)
     env.update(component.env)
     proc = subprocess.Popen(
-        component.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True, env=env, cwd=STATE,
+        component.args,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+        cwd=STATE,
     )
     return proc.pid
 
@@ -316,13 +380,16 @@ def wait_healthy(component: Component, pid: int, token: str | None, timeout: flo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not _pid_alive(pid):
-            raise ClusterError(f"{component.name} exited during start-up. Last lines of its log:\n"
-                               f"{log_tail(component.name)}")
+            raise ClusterError(
+                f"{component.name} exited during start-up. Last lines of its log:\n{log_tail(component.name)}"
+            )
         if probe(component.health_url, token if component.name == "kube-apiserver" else None):
             return
         time.sleep(0.3)
-    raise ClusterError(f"{component.name} did not become healthy at {component.health_url} in {timeout:.0f}s. "
-                       f"Last lines of its log:\n{log_tail(component.name)}")
+    raise ClusterError(
+        f"{component.name} did not become healthy at {component.health_url} in {timeout:.0f}s. "
+        f"Last lines of its log:\n{log_tail(component.name)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- cluster
@@ -335,69 +402,110 @@ def components(bins: dict[str, Path], ports: Ports) -> list[Component]:
     return [
         Component(
             "etcd",
-            [str(bins["etcd"]), "--name=rlhf-local", f"--data-dir={STATE / 'etcd'}",
-             f"--listen-client-urls=http://{HOST}:{ports.etcd_client}",
-             f"--advertise-client-urls=http://{HOST}:{ports.etcd_client}",
-             f"--listen-peer-urls=http://{HOST}:{ports.etcd_peer}",
-             f"--initial-advertise-peer-urls=http://{HOST}:{ports.etcd_peer}",
-             f"--initial-cluster=rlhf-local=http://{HOST}:{ports.etcd_peer}",
-             "--unsafe-no-fsync=true", "--quota-backend-bytes=4294967296", "--log-level=warn"],
+            [
+                str(bins["etcd"]),
+                "--name=rlhf-local",
+                f"--data-dir={STATE / 'etcd'}",
+                f"--listen-client-urls=http://{HOST}:{ports.etcd_client}",
+                f"--advertise-client-urls=http://{HOST}:{ports.etcd_client}",
+                f"--listen-peer-urls=http://{HOST}:{ports.etcd_peer}",
+                f"--initial-advertise-peer-urls=http://{HOST}:{ports.etcd_peer}",
+                f"--initial-cluster=rlhf-local=http://{HOST}:{ports.etcd_peer}",
+                "--unsafe-no-fsync=true",
+                "--quota-backend-bytes=4294967296",
+                "--log-level=warn",
+            ],
             [ports.etcd_client, ports.etcd_peer],
             f"http://{HOST}:{ports.etcd_client}/health",
         ),
         Component(
             "kube-apiserver",
-            [str(bins["kube-apiserver"]), f"--etcd-servers=http://{HOST}:{ports.etcd_client}",
-             f"--bind-address={HOST}", f"--advertise-address={HOST}", f"--secure-port={ports.apiserver}",
-             f"--tls-cert-file={pki / 'server.crt'}", f"--tls-private-key-file={pki / 'server.key'}",
-             f"--client-ca-file={pki / 'ca.crt'}", f"--token-auth-file={pki / 'tokens.csv'}",
-             "--authorization-mode=RBAC", "--service-cluster-ip-range=10.96.0.0/16",
-             "--service-account-issuer=https://kubernetes.default.svc",
-             f"--service-account-key-file={pki / 'sa.pub'}",
-             f"--service-account-signing-key-file={pki / 'sa.key'}",
-             "--allow-privileged=true", "--enable-priority-and-fairness=false",
-             f"--audit-policy-file={pki / 'audit-policy.yaml'}", f"--audit-log-path={logs / 'audit.log'}",
-             "--audit-log-maxsize=200", "--audit-log-maxbackup=1"],
+            [
+                str(bins["kube-apiserver"]),
+                f"--etcd-servers=http://{HOST}:{ports.etcd_client}",
+                f"--bind-address={HOST}",
+                f"--advertise-address={HOST}",
+                f"--secure-port={ports.apiserver}",
+                f"--tls-cert-file={pki / 'server.crt'}",
+                f"--tls-private-key-file={pki / 'server.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--token-auth-file={pki / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                f"--audit-policy-file={pki / 'audit-policy.yaml'}",
+                f"--audit-log-path={logs / 'audit.log'}",
+                "--audit-log-maxsize=200",
+                "--audit-log-maxbackup=1",
+            ],
             [ports.apiserver],
             f"https://{HOST}:{ports.apiserver}/readyz",
         ),
         Component(
             "kube-controller-manager",
-            [str(bins["kube-controller-manager"]), f"--kubeconfig={kubeconfig}",
-             f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
-             f"--bind-address={HOST}", f"--secure-port={ports.controller_manager}",
-             f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
-             "--leader-elect=false", "--use-service-account-credentials=false",
-             "--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,"
-             "-route,-persistentvolume-binder,-attachdetach,-persistentvolume-expander",
-             "--concurrent-gc-syncs=10"],
+            [
+                str(bins["kube-controller-manager"]),
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                f"--bind-address={HOST}",
+                f"--secure-port={ports.controller_manager}",
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--root-ca-file={pki / 'ca.crt'}",
+                "--leader-elect=false",
+                "--use-service-account-credentials=false",
+                "--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,"
+                "-route,-persistentvolume-binder,-attachdetach,-persistentvolume-expander",
+                "--concurrent-gc-syncs=10",
+            ],
             [ports.controller_manager],
             f"https://{HOST}:{ports.controller_manager}/healthz",
         ),
         Component(
             "kube-scheduler",
-            [str(bins["kube-scheduler"]), f"--kubeconfig={kubeconfig}",
-             f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
-             f"--bind-address={HOST}", f"--secure-port={ports.scheduler}", "--leader-elect=false"],
+            [
+                str(bins["kube-scheduler"]),
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                f"--bind-address={HOST}",
+                f"--secure-port={ports.scheduler}",
+                "--leader-elect=false",
+            ],
             [ports.scheduler],
             f"https://{HOST}:{ports.scheduler}/healthz",
         ),
         Component(
             "kwok",
-            [str(bins["kwok"]), f"--kubeconfig={kubeconfig}", f"--config={write_kwok_stages()}",
-             "--manage-all-nodes=false",
-             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-             "--manage-nodes-with-label-selector=", "--manage-single-node=",
-             "--cidr=10.0.0.0/16", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
-             f"--server-address={HOST}:{ports.kwok}"],
+            [
+                str(bins["kwok"]),
+                f"--kubeconfig={kubeconfig}",
+                f"--config={write_kwok_stages()}",
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                "--manage-nodes-with-label-selector=",
+                "--manage-single-node=",
+                "--cidr=10.0.0.0/16",
+                "--node-ip=10.0.0.1",
+                "--node-lease-duration-seconds=40",
+                f"--server-address={HOST}:{ports.kwok}",
+            ],
             [ports.kwok],
             f"http://{HOST}:{ports.kwok}/healthz",
         ),
         Component(
             "kuberay-operator",
-            [str(bins["ray-operator"]), f"--metrics-addr={HOST}:{ports.kuberay_metrics}",
-             f"--health-probe-bind-address={HOST}:{ports.kuberay_health}", "--enable-leader-election=false",
-             "--log-stdout-encoder=console"],
+            [
+                str(bins["ray-operator"]),
+                f"--metrics-addr={HOST}:{ports.kuberay_metrics}",
+                f"--health-probe-bind-address={HOST}:{ports.kuberay_health}",
+                "--enable-leader-election=false",
+                "--log-stdout-encoder=console",
+            ],
             [ports.kuberay_metrics, ports.kuberay_health],
             f"http://{HOST}:{ports.kuberay_health}/readyz",
             env={"KUBECONFIG": kubeconfig},
@@ -506,9 +614,13 @@ def node_manifest(i: int) -> dict[str, object]:
         "metadata": {
             "name": f"kwok-gpu-{i}",
             "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-            "labels": {"kubernetes.io/hostname": f"kwok-gpu-{i}", "kubernetes.io/os": "linux",
-                       "kubernetes.io/arch": "amd64", "type": "kwok",
-                       "nvidia.com/gpu.product": "FAKE-GPU-80GB"},
+            "labels": {
+                "kubernetes.io/hostname": f"kwok-gpu-{i}",
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                "nvidia.com/gpu.product": "FAKE-GPU-80GB",
+            },
         },
         "spec": {},
         "status": {"capacity": resources, "allocatable": resources},
@@ -527,15 +639,20 @@ def kuberay_crd_dir() -> Path:
     """KubeRay's CRDs, read from the Go module cache at the pinned version (never copied into the repo)."""
     proc = subprocess.run(
         [_go(), "list", "-m", "-json", "github.com/ray-project/kuberay/ray-operator"],
-        cwd=GO_DIR / "kuberay", capture_output=True, text=True,
+        cwd=GO_DIR / "kuberay",
+        capture_output=True,
+        text=True,
         env={**os.environ, "GOFLAGS": "-mod=readonly"},
     )
     if proc.returncode != 0:
         raise ClusterError(f"cannot locate the KubeRay module: {proc.stderr}")
     mod_dir = json.loads(proc.stdout).get("Dir")
     if not mod_dir:
-        subprocess.run([_go(), "mod", "download", "github.com/ray-project/kuberay/ray-operator"],
-                       cwd=GO_DIR / "kuberay", check=True)
+        subprocess.run(
+            [_go(), "mod", "download", "github.com/ray-project/kuberay/ray-operator"],
+            cwd=GO_DIR / "kuberay",
+            check=True,
+        )
         return kuberay_crd_dir()
     return Path(mod_dir) / "config" / "crd" / "bases"
 
@@ -565,7 +682,9 @@ def up() -> None:
         token = str((read_state() or {}).get("token", ""))
         port = int((read_state() or {}).get("ports", {}).get("apiserver", 0))  # type: ignore[union-attr]
         if probe(f"https://{HOST}:{port}/readyz", token):
-            print(f"control plane already running ({len(status)} components); kubeconfig: {STATE / 'kubeconfig'}")
+            print(
+                f"control plane already running ({len(status)} components); kubeconfig: {STATE / 'kubeconfig'}"
+            )
             return
     if status:
         dead = [n for n, alive in status.items() if not alive]
@@ -600,16 +719,20 @@ def up() -> None:
             if comp.name == "kuberay-operator":
                 _install_kuberay_crds()
             wait_healthy(comp, pids[comp.name], token)
-            print(f"[up] {comp.name:<24} healthy in {time.monotonic() - t0:5.1f}s  (pid {pids[comp.name]})",
-                  flush=True)
+            print(
+                f"[up] {comp.name:<24} healthy in {time.monotonic() - t0:5.1f}s  (pid {pids[comp.name]})",
+                flush=True,
+            )
             if comp.name == "kube-apiserver":
                 _wait_default_objects()
         _register_nodes()
     except BaseException:
         down(quiet=True, keep_logs=True)
         raise
-    print(f"[up] control plane ready in {time.monotonic() - started_at:.1f}s; "
-          f"export KUBECONFIG={STATE / 'kubeconfig'}; logs in {STATE / 'logs'}")
+    print(
+        f"[up] control plane ready in {time.monotonic() - started_at:.1f}s; "
+        f"export KUBECONFIG={STATE / 'kubeconfig'}; logs in {STATE / 'logs'}"
+    )
 
 
 def _wait_default_objects() -> None:
@@ -618,7 +741,9 @@ def _wait_default_objects() -> None:
         if kubectl("get", "namespace", "default", check=False).returncode == 0:
             return
         time.sleep(0.5)
-    raise ClusterError("the API server did not create the default namespace in 60s:\n" + log_tail("kube-apiserver"))
+    raise ClusterError(
+        "the API server did not create the default namespace in 60s:\n" + log_tail("kube-apiserver")
+    )
 
 
 def _install_kuberay_crds() -> None:
@@ -628,8 +753,14 @@ def _install_kuberay_crds() -> None:
         raise ClusterError(f"no KubeRay CRDs found in {crd_dir}")
     for f in files:
         kubectl("apply", "--server-side", "--force-conflicts", "-f", str(f))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rayclusters.ray.io",
-            "crd/rayjobs.ray.io", "crd/rayservices.ray.io")
+    kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/rayclusters.ray.io",
+        "crd/rayjobs.ray.io",
+        "crd/rayservices.ray.io",
+    )
 
 
 def _register_nodes() -> None:
@@ -640,8 +771,9 @@ def _register_nodes() -> None:
     # The TaintNodesByCondition admission plugin gives every new node the not-ready taint, and the node
     # lifecycle controller (off here: KWOK's leases are the only heartbeat) is what would lift it.
     for name in names:
-        proc = kubectl("taint", "nodes", name.split("/", 1)[1], "node.kubernetes.io/not-ready:NoSchedule-",
-                       check=False)
+        proc = kubectl(
+            "taint", "nodes", name.split("/", 1)[1], "node.kubernetes.io/not-ready:NoSchedule-", check=False
+        )
         if proc.returncode != 0 and "not found" not in proc.stderr:
             raise ClusterError(f"removing the not-ready taint of {name}: {proc.stderr}")
 
@@ -700,7 +832,9 @@ def _timed(label: str) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", choices=["build", "up", "down", "status", "env"])
     args = parser.parse_args(argv)
     try:

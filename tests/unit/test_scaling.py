@@ -27,7 +27,12 @@ pytestmark = pytest.mark.unit
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 AS = AutoscalingSpec(
-    enabled=True, minEngines=1, maxEngines=4, targetGenerationShare=0.55, hysteresis=0.1, windowSteps=3,
+    enabled=True,
+    minEngines=1,
+    maxEngines=4,
+    targetGenerationShare=0.55,
+    hysteresis=0.1,
+    windowSteps=3,
     cooldownSeconds=300,
 )
 
@@ -67,7 +72,10 @@ def test_range_clamps_and_caps() -> None:
     assert decide_scale(hist(0.9, 0.9, 0.9), 4, AS, NOW, None).reason == AT_MAX
     d = decide_scale([], 9, AS, NOW, NOW)  # kubectl scale to 9: clamped even in cooldown
     assert (d.target, d.reason) == (4, CLAMPED)
-    assert clamp_request(9, AS) == (4, "requested 9 engines, above rollout.autoscaling.maxEngines 4: running 4")
+    assert clamp_request(9, AS) == (
+        4,
+        "requested 9 engines, above rollout.autoscaling.maxEngines 4: running 4",
+    )
     off = AutoscalingSpec(enabled=False)
     assert clamp_request(9, off) == (9, None)
     assert decide_scale(hist(0.9, 0.9, 0.9), 2, off, NOW, None).reason == DISABLED

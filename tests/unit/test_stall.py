@@ -69,8 +69,14 @@ def test_condition_is_written_once_per_stall_and_cleared_by_progress() -> None:
 
 
 def running(on_stall: str, restarts: int = 0, phase: str = "Running") -> Any:
-    j = job({"phase": phase, "startTime": iso(NOW - timedelta(hours=8)), "restarts": restarts,
-             "submissionId": SID})
+    j = job(
+        {
+            "phase": phase,
+            "startTime": iso(NOW - timedelta(hours=8)),
+            "restarts": restarts,
+            "submissionId": SID,
+        }
+    )
     doc = j.model_dump(by_alias=True, exclude_none=True, mode="json")
     doc["spec"]["monitoring"].update(stallTimeoutSeconds=600, onStall=on_stall)
     return type(j).model_validate(doc)
@@ -102,7 +108,9 @@ def test_restart_policy_fails_after_the_backoff_limit() -> None:
     j = running("Restart", restarts=3)
     d = decide(j, obs(ray_job=ray("RUNNING"), metrics=stuck_metrics()), SID)
     assert d.status["phase"] == "Failed"
-    assert any(c["type"] == "Failed" and c["reason"] == "StalledBackoffLimitExceeded" for c in d.status["conditions"])
+    assert any(
+        c["type"] == "Failed" and c["reason"] == "StalledBackoffLimitExceeded" for c in d.status["conditions"]
+    )
     assert "delete_cluster" in d.actions and "stop" in d.actions
 
 

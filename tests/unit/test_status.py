@@ -94,19 +94,35 @@ def test_metrics_fill_the_status() -> None:
 
 
 def test_reward_kl_and_throughput_between_two_observed_steps() -> None:
-    before = {"phase": "Running", "startTime": iso(NOW), "step": 2, "generatedTokens": 1000,
-              "lastStepTime": iso(NOW - timedelta(seconds=20))}
-    m = TrainerMetrics(steps_completed=3, total_steps=5, last_step_completed_ts=NOW.timestamp(),
-                       generated_tokens_total=1500.0, reward_mean=0.61234, kl=float("nan"),
-                       phase_seconds={"generation": 4.0})
+    before = {
+        "phase": "Running",
+        "startTime": iso(NOW),
+        "step": 2,
+        "generatedTokens": 1000,
+        "lastStepTime": iso(NOW - timedelta(seconds=20)),
+    }
+    m = TrainerMetrics(
+        steps_completed=3,
+        total_steps=5,
+        last_step_completed_ts=NOW.timestamp(),
+        generated_tokens_total=1500.0,
+        reward_mean=0.61234,
+        kl=float("nan"),
+        phase_seconds={"generation": 4.0},
+    )
     st = decide(job(before), obs(ray_job=ray("RUNNING"), metrics=m), SID).status
     assert st["tokensPerSecond"] == 25.0  # 500 tokens over 20 s
     assert st["generatedTokens"] == 1500
     assert st["rewardMean"] == 0.6123
     assert "kl" not in st  # NaN is not written
     # The same step scraped again later (tokens of the next step already counting): nothing moves.
-    m2 = TrainerMetrics(steps_completed=3, total_steps=5, last_step_completed_ts=NOW.timestamp(),
-                        generated_tokens_total=1700.0, phase_seconds={"generation": 4.0})
+    m2 = TrainerMetrics(
+        steps_completed=3,
+        total_steps=5,
+        last_step_completed_ts=NOW.timestamp(),
+        generated_tokens_total=1700.0,
+        phase_seconds={"generation": 4.0},
+    )
     st2 = decide(job(st), obs(ray_job=ray("RUNNING"), metrics=m2), SID).status
     assert (st2["tokensPerSecond"], st2["generatedTokens"]) == (25.0, 1500)
 
