@@ -319,8 +319,11 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         d.actions.append("stop")
         d.stop_submission_id = job_info.submission_id
         return restart_or_fail(f"stalled ({stall.reason}): {stall.message}", "StalledBackoffLimitExceeded")
+    # The condition keeps its message while the same stall lasts; so does the phase message (no patch
+    # every reconcile just because the durations in it grew).
+    cond = next(c for c in st["conditions"] if c.get("type") == "Stalled")
     st["phase"] = "Stalled"
-    st["message"] = f"{stall.reason}: {stall.message}"
+    st["message"] = f"{cond['reason']}: {cond['message']}"
     return d
 
 

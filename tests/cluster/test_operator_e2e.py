@@ -124,3 +124,68 @@ def test_active_deadline_stops_a_running_trainer(
     wait_for(
         lambda: cluster.get("raycluster", "late", namespace) is None or None, 60, "the RayCluster deleted"
     )
+
+
+class HangingReward:
+    """A remote reward endpoint that accepts each request and never answers (seed problem 5)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.calls = 0
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                outer.calls += 1
+                outer.release.wait(900)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+
+def test_a_hanging_reward_is_reported_as_a_stall_naming_the_phase(
+    cluster: Cluster, namespace: str, operator: OperatorProcess, tiny_model: Path, tmp_path: Path
+) -> None:
+    reward = HangingReward()
+    try:
+        doc = tiny_job("hang", tiny_model, tmp_path / "ckpt", steps=5)
+        doc["spec"]["model"]["reward"] = {"type": "http", "url": reward.url, "timeoutSeconds": 3600}
+        doc["spec"]["monitoring"].update(stallTimeoutSeconds=45, onStall="Alert")
+        cluster.apply(doc, namespace)
+
+        def stuck_in_reward() -> dict[str, Any] | None:
+            st = (cluster.get("rlhfjob", "hang", namespace) or {}).get("status", {})
+            assert st.get("phase") not in ("Failed", "Succeeded"), st
+            cond = next((c for c in st.get("conditions", []) if c["type"] == "Stalled"), None)
+            ok = st.get("phase") == "Stalled" and cond and cond["reason"] == "PhaseStuck:reward"
+            return st if ok else None
+
+        st = wait_for(stuck_in_reward, 600, "the job Stalled with PhaseStuck:reward")
+        assert reward.calls >= 1, "the trainer never called the reward endpoint"
+        assert st["currentPhase"] == "reward"
+        cond = next(c for c in st["conditions"] if c["type"] == "Stalled")
+        assert "phase reward running for" in cond["message"], cond
+        assert "stallTimeoutSeconds=45" in cond["message"]
+        warnings = [
+            e
+            for e in cluster.list("events", namespace)
+            if e["involvedObject"].get("name") == "hang" and e["reason"] == "Stalled"
+        ]
+        assert warnings and warnings[0]["type"] == "Warning", warnings
+        # onStall: Alert leaves the trainer running (no restart).
+        assert st.get("restarts", 0) == 0
+    finally:
+        cluster.kubectl("delete", "rlhfjob", "hang", "-n", namespace, "--wait=false", check=False)
+        reward.close()

@@ -18,7 +18,7 @@ from statistics import mean
 from typing import Any
 
 import pytest
-from trainer_runs import EXAMPLE, GRPO, cli_cmd, free_port, run_cli, run_env, tiny_sets
+from trainer_runs import EXAMPLE, GRPO, REINFORCE_PP, cli_cmd, free_port, run_cli, run_env, tiny_sets
 
 pytestmark = pytest.mark.trainer
 
@@ -167,7 +167,7 @@ def test_resume_after_kill_continues_at_next_step(
     tiny: Path, tmp_path: Path, ray_tmp: Path, popen_group: list[subprocess.Popen[str]]
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    sets = [*tiny_sets(tiny, ckpt), *GRPO, "algorithm.totalSteps=4", "checkpoint.intervalSteps=1",
+    sets = [*tiny_sets(tiny, ckpt), "algorithm.totalSteps=4", "checkpoint.intervalSteps=1",
             "checkpoint.keepLast=5"]  # fmt: skip
     proc = subprocess.Popen(
         cli_cmd(EXAMPLE, sets),
@@ -199,10 +199,16 @@ def test_resume_after_kill_continues_at_next_step(
     resume = s["resume"]
     loaded_state = json.loads((Path(resume["path"]) / "trainer_state.json").read_text())
     assert resume["data"] == loaded_state["data"] == {"epoch": 0, "offset": s["resumed_from"] * 16}
-    # the optimizer state after loading is the one saved (per actor rank; Adam moments are non-zero)
-    assert resume["optimizer_digest_loaded"] == pytest.approx(loaded_state["optimizer_digest"], rel=1e-9)
-    assert len(resume["optimizer_digest_loaded"]) == 2
-    assert all(d > 0 for d in resume["optimizer_digest_loaded"])
+    # every trained model (2 actor ranks, the critic) is back to the saved weights, Adam moments and LR
+    # schedule position: digests after loading equal those written with the checkpoint
+    saved_digests, loaded_digests = loaded_state["state_digests"], resume["state_digests_loaded"]
+    assert sorted(loaded_digests) == ["actor+reference/0/actor", "actor+reference/1/actor", "critic/0/critic"]
+    for key, digest in loaded_digests.items():
+        assert digest == pytest.approx(saved_digests[key], rel=1e-9), key
+        assert digest["moments"] > 0 and digest["params"] > 0
+        assert digest["scheduler_step"] == s["resumed_from"] * 2  # epochs=2: two optimizer steps per step
+    # the engine got the checkpoint's weights before the first resumed step generated (plus the usual sync)
+    assert s["steps"][0]["weight_sync_bytes"] == 2 * _model_bytes(tiny / "model")
     assert s["data_position"] == {"epoch": 0, "offset": 4 * 16}
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp-")]
     assert (ckpt / "step-00000004" / "trainer_state.json").exists()
@@ -218,7 +224,8 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
         "    return [vowel_share(r) for r in responses]\n"
     )
     port = free_port()
-    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *GRPO, f"model.reward.function={flaky}:reward",
+    # reinforce_pp here, so the third estimator runs end to end too (what is checked does not depend on it)
+    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *REINFORCE_PP, f"model.reward.function={flaky}:reward",
             "model.reward.onError=skipSample", "algorithm.totalSteps=2", "checkpoint.path=null"]  # fmt: skip
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -241,7 +248,7 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     assert not ckpt.exists() or not any(ckpt.iterdir())  # the failed step trained nothing and saved nothing
 
 
-@pytest.mark.parametrize("case", ["model", "dataset", "reward", "spec"])
+@pytest.mark.parametrize("case", ["model", "dataset", "reward", "spec", "chat", "unsupported"])
 def test_bad_input_exits_nonzero_naming_the_culprit(
     case: str, tiny: Path, tmp_path: Path, ray_tmp: Path
 ) -> None:
@@ -253,6 +260,8 @@ def test_bad_input_exits_nonzero_naming_the_culprit(
         "dataset": ([f"data.prompts={bad_data}"], f"{bad_data}: line 2"),
         "reward": (["model.reward.function=no_such_pkg.rewards:score"], "no_such_pkg"),
         "spec": (["algorithm.clipRange=5"], "spec.algorithm.clipRange"),
+        "chat": (["data.applyChatTemplate=true"], "spec.data.applyChatTemplate"),
+        "unsupported": (["trainer.sequenceParallelSize=2"], "spec.trainer.sequenceParallelSize"),
     }[case]
     t0 = time.monotonic()
     run = run_cli(EXAMPLE, [*sets, *extra], tmp_path, ray_tmp, timeout=300)

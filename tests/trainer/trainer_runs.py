@@ -20,8 +20,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rlhfjob-tiny.yaml"
-# The tiny task with GRPO instead of PPO (gae): no critic.
+# The tiny task with the critic-free estimators instead of PPO (gae).
 GRPO = ["algorithm.advantageEstimator=grpo", "model.critic=null", "trainer.critic=null"]
+REINFORCE_PP = ["algorithm.advantageEstimator=reinforce_pp", "model.critic=null", "trainer.critic=null"]
 
 
 def free_port() -> int:

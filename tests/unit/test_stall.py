@@ -125,3 +125,18 @@ def test_progress_clears_a_stall() -> None:
 def test_timestamps_are_timezone_aware() -> None:
     stall = detect_stall(MON, None, datetime(2026, 1, 1, tzinfo=UTC), None, datetime(2026, 1, 2, tzinfo=UTC))
     assert stall is not None and stall.last_progress.tzinfo is not None
+
+
+def test_a_lasting_stall_does_not_rewrite_the_status() -> None:
+    first = decide(running("Alert"), obs(ray_job=ray("RUNNING"), metrics=stuck_metrics()), SID).status
+    later_job = job(first)
+    doc = later_job.model_dump(by_alias=True, exclude_none=True, mode="json")
+    doc["spec"]["monitoring"].update(stallTimeoutSeconds=600, onStall="Alert")
+    later = decide(
+        type(later_job).model_validate(doc),
+        obs(ray_job=ray("RUNNING"), metrics=stuck_metrics(), now=NOW + timedelta(minutes=5)),
+        SID,
+    )
+    assert later.status["message"] == first["message"]
+    assert later.status["conditions"] == first["conditions"]
+    assert not later.events

@@ -392,8 +392,6 @@ class Trainer:
             "value_clip": a.value_clip_range,
             "epochs": a.epochs,
             "train_micro_batch": a.train_micro_batch_size,
-            # log-probs of the distribution the engines sampled from (logits / T); greedy (T=0) -> 1
-            "temperature": float(spec.rollout.temperature) if spec.rollout.temperature > 0 else 1.0,
         }
 
     # ---- engines and weight sync -----------------------------------------------------------------
@@ -460,10 +458,9 @@ class Trainer:
         tmp = self.store.begin(step)
         try:
             ray.get([ref for g in self.groups for ref in g.call("save", str(tmp))])
-            digests = self.actor_group.get("optimizer_digest")
             state = {
                 "data": self.data.position.to_dict(),
-                "optimizer_digest": digests,
+                "state_digests": self.state_digests(),
                 "job": self.job,
                 "history": [asdict(r) for r in self.history[-50:]],
                 "time": time.time(),
@@ -475,6 +472,17 @@ class Trainer:
         self.store.rotate(self.spec.checkpoint.keep_last)
         self.checkpoints.append(str(final))
         return str(final)
+
+    def state_digests(self) -> dict[str, dict[str, float]]:
+        """{"<group>/<rank>/<role>": digest} of every trained model's weights, optimizer and schedule."""
+        import ray
+
+        out: dict[str, dict[str, float]] = {}
+        for g in self.groups:
+            for rank, digests in enumerate(ray.get(g.call("state_digests"))):
+                for role, digest in digests.items():
+                    out[f"{g.name}/{rank}/{role}"] = digest
+        return out
 
     def maybe_resume(self) -> int:
         """Load the newest complete checkpoint (resume: auto); returns the next step to run."""
@@ -491,13 +499,12 @@ class Trainer:
         step, path, state = latest
         ray.get([ref for g in self.groups for ref in g.call("load", str(path))])
         self.data.restore(state["data"])
-        loaded = self.actor_group.get("optimizer_digest")
         self.resume_info = {
             "from_step": step,
             "path": str(path),
             "data": state["data"],
-            "optimizer_digest_saved": state.get("optimizer_digest"),
-            "optimizer_digest_loaded": loaded,
+            "state_digests_saved": state.get("state_digests"),
+            "state_digests_loaded": self.state_digests(),
         }
         self.log(f"resumed from {path} (step {step}); data position {state['data']}")
         return step + 1

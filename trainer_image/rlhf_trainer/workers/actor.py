@@ -15,7 +15,13 @@ from rlhf_trainer import algorithms
 from rlhf_trainer.transfer import PackedRollout, pad_response_values
 from rlhf_trainer.weight_sync.bucketing import Bucket, pack_bucket, plan_buckets
 from rlhf_trainer.weight_sync.channels import WeightChannel
-from rlhf_trainer.workers.deepspeed_utils import ds_config, full_shape, load_hf_model, response_logprobs
+from rlhf_trainer.workers.deepspeed_utils import (
+    ds_config,
+    full_shape,
+    load_hf_model,
+    response_logprobs,
+    training_state_digest,
+)
 
 
 class PolicyModel:
@@ -163,12 +169,5 @@ class PolicyModel:
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")
 
-    def optimizer_digest(self) -> float:
-        """A number that changes when this rank's optimizer state changes (resume checks)."""
-        total = 0.0
-        opt = getattr(self.optimizer, "optimizer", self.optimizer)
-        for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
-                    total += float(v.double().abs().sum())
-        return total
+    def state_digest(self) -> dict[str, float]:
+        return training_state_digest(self.optimizer, self.scheduler)

@@ -13,7 +13,7 @@ import torch
 
 from rlhf_trainer import algorithms
 from rlhf_trainer.transfer import PackedRollout, pad_response_values
-from rlhf_trainer.workers.deepspeed_utils import ds_config, load_hf_model, token_values
+from rlhf_trainer.workers.deepspeed_utils import ds_config, load_hf_model, token_values, training_state_digest
 
 
 class ValueModel:
@@ -89,6 +89,9 @@ class ValueModel:
                 self.engine.step()
                 total += float(loss.detach()) / denom / epochs
         return {"value_loss": total, "seconds": time.perf_counter() - t0}
+
+    def state_digest(self) -> dict[str, float]:
+        return training_state_digest(self.optimizer, self.scheduler)
 
     def save(self, directory: str, tag: str) -> None:
         self.engine.save_checkpoint(directory, tag=tag, save_latest=False)

@@ -104,6 +104,24 @@ def token_values(
     return unpad_response_values(values, act).detach().cpu(), values, act
 
 
+def training_state_digest(optimizer: Any, scheduler: Any) -> dict[str, float]:
+    """Numbers that change with this rank's training state, to check a resume restored all of it:
+    the optimizer's own (fp32, ZeRO-partitioned) weights, its Adam moments, and the LR schedule."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the client optimizer
+    params = sum(float(p.detach().double().abs().sum()) for g in opt.param_groups for p in g["params"])
+    moments = 0.0
+    for state in opt.state.values():
+        for key, v in state.items():
+            if key != "step" and isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+                moments += float(v.double().abs().sum())
+    return {
+        "params": params,
+        "moments": moments,
+        "lr": float(scheduler.get_last_lr()[0]) if scheduler is not None else 0.0,
+        "scheduler_step": float(scheduler.last_epoch) if scheduler is not None else 0.0,
+    }
+
+
 def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
     """The unpartitioned shape of a (possibly ZeRO-3 partitioned) parameter."""
     shape = getattr(p, "ds_shape", None)

@@ -287,8 +287,9 @@ class ModelRank:
                 loaded.append(role)
         return loaded
 
-    def optimizer_digest(self) -> float:
-        return float(self.models["actor"].optimizer_digest()) if "actor" in self.models else 0.0
+    def state_digests(self) -> dict[str, dict[str, float]]:
+        """{role: training-state digest} of the trained roles this rank hosts (resume checks)."""
+        return {role: self.models[role].state_digest() for role in ("actor", "critic") if role in self.models}
 
     def pid(self) -> int:
         return os.getpid()

@@ -1,0 +1,35 @@
+"""Prompt encoding of the rollout engine (rlhf_trainer.rollout.engine.encode_prompt), with the tiny BPE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("tokenizers")
+
+from rlhf_trainer.rollout.engine import encode_prompt
+from rlhf_trainer.tiny import build_tokenizer
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return build_tokenizer(512)
+
+
+def test_plain_prompt_is_tokenized_as_is_and_cut_from_the_left(tok: Any) -> None:
+    ids = encode_prompt(tok, "ba ko stou", chat_template=False, max_tokens=None)
+    assert ids == tok("ba ko stou")["input_ids"] and tok.decode(ids) == "ba ko stou"
+    assert encode_prompt(tok, "ba ko stou", chat_template=False, max_tokens=2) == ids[-2:]
+
+
+def test_chat_template_wraps_the_prompt_as_a_user_turn(tok: Any) -> None:
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m.role }} {{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %} assistant{% endif %}"
+    )
+    ids = encode_prompt(tok, "ba ko", chat_template=True, max_tokens=None)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # the template's own specials
+    assert tok.decode(ids[1:]) == "user ba ko assistant"
