@@ -1,6 +1,7 @@
 """The built-in rollout-engine autoscaler (DESIGN.md §5): recent generation shares -> the next engine
-count, with a dead band, a step window, a cooldown and the [minEngines, maxEngines] range.
-Pure: no clock, no I/O, no kopf or Kubernetes client; the handler applies the decision and emits its Event.
+count, with a dead band, a step window, a cooldown and the [minEngines, maxEngines] range; and the plan
+of one reconcile (clamp, policy, change bookkeeping, the EnginesPending condition).
+Pure: no clock, no I/O, no kopf or Kubernetes client; the handler applies the plan and emits its Events.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from rlhf_operator.spec import AutoscalingSpec
+from rlhf_operator.spec import AutoscalingSpec, RLHFJobSpec
+from rlhf_operator.status import iso, parse_time, set_condition
 
 Direction = Literal["up", "down", "hold"]
 # (step, generation share of that step): one entry per completed step the operator observed.
@@ -190,3 +192,150 @@ def _span(shares: Sequence[float]) -> str:
     """72%, or 68%-75% over several different shares."""
     low, high = _pct(min(shares)), _pct(max(shares))
     return low if low == high else f"{low}-{high}"
+
+
+# ------------------------------------------------------------------------------- the reconcile-level plan
+
+CHANGED_BY_REQUEST = (
+    "EnginesScaled"  # spec.rollout.engines changed by someone else (kubectl scale, HPA, KEDA)
+)
+ENGINES_PENDING = "EnginesPending"  # condition type: rollout workers the cluster cannot place
+UNSCHEDULABLE = "Unschedulable"
+ALL_SCHEDULED = "AllScheduled"
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What one reconcile does about the engine count; the handler applies it.
+
+    `write_spec` means `spec.rollout.engines` must become `engines` (a clamp or a policy decision; the
+    handler writes it with a JSON-patch `test` on `requested`, so a concurrent `kubectl scale` wins).
+    `status` holds the status fields to merge (rollout, lastScaleTime, lastScaleStep, conditions);
+    `events` are (type, reason, message); `decision` is the built-in policy's verdict (None when it did
+    not run) and `direction` the way an operator decision moved the count (for the decisions metric).
+    """
+
+    engines: int
+    requested: int
+    write_spec: bool
+    status: dict[str, Any]
+    events: list[tuple[str, str, str]]
+    decision: ScaleDecision | None = None
+    direction: Direction | None = None
+
+
+def plan_engines(
+    spec: RLHFJobSpec,
+    previous: Mapping[str, Any],
+    status: Mapping[str, Any],
+    now: datetime,
+    rollout_pods: Sequence[Mapping[str, Any]] | None = None,
+) -> EnginePlan:
+    """The engine count to run this round, from the spec, the last written status and the new one.
+
+    `previous` is the status as stored (what ran until now), `status` the one `status.decide` just
+    computed (step and generationShare of this round). In order: a request outside [min, max] is
+    clamped (Warning EnginesClamped); otherwise, while the job is Running with autoscaling on, the
+    step's share joins `rollout.generationShareHistory` and `decide_scale` may move the count. Any
+    change of the running count (ours or a `kubectl scale`) records lastScaleTime/lastScaleStep, so the
+    cooldown and the window restart from it. `rollout_pods` (None: not observed) sets the
+    EnginesPending condition when the scheduler cannot place rollout workers; the job keeps running.
+    """
+    autoscaling = spec.rollout.autoscaling
+    requested = spec.rollout.engines
+    step = int(status.get("step") or 0)
+    rollout = dict(status.get("rollout") or {})
+    prev_rollout: Mapping[str, Any] = previous.get("rollout") or {}
+    prev_desired = prev_rollout.get("desiredEngines")
+    events: list[tuple[str, str, str]] = []
+    engines, why_clamped = clamp_request(requested, autoscaling)
+    decision: ScaleDecision | None = None
+    direction: Direction | None = None
+
+    if why_clamped is not None:
+        moved = f" (engines {prev_desired}→{engines})" if prev_desired not in (None, engines) else ""
+        events.append(("Warning", CLAMPED, why_clamped + moved))
+        direction = "up" if engines > requested else "down"
+    elif autoscaling.enabled:
+        history = history_from_status(rollout.get("generationShareHistory"))
+        share = status.get("generationShare")
+        if status.get("phase") == "Running" and share is not None:
+            history = append_history(history, step, float(share), keep=autoscaling.window_steps)
+            rollout["generationShareHistory"] = history_to_status(history)
+        if status.get("phase") == "Running":
+            decision = decide_scale(
+                history,
+                engines,
+                autoscaling,
+                now,
+                parse_time(previous.get("lastScaleTime")),
+                previous.get("lastScaleStep"),
+                engines_per_step=spec.rollout.engines_per_worker,
+            )
+            if decision.changed:
+                engines, direction = decision.target, decision.direction
+                events.append(("Normal", decision.reason, decision.message))
+    else:
+        rollout.pop("generationShareHistory", None)
+
+    out: dict[str, Any] = {}
+    if prev_desired is not None and engines != int(prev_desired):
+        out["lastScaleTime"] = iso(now)
+        out["lastScaleStep"] = step
+        if direction is None:  # nobody here decided it: the request itself changed
+            workers = (
+                f"rollout workers {spec.rollout.replicas(int(prev_desired))}→{spec.rollout.replicas(engines)}"
+            )
+            events.append(
+                ("Normal", CHANGED_BY_REQUEST, f"spec.rollout.engines {prev_desired}→{engines}: {workers}")
+            )
+    rollout["desiredEngines"] = engines
+    out["rollout"] = rollout
+    if rollout_pods is not None:
+        conditions = list(status.get("conditions") or [])
+        pending = engines_pending(rollout_pods, engines, spec.rollout.replicas(engines))
+        if pending is not None:
+            conditions = set_condition(conditions, ENGINES_PENDING, True, UNSCHEDULABLE, pending, now)
+        elif any(c.get("type") == ENGINES_PENDING for c in conditions):
+            conditions = set_condition(
+                conditions, ENGINES_PENDING, False, ALL_SCHEDULED, "every rollout worker is placed", now
+            )
+        out["conditions"] = conditions
+    return EnginePlan(
+        engines=engines,
+        requested=requested,
+        write_spec=engines != requested,
+        status=out,
+        events=events,
+        decision=decision,
+        direction=direction,
+    )
+
+
+def engines_pending(pods: Sequence[Mapping[str, Any]], engines: int, workers: int) -> str | None:
+    """Why some rollout workers cannot run (the scheduler's message), or None when none is unplaceable.
+
+    Only pods the scheduler marked Unschedulable count: a pod that is merely starting is not a problem.
+    The message carries counts, not durations, so it is stable while the situation lasts.
+    """
+    stuck: list[str] = []
+    for pod in pods:
+        st = pod.get("status") or {}
+        if st.get("phase") != "Pending" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        for c in st.get("conditions") or []:
+            if (
+                c.get("type") == "PodScheduled"
+                and c.get("status") == "False"
+                and c.get("reason") == UNSCHEDULABLE
+            ):
+                stuck.append(str(c.get("message") or "no reason given").strip())
+    if not stuck:
+        return None
+    placed = max(
+        0, len([p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]) - len(stuck)
+    )
+    return (
+        f"{len(stuck)} of {workers} rollout workers for {engines} engines cannot be scheduled "
+        f"({placed} placed): {stuck[0]}; the job continues on the engines it has"
+    )

@@ -308,12 +308,15 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     stall = detect_stall(
         spec.monitoring, observed.metrics, attempt_started, parse_time(cur.get("lastStepTime")), now
     )
+    before = next(
+        (c for c in st["conditions"] if c.get("type") == "Stalled" and c.get("status") == "True"), None
+    )
     st["conditions"] = set_stalled_condition(st["conditions"], stall, now, generation)
     if stall is None:
         if phase == "Stalled":
             go("Running", f"step {st.get('step', 0)} completed: no longer stalled", "StallCleared")
         return d
-    if phase != "Stalled":
+    if before is None or before.get("reason") != stall.reason:  # a new stall, or now the phase is known
         d.event("Stalled", f"{stall.reason}: {stall.message}", warning=True)
     if spec.monitoring.on_stall == "Restart":
         d.actions.append("stop")

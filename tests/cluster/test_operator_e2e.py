@@ -9,6 +9,8 @@ they are few and short: one run to Succeeded, one stopped by its active deadline
 from __future__ import annotations
 
 import socket
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -126,21 +128,38 @@ def test_active_deadline_stops_a_running_trainer(
     )
 
 
-class HangingReward:
-    """A remote reward endpoint that accepts each request and never answers (seed problem 5)."""
+class RewardServer:
+    """A remote reward endpoint (spec.model.reward.type http): scores the tiny task's vowel share, or,
+    while `hang` is set, accepts each request and never answers (seed problem 5)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hang: bool) -> None:
         import http.server
+        import json
         import threading
 
+        from rlhf_trainer.tasks.tiny import reward as vowel_share
+
         self.calls = 0
-        self.release = threading.Event()
+        self.hang = threading.Event()
+        if hang:
+            self.hang.set()
+        self.closed = threading.Event()
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 outer.calls += 1
-                outer.release.wait(900)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                while outer.hang.is_set() and not outer.closed.is_set():
+                    time.sleep(0.5)
+                if outer.closed.is_set():
+                    return
+                out = json.dumps({"rewards": vowel_share(body["prompts"], body["responses"])})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out.encode())
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -151,41 +170,121 @@ class HangingReward:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
-        self.release.set()
+        self.closed.set()
         self.server.shutdown()
+
+
+def stalled_condition(st: dict[str, Any]) -> dict[str, Any] | None:
+    return next(
+        (c for c in st.get("conditions", []) if c["type"] == "Stalled" and c["status"] == "True"), None
+    )
+
+
+def stall_events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in cluster.list("events", namespace)
+        if e["involvedObject"].get("name") == name and e["reason"] == "Stalled"
+    ]
 
 
 def test_a_hanging_reward_is_reported_as_a_stall_naming_the_phase(
     cluster: Cluster, namespace: str, operator: OperatorProcess, tiny_model: Path, tmp_path: Path
 ) -> None:
-    reward = HangingReward()
+    reward = RewardServer(hang=False)
+    timeout = 30
     try:
-        doc = tiny_job("hang", tiny_model, tmp_path / "ckpt", steps=5)
+        doc = tiny_job("hang", tiny_model, tmp_path / "ckpt", steps=20)
         doc["spec"]["model"]["reward"] = {"type": "http", "url": reward.url, "timeoutSeconds": 3600}
-        doc["spec"]["monitoring"].update(stallTimeoutSeconds=45, onStall="Alert")
+        doc["spec"]["monitoring"].update(stallTimeoutSeconds=timeout, onStall="Alert")
         cluster.apply(doc, namespace)
 
-        def stuck_in_reward() -> dict[str, Any] | None:
-            st = (cluster.get("rlhfjob", "hang", namespace) or {}).get("status", {})
-            assert st.get("phase") not in ("Failed", "Succeeded"), st
-            cond = next((c for c in st.get("conditions", []) if c["type"] == "Stalled"), None)
-            ok = st.get("phase") == "Stalled" and cond and cond["reason"] == "PhaseStuck:reward"
-            return st if ok else None
+        def status() -> dict[str, Any]:
+            return (cluster.get("rlhfjob", "hang", namespace) or {}).get("status", {})
 
-        st = wait_for(stuck_in_reward, 600, "the job Stalled with PhaseStuck:reward")
-        assert reward.calls >= 1, "the trainer never called the reward endpoint"
+        wait_for(lambda: (status().get("step") or 0) >= 1 or None, 600, "a first completed step")
+        reward.hang.set()  # from now on every reward call hangs: the step cannot complete
+
+        def stuck_in_reward() -> dict[str, Any] | None:
+            st = status()
+            assert st.get("phase") not in ("Failed", "Succeeded"), st
+            cond = stalled_condition(st)
+            return (
+                st
+                if st.get("phase") == "Stalled" and cond and cond["reason"] == "PhaseStuck:reward"
+                else None
+            )
+
+        st = wait_for(stuck_in_reward, 300, "the job Stalled with PhaseStuck:reward")
         assert st["currentPhase"] == "reward"
-        cond = next(c for c in st["conditions"] if c["type"] == "Stalled")
+        cond = stalled_condition(st)
+        assert cond is not None
         assert "phase reward running for" in cond["message"], cond
-        assert "stallTimeoutSeconds=45" in cond["message"]
-        warnings = [
-            e
-            for e in cluster.list("events", namespace)
-            if e["involvedObject"].get("name") == "hang" and e["reason"] == "Stalled"
-        ]
-        assert warnings and warnings[0]["type"] == "Warning", warnings
-        # onStall: Alert leaves the trainer running (no restart).
-        assert st.get("restarts", 0) == 0
+        assert f"stallTimeoutSeconds={timeout}" in cond["message"]
+        # Caught within the stall timeout + 30 s of the last completed step.
+        since = datetime.fromisoformat(st["lastStepTime"])
+        caught = datetime.fromisoformat(cond["lastTransitionTime"])
+        assert timeout <= (caught - since).total_seconds() <= timeout + 30, (since, caught)
+        warnings = stall_events(cluster, namespace, "hang")
+        assert any(e["type"] == "Warning" and "PhaseStuck:reward" in e["message"] for e in warnings), warnings
+        assert st.get("restarts", 0) == 0  # onStall: Alert leaves the trainer running
     finally:
         cluster.kubectl("delete", "rlhfjob", "hang", "-n", namespace, "--wait=false", check=False)
+        reward.close()
+
+
+def test_on_stall_restart_resumes_from_the_checkpoint_and_completes(
+    cluster: Cluster, namespace: str, operator: OperatorProcess, tiny_model: Path, tmp_path: Path
+) -> None:
+    reward = RewardServer(hang=False)
+    try:
+        doc = tiny_job("flaky-reward", tiny_model, tmp_path / "ckpt", steps=3)
+        doc["spec"]["checkpoint"]["intervalSteps"] = 1
+        doc["spec"]["model"]["reward"] = {"type": "http", "url": reward.url, "timeoutSeconds": 3600}
+        # The stall clock of an attempt starts with it, so the timeout must cover the trainer's start-up
+        # (about a minute here) or every attempt would be "stalled" before its first step.
+        doc["spec"]["monitoring"].update(stallTimeoutSeconds=90, onStall="Restart")
+        cluster.apply(doc, namespace)
+
+        def status() -> dict[str, Any]:
+            return (cluster.get("rlhfjob", "flaky-reward", namespace) or {}).get("status", {})
+
+        # Step 1 completes (and is checkpointed); then the reward endpoint hangs.
+        wait_for(
+            lambda: (tmp_path / "ckpt" / "step-00000001" / "trainer_state.json").exists() or None,
+            600,
+            "the step-1 checkpoint",
+        )
+        reward.hang.set()
+        seen_stall: list[dict[str, Any]] = []
+
+        def restarted() -> dict[str, Any] | None:
+            st = status()
+            assert st.get("phase") != "Failed", st
+            cond = stalled_condition(st)
+            if cond:
+                seen_stall.append(cond)
+            return st if (st.get("restarts") or 0) >= 1 else None
+
+        st = wait_for(restarted, 300, "the operator to restart the stalled job")
+        reward.hang.clear()  # the endpoint recovers; the new attempt must resume and finish
+        st = wait_for(
+            lambda: ((s := status()).get("phase") in ("Succeeded", "Failed") and s) or None,
+            600,
+            "the restarted job to finish",
+        )
+        assert st["phase"] == "Succeeded", st
+        assert st["restarts"] == 1
+        assert any(c["reason"] == "PhaseStuck:reward" for c in seen_stall) or any(
+            "reward" in e["message"] for e in stall_events(cluster, namespace, "flaky-reward")
+        ), seen_stall
+        assert stall_events(cluster, namespace, "flaky-reward"), "no Stalled event"
+        # The second attempt resumed from a checkpoint instead of starting over.
+        logs = httpx.get(
+            f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/{st['submissionId']}/logs", timeout=10
+        ).json()["logs"]
+        assert st["submissionId"].endswith("-1"), st["submissionId"]  # attempt 1, the restart
+        assert "resumed from" in logs, logs[-3000:]
+    finally:
+        cluster.kubectl("delete", "rlhfjob", "flaky-reward", "-n", namespace, "--wait=false", check=False)
         reward.close()

@@ -395,6 +395,13 @@ class Trainer:
         }
 
     # ---- engines and weight sync -----------------------------------------------------------------
+    def engines_sleep(self, asleep: bool) -> None:
+        """Put the engines to sleep / wake them (only with rollout.enableSleep; a no-op on CPU)."""
+        import ray
+
+        if self.spec.rollout.enable_sleep:
+            ray.get([getattr(s.handle, "sleep" if asleep else "wake_up").remote() for s in self.pool.ready()])
+
     def refresh_engines(self, timer: PhaseTimer) -> int:
         """Between steps: follow the cluster's rollout slots, let engines that finished starting join.
 
@@ -610,6 +617,7 @@ def run(
 
     data = data or preflight(spec)
     metrics = TrainerMetrics(job)
+    metrics.driver_started()  # the stall clock runs from here until the first step completes
     metrics.total_steps.labels(job).set(spec.algorithm.total_steps)
     metrics.stall_timeout.labels(job).set(spec.monitoring.stall_timeout_seconds)
     port = (
@@ -626,6 +634,7 @@ def run(
         trainer.place()
         trainer.setup()
         first = trainer.maybe_resume()
+        metrics.resumed(first - 1)  # the step counter continues from the checkpoint's step
         last = (
             spec.algorithm.total_steps
             if steps is None

@@ -47,6 +47,7 @@ def run_step(t: Trainer, step: int) -> StepReport:
 
     with timer.phase("generation"):  # rewards start as soon as each chunk is generated
         packed, metas, reward_calls = t.generate_and_score(step, chunks, prompts, labels)
+        t.engines_sleep(True)  # rollout.enableSleep (GPU): engines free their memory while models train
     with timer.phase("reward"):  # only the part of scoring not hidden behind generation
         reward_metas = ray.get([meta_ref for meta_ref, _ in reward_calls])
     errors = sum(m.errors for m in reward_metas)
@@ -81,6 +82,7 @@ def run_step(t: Trainer, step: int) -> StepReport:
             if valid:
                 t.critic_group.get("train_critic", [r for _, r in adv], t.algo_wire())
     with timer.phase("weight_sync"):
+        t.engines_sleep(False)
         sync_bytes += t.sync_weights() if valid else 0
     checkpoint = None
     if t.checkpoint_due(step):

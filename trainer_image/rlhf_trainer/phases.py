@@ -103,6 +103,17 @@ class TrainerMetrics:
         for state in ENGINE_STATES:
             self.rollout_engines.labels(self.job, state).set(counts.get(state, 0))
 
+    def driver_started(self, at: float | None = None) -> None:
+        """The driver's start: `rlhf_last_step_completed_timestamp_seconds` holds it until the first step
+        completes, so the step-stall alert also catches a run stuck in (or before) its first step."""
+        self.last_step_ts.labels(self.job).set(time.time() if at is None else at)
+
+    def resumed(self, steps_done: int) -> None:
+        """After a resume from step N's checkpoint (called once, before any step), `rlhf_steps_completed_total`
+        continues from N instead of restarting at 0."""
+        if steps_done > 0:
+            self.steps_completed.labels(self.job).inc(steps_done)
+
     def step_done(self, phase_seconds: dict[str, float]) -> None:
         for phase, s in phase_seconds.items():
             self.step_phase_seconds.labels(self.job, phase).set(s)

@@ -108,7 +108,12 @@ def training_state_digest(optimizer: Any, scheduler: Any) -> dict[str, float]:
     """Numbers that change with this rank's training state, to check a resume restored all of it:
     the optimizer's own (fp32, ZeRO-partitioned) weights, its Adam moments, and the LR schedule."""
     opt = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the client optimizer
-    params = sum(float(p.detach().double().abs().sum()) for g in opt.param_groups for p in g["params"])
+    # ZeRO keeps its fp32 partitions itself (stage 3 hands them to the client optimizer only inside step)
+    flat = getattr(optimizer, "fp32_partitioned_groups_flat", None) or getattr(
+        optimizer, "single_partition_of_fp32_groups", None
+    )
+    weights = list(flat) if flat else [p for g in opt.param_groups for p in g["params"]]
+    params = sum(float(p.detach().double().abs().sum()) for p in weights)
     moments = 0.0
     for state in opt.state.values():
         for key, v in state.items():
