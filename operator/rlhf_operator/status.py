@@ -357,7 +357,9 @@ def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
     total = m.total_steps or job.spec.algorithm.total_steps
     st["totalSteps"] = total
     st["progress"] = f"{m.steps_completed}/{total}"
-    if m.last_step_completed_ts:
+    # Before a run's first step the trainer's timestamp holds the driver's start (so the step-stall alert
+    # covers step 1); that is not a step completion, so lastStepTime only moves when the step count does.
+    if m.last_step_completed_ts and (m.steps_completed > prev_step or (m.steps_completed and not prev_time)):
         st["lastStepTime"] = iso(datetime.fromtimestamp(m.last_step_completed_ts, UTC))
     if m.phase_seconds:
         st["phaseSeconds"] = {k: round(v, 3) for k, v in sorted(m.phase_seconds.items())}

@@ -83,7 +83,12 @@ def test_tiny_job_runs_to_succeeded_with_phase_timings_in_status(
     columns = cluster.kubectl("get", "rlhf", "tiny", "-n", namespace).stdout
     assert "Running" in columns and "/3" in columns, columns
 
+    # What a user watching `kubectl get rlhf` sees: the Step column advancing, the GenShare column filled.
+    rows: list[dict[str, str]] = []
+
     def finished() -> dict[str, Any] | None:
+        header, row = cluster.kubectl("get", "rlhf", "tiny", "-n", namespace).stdout.splitlines()[:2]
+        rows.append(dict(zip(header.split(), row.split(), strict=False)))
         s = (cluster.get("rlhfjob", "tiny", namespace) or {}).get("status", {})
         seen.add(str(s.get("phase")))
         return s if s.get("phase") in ("Succeeded", "Failed") else None
@@ -91,6 +96,9 @@ def test_tiny_job_runs_to_succeeded_with_phase_timings_in_status(
     st = wait_for(finished, 600, "the job to finish")
     assert st["phase"] == "Succeeded", st
     assert st["step"] == 3 and st["progress"] == "3/3"
+    running = [r for r in rows if r.get("PHASE") == "Running"]
+    assert running and running[0]["STEP"] in ("1/3", "2/3") and rows[-1]["STEP"] == "3/3", rows
+    assert all(0 < float(r["GENSHARE"]) < 1 for r in rows if r.get("PHASE") == "Running"), rows
     assert st["completionTime"] and st["startTime"]
     assert {"Provisioning", "Running", "Succeeded"} <= seen, seen
     assert ray_job_status(st["submissionId"]) == "SUCCEEDED"

@@ -93,6 +93,22 @@ def test_metrics_fill_the_status() -> None:
     assert st["lastStepTime"] == iso(NOW)
 
 
+def test_driver_start_before_the_first_step_is_not_a_last_step_time() -> None:
+    """Before step 1 the trainer's last-step timestamp holds its start time (for the stall alert)."""
+    m = TrainerMetrics(steps_completed=0, total_steps=3, last_step_completed_ts=NOW.timestamp())
+    d = decide(job({"phase": "Running", "startTime": iso(NOW)}), obs(ray_job=ray("RUNNING"), metrics=m), SID)
+    assert "lastStepTime" not in d.status and d.status["step"] == 0
+
+
+def test_a_resumed_attempt_keeps_the_last_real_step_time() -> None:
+    """A resumed trainer reports step N (from its checkpoint) with its own start as the timestamp."""
+    earlier = iso(NOW - timedelta(minutes=5))
+    m = TrainerMetrics(steps_completed=2, total_steps=3, last_step_completed_ts=NOW.timestamp())
+    current = {"phase": "Running", "startTime": earlier, "step": 2, "lastStepTime": earlier}
+    d = decide(job(current), obs(ray_job=ray("RUNNING"), metrics=m), SID)
+    assert d.status["lastStepTime"] == earlier
+
+
 def test_reward_kl_and_throughput_between_two_observed_steps() -> None:
     before = {
         "phase": "Running",

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
-from rlhf_trainer import algorithms as A  # noqa: E402
+import torch
+from rlhf_trainer import algorithms as A
 
 pytestmark = pytest.mark.unit
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
-from rlhf_trainer.weight_sync.bucketing import (  # noqa: E402
+import torch
+from rlhf_trainer.weight_sync.bucketing import (
     pack_bucket,
     plan_buckets,
     plan_bytes,

@@ -5,9 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-pytest.importorskip("tokenizers")
-
 from rlhf_trainer.rollout.engine import encode_prompt
 from rlhf_trainer.tiny import build_tokenizer
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
-pytest.importorskip("prometheus_client")
-
 from prometheus_client import generate_latest
 from rlhf_trainer.phases import PHASES, PhaseTimer, TrainerMetrics
 
@@ -67,3 +64,110 @@ def test_exposition_has_every_contract_series_with_rlhfjob_label() -> None:
     assert gen == [1.5]
     states = {s.labels["state"] for s in samples if s.name == "rlhf_rollout_engines"}
     assert {"ready", "starting", "failed"} <= states
+
+
+class _Stop(Exception):
+    pass
+
+
+def _tiny_spec() -> object:
+    from pathlib import Path
+
+    import yaml
+    from rlhf_trainer.driver import parse_spec
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "rlhfjob-tiny.yaml"
+    return parse_spec(yaml.safe_load(example.read_text()))
+
+
+def _fake_trainer(seen: dict[str, object], resume_at: int | None) -> type:
+    """Stands in for driver.Trainer: records what /metrics shows when placement starts, then stops
+    the run there (resume_at None) or resumes at that step and runs no step."""
+
+    class FakeTrainer:
+        def __init__(
+            self, spec: object, job: str, data: object, metrics: TrainerMetrics, log: object
+        ) -> None:
+            seen["metrics"] = metrics
+            self.checkpoints: list[str] = []
+            self.resume_info: dict[str, object] = {}
+            self.pool = self
+
+        def _process_count(self) -> int:
+            return 1
+
+        def place(self) -> None:
+            m = seen["metrics"]
+            assert isinstance(m, TrainerMetrics)
+            seen["ts_at_place"] = m.last_step_ts.labels(m.job)._value.get()
+            if resume_at is None:
+                raise _Stop
+
+        def setup(self) -> None:
+            pass
+
+        def maybe_resume(self) -> int:
+            assert resume_at is not None
+            return resume_at
+
+        def ready(self) -> list[object]:
+            return []
+
+        def shutdown(self) -> None:
+            pass
+
+    return FakeTrainer
+
+
+class _Data:
+    class position:  # mimics PromptDataset.position
+        @staticmethod
+        def to_dict() -> dict[str, int]:
+            return {"epoch": 0, "offset": 0}
+
+
+def test_driver_sets_last_step_time_to_its_start_before_the_first_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/monitoring.md: before the first step rlhf_last_step_completed_timestamp_seconds holds the
+    driver's start time (not 0), so RLHFJobStepStalled also catches a run stuck in its first step."""
+    from rlhf_trainer import driver
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(driver, "Trainer", _fake_trainer(seen, None))
+    monkeypatch.setattr(driver, "connect_ray", lambda processes: False)
+    t0 = time.time()
+    with pytest.raises(_Stop):
+        driver.run(_tiny_spec(), "demo", metrics_port=0, data=_Data(), log=lambda m: None)  # type: ignore[arg-type]
+    assert t0 <= float(seen["ts_at_place"]) <= time.time()  # type: ignore[arg-type]
+    m = seen["metrics"]
+    assert isinstance(m, TrainerMetrics)
+    assert m.steps_completed.labels("demo")._value.get() == 0
+
+
+def test_a_resumed_driver_counts_steps_from_the_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/monitoring.md: after a restart from a checkpoint rlhf_steps_completed_total resumes from the
+    checkpoint's step (the operator's status.step follows it)."""
+    from rlhf_trainer import driver
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(driver, "Trainer", _fake_trainer(seen, 9))  # resumed from step 8's checkpoint
+    monkeypatch.setattr(driver, "connect_ray", lambda processes: False)
+    summary = driver.run(_tiny_spec(), "demo", steps=0, metrics_port=0, data=_Data(), log=lambda m: None)  # type: ignore[arg-type]
+    assert summary["steps"] == []
+    m = seen["metrics"]
+    assert isinstance(m, TrainerMetrics)
+    assert m.steps_completed.labels("demo")._value.get() == 8
+    m.step_done({"generation": 1.0})
+    assert m.steps_completed.labels("demo")._value.get() == 9
+    assert m.last_step_ts.labels("demo")._value.get() >= float(seen["ts_at_place"])  # type: ignore[arg-type]
+
+
+def test_a_phase_that_did_not_run_in_the_last_step_reports_zero() -> None:
+    """docs/monitoring.md: rlhf_step_phase_seconds is the last completed step; `checkpoint` (not due every
+    step) must not keep an older step's duration, or the step time and generation share drift."""
+    m = TrainerMetrics("demo")
+    m.step_done({"generation": 2.0, "weight_sync": 0.5, "checkpoint": 3.0})
+    m.step_done({"generation": 1.0, "weight_sync": 0.25})
+    got = {p: m.step_phase_seconds.labels("demo", p)._value.get() for p in PHASES}
+    assert got == {**dict.fromkeys(PHASES, 0.0), "generation": 1.0, "weight_sync": 0.25}

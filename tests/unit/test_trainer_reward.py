@@ -8,12 +8,9 @@ import threading
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
-from rlhf_trainer.tasks.tiny import reward as tiny_reward  # noqa: E402
-from rlhf_trainer.transfer import PackedRollout  # noqa: E402
-from rlhf_trainer.workers.reward import RewardScorer, RewardSetupError, load_reward_function  # noqa: E402
+from rlhf_trainer.tasks.tiny import reward as tiny_reward
+from rlhf_trainer.transfer import PackedRollout
+from rlhf_trainer.workers.reward import RewardScorer, RewardSetupError, load_reward_function
 
 pytestmark = pytest.mark.unit
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import pickle
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
-from rlhf_trainer.transfer import (  # noqa: E402
+import torch
+from rlhf_trainer.transfer import (
     PackedRollout,
     pad_micro_batch,
     pad_response_values,

@@ -115,8 +115,8 @@ class TrainerMetrics:
             self.steps_completed.labels(self.job).inc(steps_done)
 
     def step_done(self, phase_seconds: dict[str, float]) -> None:
-        for phase, s in phase_seconds.items():
-            self.step_phase_seconds.labels(self.job, phase).set(s)
+        for phase in PHASES:  # a phase that did not run in this step reports 0, not its last duration
+            self.step_phase_seconds.labels(self.job, phase).set(phase_seconds.get(phase, 0.0))
         self.steps_completed.labels(self.job).inc()
         self.last_step_ts.labels(self.job).set(time.time())
 

@@ -1,0 +1,109 @@
+"""The operator's reader of the trainer's /metrics (rlhf_operator.scrape), fed by the trainer's own exporter
+(rlhf_trainer.phases): the two sides of the DESIGN §4 contract are checked against each other."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+from rlhf_operator.scrape import MalformedMetrics, MetricsUnavailable, fetch_metrics, parse_metrics
+from rlhf_trainer.phases import PhaseTimer, TrainerMetrics
+
+pytestmark = pytest.mark.unit
+
+
+def exported(m: TrainerMetrics) -> str:
+    return generate_latest(m.registry).decode()
+
+
+def test_a_fresh_trainer_exposition_parses_with_no_step_and_no_phase() -> None:
+    m = TrainerMetrics("job-a")
+    m.total_steps.labels("job-a").set(20)
+    got = parse_metrics(exported(m), "job-a")
+    assert got.steps_completed == 0 and got.total_steps == 20
+    assert got.in_progress_phase is None and got.generation_share is None
+
+
+def test_a_completed_step_and_a_running_phase_are_read_back() -> None:
+    m = TrainerMetrics("job-a")
+    m.step_done({"generation": 3.0, "reward": 0.5, "actor_train": 1.5})
+    m.generated_tokens.labels("job-a").inc(1234)
+    m.reward_mean.labels("job-a").set(0.25)
+    m.set_engines({"ready": 2, "starting": 1})
+    timer = PhaseTimer(m)
+    timer.start("generation")
+    timer.start(
+        "reward"
+    )  # rewards start while generation still runs: the later one is what the step waits on
+    got = parse_metrics(exported(m), "job-a")
+    assert got.steps_completed == 1
+    assert got.phase_seconds["generation"] == 3.0 and got.generation_share == pytest.approx(3.0 / 5.0)
+    assert got.generated_tokens_total == 1234 and got.reward_mean == 0.25
+    assert got.engines == {"starting": 1, "ready": 2, "failed": 0, "stopping": 0}
+    assert got.in_progress_phase == "reward" and got.in_progress_since is not None
+    assert got.last_step_completed_ts is not None
+
+
+def test_series_of_another_job_are_ignored() -> None:
+    m = TrainerMetrics("other")
+    m.step_done({"generation": 9.0})
+    got = parse_metrics(exported(m), "job-a")
+    assert got.steps_completed == 0 and got.phase_seconds == {}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'rlhf_steps_completed_total{rlhfjob="a"} not-a-number\n',
+        'rlhf_step_phase_seconds{rlhfjob="a",phase="generation" 3\n',  # unclosed label set
+    ],
+)
+def test_malformed_text_raises_malformed_metrics(text: str) -> None:
+    with pytest.raises(MalformedMetrics):
+        parse_metrics(text, "a")
+
+
+@pytest.fixture
+def server() -> Iterator[dict[str, Any]]:
+    state: dict[str, Any] = {"status": 200, "body": b""}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(state["status"])
+            self.end_headers()
+            self.wfile.write(state["body"])
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    state["url"] = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
+    yield state
+    httpd.shutdown()
+
+
+def test_fetch_reads_a_live_endpoint(server: dict[str, Any]) -> None:
+    m = TrainerMetrics("job-a")
+    m.step_done({"generation": 1.0})
+    server["body"] = generate_latest(m.registry)
+    assert fetch_metrics(server["url"], "job-a").steps_completed == 1
+
+
+def test_fetch_of_an_http_error_is_unavailable(server: dict[str, Any]) -> None:
+    server["status"] = 503
+    with pytest.raises(MetricsUnavailable, match="HTTP 503"):
+        fetch_metrics(server["url"], "job-a")
+
+
+def test_fetch_of_a_closed_port_is_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        with pytest.raises(MetricsUnavailable, match=str(port)):
+            fetch_metrics(f"http://127.0.0.1:{port}/metrics", "job-a", timeout=2)
