@@ -49,6 +49,7 @@ stage lint make -s lint || status=1
 pytest_stage unit tests -m unit || status=1
 pytest_stage cluster tests -m cluster || status=1
 pytest_stage trainer tests -m trainer || status=1
+pytest_stage reliability tests -m reliability || status=1
 
 if [ $started_cluster = 1 ] && [ "${KEEP_CLUSTER:-0}" != 1 ]; then
   python3 tests/controlplane/devcluster.py down >/dev/null 2>&1 || true

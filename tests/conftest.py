@@ -46,6 +46,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The offline tiny model, tokenizer and prompt set (`rlhf make-tiny-model`), made once."""
+    from rlhf_trainer.tiny import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     started = False
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 import urllib.request
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
@@ -170,3 +173,32 @@ class OperatorProcess:
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tiny_job(name: str, model: Path, ckpt: Path, steps: int, **spec: Any) -> dict[str, Any]:
+    """examples/rlhfjob-tiny.yaml on the tiny model in `model`, `steps` steps, a free metrics port."""
+    import yaml
+
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    s = doc["spec"]
+    s["model"]["actor"] = s["model"]["critic"] = str(model / "model")
+    s["data"]["prompts"] = str(model / "prompts.jsonl")
+    s["checkpoint"].update(path=str(ckpt), intervalSteps=steps)
+    s["algorithm"]["totalSteps"] = steps
+    s["monitoring"].update(metricsPort=free_port(), scrapeIntervalSeconds=1)
+    for key, value in spec.items():
+        s[key] = {**s.get(key, {}), **value}
+    return doc
+
+
+def ray_job_logs(submission_id: str) -> str:
+    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/{submission_id}/logs", timeout=10)
+    resp.raise_for_status()
+    return str(resp.json()["logs"])

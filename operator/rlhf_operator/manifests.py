@@ -227,7 +227,17 @@ def trainer_entrypoint(job: RLHFJob) -> str:
 
 
 def trainer_runtime_env(job: RLHFJob, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The Ray job's runtime env: the spec, the job's identity, and `spec.pods.env`'s literal values.
+
+    The pods' env also reaches every Ray actor this way (Ray workers do not inherit a container's env
+    when their raylet was started elsewhere), and under the dev override, where the pods are KWOK's and
+    the trainer runs on a local Ray head. `valueFrom` entries exist only in the pods.
+    """
+    literal = {
+        str(e["name"]): str(e["value"]) for e in (job.spec.pods.env or []) if "name" in e and "value" in e
+    }
     env = {
+        **literal,
         "RLHF_SPEC_JSON": job.spec.model_dump_json(by_alias=True, exclude_none=True),
         "RLHF_JOB_NAME": job.name,
         "RLHF_NAMESPACE": job.namespace,

@@ -8,7 +8,6 @@ they are few and short: one run to Succeeded, one stopped by its active deadline
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import datetime
 from pathlib import Path
@@ -16,40 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
-from support import RAY_DASHBOARD_PORT, Cluster, OperatorProcess, wait_for
+from support import RAY_DASHBOARD_PORT, Cluster, OperatorProcess, tiny_job, wait_for
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlhf_trainer.tiny import make_tiny_model
-
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out)
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def tiny_job(name: str, model: Path, ckpt: Path, steps: int, **spec: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
-    doc["metadata"] = {"name": name}
-    s = doc["spec"]
-    s["model"]["actor"] = s["model"]["critic"] = str(model / "model")
-    s["data"]["prompts"] = str(model / "prompts.jsonl")
-    s["checkpoint"].update(path=str(ckpt), intervalSteps=steps)
-    s["algorithm"]["totalSteps"] = steps
-    s["monitoring"].update(metricsPort=free_port(), scrapeIntervalSeconds=1)
-    for key, value in spec.items():
-        s[key] = {**s.get(key, {}), **value}
-    return doc
 
 
 def ray_job_status(submission_id: str) -> str:

@@ -128,3 +128,16 @@ def test_runtime_env_carries_the_spec_round_trip() -> None:
 
     assert RLHFJobSpec.model_validate_json(env["RLHF_SPEC_JSON"]) == job.spec
     assert env["RLHF_JOB_NAME"] == "tiny"
+
+
+def test_runtime_env_carries_literal_pod_env_but_never_overrides_the_spec() -> None:
+    pod_env = [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        {"name": "RLHF_JOB_NAME", "value": "spoofed"},
+    ]
+    job = load("rlhfjob-tiny.yaml", **{"spec.pods.env": pod_env})
+    env = manifests.trainer_runtime_env(job)["env_vars"]
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert "TOKEN" not in env  # a secret reference exists only in the pods
+    assert env["RLHF_JOB_NAME"] == "tiny"

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rlhf_trainer import device
+from rlhf_trainer import device, faults
 from rlhf_trainer.checkpoint import CheckpointStore
 from rlhf_trainer.data import DatasetError, PromptDataset
 from rlhf_trainer.phases import PhaseTimer, TrainerMetrics
@@ -465,6 +465,8 @@ class Trainer:
         tmp = self.store.begin(step)
         try:
             ray.get([ref for g in self.groups for ref in g.call("save", str(tmp))])
+            if faults.armed():
+                faults.maybe_fire(self, step, "checkpoint", mid_write=True)
             state = {
                 "data": self.data.position.to_dict(),
                 "state_digests": self.state_digests(),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from rlhf_trainer.faults import armed, maybe_fire
 from rlhf_trainer.phases import PhaseTimer
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class StepReport:
 
 
 def run_step(t: Trainer, step: int) -> StepReport:
-    timer = PhaseTimer(t.metrics)
+    timer = PhaseTimer(t.metrics, on_start=(lambda phase: maybe_fire(t, step, phase)) if armed() else None)
     sync_bytes = t.refresh_engines(timer)  # elastic pool: new engines join (and get weights) between steps
     prompts, labels = t.data.next_batch(t.algo.rollout_batch_size)
     chunks = t.plan_chunks(len(prompts))  # [(shard, engine, [prompt indices])], whole prompt groups

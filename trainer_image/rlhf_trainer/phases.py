@@ -7,7 +7,7 @@ Never uses a label named `job` (Prometheus would rename it to exported_job).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -124,8 +124,11 @@ class TrainerMetrics:
 class PhaseTimer:
     """Times the named phases of one step: `with timer.phase("generation"): ...`."""
 
-    def __init__(self, metrics: TrainerMetrics | None = None) -> None:
+    def __init__(
+        self, metrics: TrainerMetrics | None = None, on_start: Callable[[str], None] | None = None
+    ) -> None:
         self.metrics = metrics
+        self.on_start = on_start  # called once a phase is marked in progress (fault injection hooks here)
         self.seconds: dict[str, float] = {}
         self.current: str | None = None
 
@@ -137,7 +140,10 @@ class PhaseTimer:
             job = self.metrics.job
             self.metrics.phase_in_progress.labels(job, name).set(1)
             self.metrics.phase_started.labels(job, name).set(time.time())
-        return time.perf_counter()
+        t0 = time.perf_counter()
+        if self.on_start is not None:
+            self.on_start(name)
+        return t0
 
     def stop(self, name: str, started: float) -> float:
         elapsed = time.perf_counter() - started
