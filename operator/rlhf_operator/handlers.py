@@ -1,6 +1,7 @@
 """kopf handlers: observe (RayCluster, Ray job, trainer metrics), call the pure functions, act, patch status.
 
-Thin by design: what to build lives in `manifests`, what phase/actions follow lives in `status`.
+Thin by design: what to build lives in `manifests`, what phase/actions follow lives in `status`, the
+engine count (clamp, built-in autoscaler, pending workers) lives in `scaling`.
 Every handler is idempotent (deterministic names and submission ids), so a SIGKILLed operator
 restarts without creating a second RayCluster or submitting a trainer twice.
 """
@@ -19,13 +20,14 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from rlhf_operator import failpoints, manifests, metrics, rayjobs, scrape
-from rlhf_operator.spec import GROUP, PLURAL, VERSION, RLHFJob
+from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape
+from rlhf_operator.spec import GROUP, PLURAL, TERMINAL_PHASES, VERSION, RLHFJob
 from rlhf_operator.status import Decision, Observed, decide, status_patch
 
 log = logging.getLogger("rlhf_operator")
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+JSON_PATCH = "application/json-patch+json"
 RECONCILE_INTERVAL = float(os.environ.get("RLHF_RECONCILE_INTERVAL", "2"))
 # Development override (docs/development.md): reach every RayCluster head at this host instead of its
 # Service DNS name, because pods never run here and the Ray workload runs on a local Ray head.
@@ -273,6 +275,77 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             metrics.STALLS.labels(namespace, job.name, stuck.split()[0] if stuck else "unknown").inc()
 
 
+def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:
+    """Clamp or autoscale spec.rollout.engines, size the RayCluster's rollout group to it, and report
+    rollout workers the cluster cannot place; merges the result into `decision.status`.
+
+    The count lives in spec.rollout.engines only (the scale subresource's field), so `kubectl scale`,
+    HPA, KEDA and the built-in policy share one source of truth; the RayCluster follows it every round.
+    """
+    cluster = observed.raycluster
+    if (
+        cluster is None
+        or decision.status.get("phase") in TERMINAL_PHASES
+        or "delete_cluster" in decision.actions
+    ):
+        return
+    namespace = body.metadata.namespace or "default"
+    previous = job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
+    plan = scaling.plan_engines(
+        job.spec, previous, decision.status, observed.now, _rollout_pods(namespace, job, cluster)
+    )
+    if plan.write_spec and not _write_engines(namespace, job.name, plan.requested, plan.engines):
+        return  # the request changed under us (another kubectl scale): plan again next round
+    decision.status.update(plan.status)
+    for etype, reason, message in plan.events:
+        kopf.event(body, type=etype, reason=reason, message=message)
+    if plan.direction is not None:
+        metrics.SCALE_DECISIONS.labels(namespace, job.name, plan.direction).inc()
+    if plan.decision is not None and not plan.decision.changed:
+        log.debug("%s/%s autoscaler holds: %s", namespace, job.name, plan.decision.message)
+    ops = manifests.scale_patch(cluster, manifests.rollout_replicas(job.spec, plan.engines))
+    if ops:
+        custom().patch_namespaced_custom_object(
+            RAY_GROUP,
+            RAY_VERSION,
+            namespace,
+            RAY_PLURAL,
+            cluster["metadata"]["name"],
+            ops,
+            _content_type=JSON_PATCH,
+        )
+
+
+def _rollout_pods(namespace: str, job: RLHFJob, cluster: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rollout worker pods, read only while KubeRay reports fewer ready workers than desired."""
+    st = cluster.get("status") or {}
+    if int(st.get("readyWorkerReplicas") or 0) >= int(st.get("desiredWorkerReplicas") or 0):
+        return []
+    selector = f"{manifests.JOB_LABEL}={job.name},{manifests.ROLE_LABEL}=rollout"
+    pods = k8s.CoreV1Api(api()).list_namespaced_pod(namespace, label_selector=selector)
+    return [cast(dict[str, Any], api().sanitize_for_serialization(p)) for p in pods.items]  # type: ignore[no-untyped-call]
+
+
+def _write_engines(namespace: str, name: str, requested: int, engines: int) -> bool:
+    """Set spec.rollout.engines to `engines` if it still is `requested` (JSON-patch test); False if not."""
+    ops = [
+        {"op": "test", "path": "/spec/rollout/engines", "value": requested},
+        {"op": "replace", "path": "/spec/rollout/engines", "value": engines},
+    ]
+    try:
+        custom().patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, ops, _content_type=JSON_PATCH
+        )
+    except ApiException as e:
+        if e.status in (409, 422):  # test failed (changed meanwhile) or admission refused it
+            log.warning(
+                "%s/%s: not setting rollout.engines %s→%s: %s", namespace, name, requested, engines, e.body
+            )
+            return False
+        raise
+    return True
+
+
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0.2, sharp=False)
 def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     """The level-triggered loop: observe, decide, act, and patch only what changed."""
@@ -290,6 +363,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         if decision.status.get("phase") == "Restarting" and body.status.get("phase") != "Restarting":
             failpoints.hit("after_restart_decision")
         act(body, job, observed, decision)
+        reconcile_engines(body, job, observed, decision)
         failpoints.hit("before_status_patch")
     except (ApiException, rayjobs.RayJobsError) as e:
         metrics.RECONCILE_ERRORS.labels(namespace, type(e).__name__).inc()

@@ -196,9 +196,8 @@ def _span(shares: Sequence[float]) -> str:
 
 # ------------------------------------------------------------------------------- the reconcile-level plan
 
-CHANGED_BY_REQUEST = (
-    "EnginesScaled"  # spec.rollout.engines changed by someone else (kubectl scale, HPA, KEDA)
-)
+# Event reason: spec.rollout.engines changed by someone else (kubectl scale, an HPA, KEDA).
+CHANGED_BY_REQUEST = "EnginesScaled"
 ENGINES_PENDING = "EnginesPending"  # condition type: rollout workers the cluster cannot place
 UNSCHEDULABLE = "Unschedulable"
 ALL_SCHEDULED = "AllScheduled"
