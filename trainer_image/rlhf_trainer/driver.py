@@ -724,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                         "step": r.step,
                         "reward_mean": round(r.reward_mean, 4),
                         "phase_seconds": {k: round(v, 3) for k, v in r.phase_seconds.items()},
+                        "engines": r.engines,
                     }
                 ),
                 flush=True,

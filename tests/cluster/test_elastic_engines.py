@@ -1,0 +1,151 @@
+"""`kubectl scale` reaches the real trainer: the RayCluster's rollout group grows, a rollout worker joins
+the Ray cluster, and the trainer generates on 2 engines from the next step, with no step lost or repeated.
+
+KWOK runs the RayCluster's pods without containers, so nothing would join Ray when the rollout group
+grows. STAND-IN FOR THE ROLLOUT PODS' RAY CONTAINERS: this test mirrors the group's replicas into local
+Ray worker nodes (`ray start --address=<local head>`) advertising one `rlhf_rollout_slot` each, which is
+exactly what each rollout pod's container advertises (rlhf_operator.manifests). Everything else is real:
+API server, operator, KubeRay, the trainer with its DeepSpeed ranks and vLLM engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from rlhf_operator import manifests
+from support import (
+    RAY_DASHBOARD_PORT,
+    RAY_PORT,
+    VENV_BIN,
+    Cluster,
+    OperatorProcess,
+    RayHead,
+    ray_job_logs,
+    tiny_job,
+    wait_for,
+)
+
+pytestmark = pytest.mark.cluster
+
+
+class RolloutNodes:
+    """Local Ray worker nodes standing in for the rollout group's pods (one slot each)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def scale_to(self, n: int) -> None:
+        while len(self.procs) < n:
+            i = len(self.procs)
+            env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+            env.pop("RAY_ADDRESS", None)
+            log = (self.log_dir / f"rollout-node-{i}.log").open("wb")
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        str(VENV_BIN / "ray"),
+                        "start",
+                        "--block",
+                        f"--address=127.0.0.1:{RAY_PORT}",
+                        "--num-cpus=1",
+                        f"--resources={json.dumps({'rlhf_rollout_slot': 1})}",
+                        f"--min-worker-port={31000 + 100 * i}",
+                        f"--max-worker-port={31099 + 100 * i}",
+                        f"--temp-dir={tempfile.mkdtemp(prefix='rlhf-rn-')}",
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            wait_for(lambda: rollout_slots() >= len(self.procs) or None, 120, f"rollout node {i} in Ray")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                    p.wait(20)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self.procs.clear()
+        # Later tests share the head: wait until Ray has dropped the slots, or an engine would wait for one.
+        wait_for(lambda: rollout_slots() == 0 or None, 120, "the rollout nodes gone from Ray")
+
+
+def rollout_slots() -> int:
+    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/v0/nodes", timeout=10)
+    resp.raise_for_status()
+    nodes = resp.json()["data"]["result"]["result"]
+    return int(
+        sum(
+            n.get("resources_total", {}).get("rlhf_rollout_slot", 0)
+            for n in nodes
+            if n.get("state") == "ALIVE"
+        )
+    )
+
+
+def test_kubectl_scale_gives_the_trainer_a_second_engine_from_the_next_step(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    ray_head: RayHead,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    nodes = RolloutNodes(tmp_path)
+    steps = 8
+    try:
+        nodes.scale_to(1)  # the rollout group's one pod at creation
+        cluster.apply(tiny_job("elastic", tiny_model, tmp_path / "ckpt", steps=steps), namespace)
+
+        def status() -> dict[str, Any]:
+            return (cluster.get("rlhfjob", "elastic", namespace) or {}).get("status", {})
+
+        wait_for(lambda: (status().get("step") or 0) >= 2 or None, 600, "two completed steps")
+        cluster.kubectl("scale", "rlhf/elastic", "--replicas=2", "-n", namespace)
+
+        def group_replicas() -> int | None:
+            rc = cluster.get("raycluster", "elastic", namespace)
+            n = manifests.rollout_group_replicas(rc) if rc else None
+            return n if n == 2 else None
+
+        wait_for(group_replicas, 60, "the RayCluster's rollout group at 2 replicas")
+        scaled_at = status().get("step") or 0
+        nodes.scale_to(2)  # the new pod's Ray container joins
+        st = wait_for(
+            lambda: ((s := status()).get("rollout", {}).get("readyEngines") == 2 and s) or None,
+            400,
+            "the trainer's engines metric at 2 ready",
+        )
+        st = wait_for(
+            lambda: ((s := status()).get("phase") in ("Succeeded", "Failed") and s) or None,
+            600,
+            "the job to end",
+        )
+        assert st["phase"] == "Succeeded", st
+        logs = ray_job_logs(st["submissionId"])
+        done = [json.loads(line) for line in logs.splitlines() if line.startswith('{"step":')]
+        assert [d["step"] for d in done] == list(range(1, steps + 1)), "a step was lost or repeated"
+        used = [len(d["engines"]) for d in done]
+        first_two = used.index(2) if 2 in used else None
+        assert first_two is not None and first_two >= 2, used  # one engine before the scale
+        assert used[first_two:] == [2] * (steps - first_two), used  # two from then on
+        print(f"\nscaled to 2 during step {scaled_at + 1}; readyEngines=2 seen at step {st.get('step')}")
+    finally:
+        cluster.kubectl("delete", "rlhfjob", "elastic", "-n", namespace, "--wait=false", check=False)
+        nodes.stop()
