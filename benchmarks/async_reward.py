@@ -1,0 +1,235 @@
+"""Asynchronous vs blocking reward, with a 50 ms-per-sample reward function (DESIGN §7, issue 8).
+
+Ours is the trainer's real path: `Trainer.generate_and_score` streams chunks out of a real vLLM engine
+actor and hands each finished chunk to the real `RewardScorer` actor at once; the reward on the step's
+critical path is what is still running when generation ends (loop.py's `reward` phase). The baseline
+is what TRL's GRPOTrainer and OpenRLHF do by default: generate the whole batch, then score it in one
+blocking call. Both use the same engine, scorer, prompts and sampling, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from lib import common
+
+SLOW_REWARD = Path(__file__).resolve().parent / "lib" / "slow_reward.py"
+
+
+def build(tiny: Path, args: argparse.Namespace) -> SimpleNamespace:
+    """A real engine actor and a real reward-scorer actor, plus the slice of Trainer that
+    generate_and_score reads (pool, algo, spec.rollout, reward, metrics)."""
+    import ray
+    from prometheus_client import CollectorRegistry
+    from rlhf_trainer.phases import TrainerMetrics
+    from rlhf_trainer.rollout.engine import RolloutEngine
+    from rlhf_trainer.workers.reward import RewardScorer
+
+    options = {
+        "model_path": str(tiny / "model"),
+        "device": "cpu",
+        "seed": 0,
+        "chat_template": False,
+        "max_model_len": args.prompt_len + args.response_len + 8,
+        "tensor_parallel_size": 1,
+        "threads": os.cpu_count() or 1,
+        "dtype": "float32",
+    }
+    engine = ray.remote(RolloutEngine).options(num_cpus=1).remote(0, options)
+    reward_spec = {
+        "type": "function",
+        "function": f"{SLOW_REWARD}:reward",
+        "timeout_seconds": 120.0,
+        "concurrency": args.concurrency,
+    }
+    scorer = (
+        ray.remote(RewardScorer)
+        .options(num_cpus=0.5, max_concurrency=args.concurrency + 1)
+        .remote(reward_spec, "cpu")
+    )
+    ray.get([engine.ready.remote(), scorer.ready.remote()])
+    slot = SimpleNamespace(index=0, handle=engine)
+    return SimpleNamespace(
+        pool=SimpleNamespace(ready=lambda: [slot]),
+        algo=SimpleNamespace(
+            samples_per_prompt=args.samples,
+            max_response_length=args.response_len,
+            max_prompt_length=args.prompt_len,
+        ),
+        spec=SimpleNamespace(rollout=SimpleNamespace(temperature=1.0, top_p=1.0)),
+        reward=scorer,
+        metrics=TrainerMetrics("bench", registry=CollectorRegistry()),
+        job="bench",
+        engine=engine,
+    )
+
+
+def run_ours(t: Any, prompts: list[str], chunks_per_shard: int | None, ranks: int) -> dict[str, float]:
+    """loop.py's `generation` + `reward` phases, through the driver's own generate_and_score."""
+    import ray
+    from rlhf_trainer.driver import Trainer
+    from rlhf_trainer.transfer import plan_chunks
+
+    chunks = plan_chunks(len(prompts), ranks, 1, chunks_per_shard)
+    t0 = time.perf_counter()
+    _, metas, reward_calls = Trainer.generate_and_score(t, 0, chunks, prompts, [None] * len(prompts))
+    t1 = time.perf_counter()
+    reward_metas = ray.get([m for m, _ in reward_calls])
+    t2 = time.perf_counter()
+    return {
+        "generation_s": t1 - t0,
+        "critical_s": t2 - t1,
+        "serial_s": sum(m.seconds for m in reward_metas),
+        "step_s": t2 - t0,
+        "chunks": len(chunks),
+        "samples": sum(m.samples for m in metas),
+        "tokens": sum(m.response_tokens for m in metas),
+        "errors": sum(m.errors for m in reward_metas),
+    }
+
+
+def run_blocking(t: Any, prompts: list[str], ranks: int) -> dict[str, float]:
+    """Generate everything, fetch it, then score the whole batch in one blocking call (TRL/OpenRLHF)."""
+    import ray
+    from rlhf_trainer.transfer import PackedRollout, plan_chunks
+
+    sampling = {
+        "n": t.algo.samples_per_prompt,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "max_tokens": t.algo.max_response_length,
+        "max_prompt_tokens": t.algo.max_prompt_length,
+    }
+    chunks = plan_chunks(len(prompts), ranks, 1)
+    batch = [
+        {"chunk": c, "shard": s, "prompts": [prompts[i] for i in idx], "groups": idx, "labels": []}
+        for c, (s, _, idx) in enumerate(chunks)
+    ]
+    t0 = time.perf_counter()
+    refs = list(t.engine.generate_chunks.options(num_returns="streaming").remote(batch, sampling))
+    parts = [p for p in ray.get(refs) if isinstance(p, PackedRollout)]
+    whole = PackedRollout.concat(parts)
+    t1 = time.perf_counter()
+    meta, _ = ray.get(t.reward.score.options(num_returns=2).remote(0, whole))
+    t2 = time.perf_counter()
+    return {
+        "generation_s": t1 - t0,
+        "critical_s": t2 - t1,
+        "serial_s": t2 - t1,
+        "step_s": t2 - t0,
+        "chunks": 1,
+        "samples": whole.num_samples,
+        "tokens": int(whole.response_lens.sum()),
+        "errors": meta.errors,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (rolloutBatchSize)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--response-len", type=int, default=128)
+    p.add_argument("--ranks", type=int, default=2, help="actor ranks (shards), as in examples/rlhfjob-tiny")
+    p.add_argument("--concurrency", type=int, default=16, help="model.reward.concurrency (spec default)")
+    p.add_argument(
+        "--chunks-per-shard", type=int, default=8, help="extra 'ours' variant: finer chunks (not the RESULT)"
+    )
+    args = p.parse_args()
+
+    common.print_machine()
+    tiny = common.tiny_model()
+    common.start_ray()
+    from rlhf_trainer.data import PromptDataset
+
+    data = PromptDataset(str(tiny / "prompts.jsonl"), "prompt", None, 0)
+    t = build(tiny, args)
+    prompts, _ = data.next_batch(args.prompts)
+    # Warm-up: first generation compiles/allocates; first reward call imports the function.
+    run_ours(t, prompts, None, args.ranks)
+    run_blocking(t, prompts, args.ranks)
+
+    runs: dict[str, list[dict[str, float]]] = {"ours": [], "ours_fine": [], "blocking": []}
+    ways = {
+        "ours": lambda ps: run_ours(t, ps, None, args.ranks),
+        "blocking": lambda ps: run_blocking(t, ps, args.ranks),
+    }
+    if args.chunks_per_shard:
+        ways["ours_fine"] = lambda ps: run_ours(t, ps, args.chunks_per_shard, args.ranks)
+    order = list(ways)
+    for i in range(args.repeats):  # interleaved, order rotated each round
+        prompts, _ = data.next_batch(args.prompts)
+        for name in order[i % len(order) :] + order[: i % len(order)]:
+            runs[name].append(ways[name](prompts))
+    for name, rs in runs.items():
+        if rs and any(r["errors"] for r in rs):
+            common.fail(f"{name}: the reward reported errors; numbers would be meaningless")
+    if not runs["blocking"]:
+        common.fail("the blocking baseline did not run")
+
+    def med(name: str, key: str) -> float:
+        return common.median([r[key] for r in runs[name]])
+
+    serial = med("blocking", "serial_s")
+    labels = {
+        "ours": "ours: async, driver's default chunks",
+        "ours_fine": f"ours: async, {args.chunks_per_shard} chunks/shard (variant)",
+        "blocking": "baseline: blocking (TRL/OpenRLHF default)",
+    }
+    rows = []
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        rows.append(
+            [
+                labels[name],
+                int(rs[0]["chunks"]),
+                int(rs[0]["samples"]),
+                med(name, "tokens"),
+                med(name, "generation_s"),
+                med(name, "serial_s"),
+                med(name, "critical_s"),
+                med(name, "critical_s") / serial,
+                med(name, "step_s"),
+            ]
+        )
+    common.table(
+        f"Reward on the critical path: {args.prompts} prompts x {args.samples} samples, <= {args.response_len} "
+        f"tokens, 50 ms/sample, concurrency {args.concurrency}; medians of {args.repeats} interleaved runs; "
+        "1 vLLM engine (real), RewardScorer actor (real)",
+        [
+            "way",
+            "chunks",
+            "samples",
+            "response tokens",
+            "generation s",
+            "reward serial s",
+            "reward on critical path s",
+            "fraction of serial",
+            "gen+reward s",
+        ],
+        rows,
+    )
+    common.result(
+        {
+            "critical_path_fraction": round(med("ours", "critical_s") / serial, 4),
+            "ours_critical_s": round(med("ours", "critical_s"), 3),
+            "baseline_serial_s": round(serial, 3),
+            "ours_step_s": round(med("ours", "step_s"), 3),
+            "baseline_step_s": round(med("blocking", "step_s"), 3),
+            "fine_chunks_fraction": round(med("ours_fine", "critical_s") / serial, 4)
+            if runs["ours_fine"]
+            else None,
+        }
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

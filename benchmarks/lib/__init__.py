@@ -1,0 +1,1 @@
+"""Shared helpers of the benchmarks (not a benchmark: `make bench` runs only benchmarks/*.py)."""
