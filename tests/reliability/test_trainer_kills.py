@@ -59,7 +59,7 @@ def test_actor_killed_in_each_phase_restarts_from_the_last_checkpoint_and_comple
     assert st["restarts"] == len(FAULTS) and st["step"] == STEPS
 
     # Each attempt's story from its own Ray job log: where it resumed, which steps it completed.
-    uid = st["submissionId"].rsplit("-", 2)[0]
+    uid = st["submissionId"].rsplit("-", 1)[0]  # rlhf-<ns>-<job>-<uid8>
     rows = []
     for attempt in range(len(FAULTS) + 1):
         resumed, done = attempt_steps(ray_job_logs(f"{uid}-{attempt}"))

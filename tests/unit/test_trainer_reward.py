@@ -62,6 +62,15 @@ def test_errors_are_counted_never_scored(tmp_path: Path) -> None:
     assert meta.score_sum == 2.0
 
 
+def test_a_wrong_count_of_scores_invalidates_the_whole_chunk(tmp_path: Path) -> None:
+    f = tmp_path / "short.py"
+    f.write_text("def reward(prompts, responses):\n    return [1.0] * (len(responses) - 1)\n")
+    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "timeout_seconds": 5})
+    meta, result = scorer.score(0, _rollout(["a", "b", "c"]))
+    assert meta.errors == 3 and result.valid.tolist() == [False, False, False]
+    assert "returned 2 scores for 3 samples" in " ".join(meta.messages)
+
+
 def test_labels_passed_when_accepted(tmp_path: Path) -> None:
     f = tmp_path / "lab.py"
     f.write_text(
