@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +111,15 @@ def child(args: argparse.Namespace) -> None:
 
 
 def measure(way: str, scale: int, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--child", way, "--scale", str(scale)]
-    for k in ("prompts", "samples", "prompt_len", "response_len", "micro_batch"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RLHF_DEVICE": "cpu"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
-    if proc.returncode or not lines:
-        common.fail(f"{way} x{scale} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return dict(json.loads(lines[-1][len("CHILD ") :]))
+    flags = {k: getattr(args, k) for k in ("prompts", "samples", "prompt_len", "response_len", "micro_batch")}
+    return common.run_child(
+        __file__,
+        way,
+        scale,
+        flags,
+        {**os.environ, "DS_ACCELERATOR": "cpu", "RLHF_DEVICE": "cpu"},
+        timeout=600,
+    )
 
 
 def main() -> None:

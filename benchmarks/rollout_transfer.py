@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -202,14 +200,8 @@ def child(way: str, scale: int, args: argparse.Namespace) -> None:
 
 
 def measure(way: str, scale: int, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--child", way, "--scale", str(scale)]
-    for k in ("prompts", "samples", "engines", "ranks"):
-        cmd += [f"--{k}", str(getattr(args, k))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
-    if proc.returncode or not lines:
-        common.fail(f"{way} x{scale} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return dict(json.loads(lines[-1][len("CHILD ") :]))
+    flags = {k: getattr(args, k) for k in ("prompts", "samples", "engines", "ranks")}
+    return common.run_child(__file__, way, scale, flags, dict(os.environ), timeout=900)
 
 
 def main() -> None:

@@ -122,3 +122,17 @@ def start_ray(num_cpus: int | None = None) -> None:
         log_to_driver=os.environ.get("RLHF_BENCH_WORKER_LOGS", "0") == "1",
         runtime_env={"env_vars": {"RLHF_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"}},
     )
+
+
+def run_child(
+    script: str, way: str, scale: int, flags: dict[str, Any], env: dict[str, str], timeout: float
+) -> dict[str, Any]:
+    """Run one measurement in a fresh process (clean peak memory); it prints `CHILD {json}` last."""
+    cmd = [sys.executable, script, "--child", way, "--scale", str(scale)]
+    for k, v in flags.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
+    if proc.returncode or not lines:
+        fail(f"{way} x{scale} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return dict(json.loads(lines[-1][len("CHILD ") :]))

@@ -221,6 +221,20 @@ def _scrape(namespace: str, job: RLHFJob, cluster: dict[str, Any], uid: str) -> 
     return result
 
 
+def _patch_raycluster(
+    namespace: str, cluster: dict[str, Any], body: Any, content_type: str | None = None
+) -> None:
+    custom().patch_namespaced_custom_object(
+        RAY_GROUP,
+        RAY_VERSION,
+        namespace,
+        RAY_PLURAL,
+        cluster["metadata"]["name"],
+        body,
+        _content_type=content_type,
+    )
+
+
 def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:
     namespace = body.metadata.namespace or "default"
     cluster = observed.raycluster
@@ -244,14 +258,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             except rayjobs.RayJobsError as e:
                 log.warning("stopping %s: %s", decision.stop_submission_id, e)
         elif action == "suspend_cluster" and cluster is not None:
-            custom().patch_namespaced_custom_object(
-                RAY_GROUP,
-                RAY_VERSION,
-                namespace,
-                RAY_PLURAL,
-                cluster["metadata"]["name"],
-                {"spec": {"suspend": job.spec.run_policy.suspend}},
-            )
+            _patch_raycluster(namespace, cluster, {"spec": {"suspend": job.spec.run_policy.suspend}})
         elif action == "delete_cluster" and cluster is not None:
             try:
                 custom().delete_namespaced_custom_object(
@@ -305,15 +312,7 @@ def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decisio
         log.debug("%s/%s autoscaler holds: %s", namespace, job.name, plan.decision.message)
     ops = manifests.scale_patch(cluster, manifests.rollout_replicas(job.spec, plan.engines))
     if ops:
-        custom().patch_namespaced_custom_object(
-            RAY_GROUP,
-            RAY_VERSION,
-            namespace,
-            RAY_PLURAL,
-            cluster["metadata"]["name"],
-            ops,
-            _content_type=JSON_PATCH,
-        )
+        _patch_raycluster(namespace, cluster, ops, JSON_PATCH)
 
 
 def _rollout_pods(namespace: str, job: RLHFJob, cluster: dict[str, Any]) -> list[dict[str, Any]]:
