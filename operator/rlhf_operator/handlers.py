@@ -64,6 +64,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.reconnect_backoff = 1.0
     settings.networking.request_timeout = 30
     settings.execution.max_workers = 20
+    # A deletion waits for a running reconcile timer to exit before the finalizer goes; kopf re-checks
+    # every 60 s by default, which held deleted jobs (and TTL deletions) for a minute.
+    settings.background.cancellation_polling = 1.0
     port = int(os.environ.get("RLHF_OPERATOR_METRICS_PORT", "8000"))
     if port:
         metrics.serve(port)

@@ -735,6 +735,26 @@ def up() -> None:
     )
 
 
+def restart(name: str) -> float:
+    """Stop one running component (SIGTERM, then SIGKILL) and start it again with the same arguments and
+    ports; returns the seconds until it was healthy again. For fault-injection tests."""
+    state = read_state()
+    if not state:
+        raise ClusterError("the control plane is not running (make cluster-up)")
+    pids = state["pids"]
+    assert isinstance(pids, dict)
+    if name not in pids:
+        raise ClusterError(f"no component {name!r}; components: {', '.join(pids)}")
+    ports = Ports(**state["ports"])  # type: ignore[arg-type]
+    comp = next(c for c in components(build(verbose=False), ports) if c.name == name)
+    t0 = time.monotonic()
+    _stop(int(pids[name]))
+    pids[name] = start(comp)
+    (STATE / "state.json").write_text(json.dumps(state, indent=2))
+    wait_healthy(comp, int(pids[name]), str(state.get("token", "")))
+    return time.monotonic() - t0
+
+
 def _wait_default_objects() -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -835,7 +855,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=["build", "up", "down", "status", "env"])
+    parser.add_argument("command", choices=["build", "up", "down", "status", "env", "restart"])
+    parser.add_argument("component", nargs="?", help="restart: the component to restart")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
@@ -847,6 +868,8 @@ def main(argv: list[str] | None = None) -> int:
             down()
         elif args.command == "status":
             return status()
+        elif args.command == "restart":
+            print(f"{args.component} healthy again after {restart(args.component or ''):.1f}s")
         elif args.command == "env":
             print(f"export KUBECONFIG={STATE / 'kubeconfig'}\nexport PATH={STATE / 'bin'}:$PATH")
     except ClusterError as e:

@@ -42,7 +42,12 @@ class ClusterWatch:
     def _run(self, cluster: Cluster, namespace: str) -> None:
         while not self._stop.is_set():
             alive: dict[str, int] = defaultdict(int)
-            for rc in cluster.list("rayclusters", namespace):
+            try:
+                clusters = cluster.list("rayclusters", namespace)
+            except Exception:  # the API server is away (a restart test): try again
+                time.sleep(0.5)
+                continue
+            for rc in clusters:
                 job = rc["metadata"].get("labels", {}).get("rlhf.dev/job", "?")
                 self.uids[job].add(rc["metadata"]["uid"])
                 alive[job] += 1
@@ -148,3 +153,47 @@ def test_a_raycluster_deleted_by_hand_is_recreated_with_a_warning(
         print(f"\nRayCluster deleted by hand: recreated and Running again after {recovered:.0f}s")
     finally:
         cluster.kubectl("delete", "rlhfjob", "orphan", "-n", namespace, "--wait=false", check=False)
+
+
+def test_a_kube_apiserver_restart_neither_duplicates_nor_loses_an_action(
+    cluster: Cluster, namespace: str, operator: OperatorProcess, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The API server goes away while jobs are being reconciled (their first attempts fail and must be
+    restarted exactly once): the operator reconnects, and every job ends with exactly one restart."""
+    import devcluster
+
+    names = [f"api-{i}" for i in range(3)]
+    watch = ClusterWatch(cluster, namespace)
+    try:
+        for name in names:
+            doc = tiny_job(name, tiny_model, tmp_path / name, steps=2, runPolicy={"backoffLimit": 1})
+            doc["spec"]["model"]["reward"]["function"] = "rlhf_no_such_module:reward"
+            cluster.apply(doc, namespace)
+        wait_for(
+            lambda: all((cluster.get("rlhfjob", n, namespace) or {}).get("status", {}).get("submissionId")
+                        for n in names) or None,
+            120,
+            "every job's first attempt submitted",
+        )  # fmt: skip
+        down_for = devcluster.restart("kube-apiserver")
+        t0 = time.monotonic()
+
+        def all_failed() -> dict[str, dict[str, Any]] | None:
+            sts = {n: (cluster.get("rlhfjob", n, namespace) or {}).get("status", {}) for n in names}
+            return sts if all(s.get("phase") == "Failed" for s in sts.values()) else None
+
+        sts = wait_for(all_failed, 300, "every job Failed after its one restart")
+        converged = time.monotonic() - t0
+    finally:
+        watch.stop()
+    assert operator.alive(), f"the operator died with the API server:\n{operator.log_tail()}"
+    print(
+        f"\nkube-apiserver restarted ({down_for:.1f}s until healthy); 3 jobs converged {converged:.0f}s later"
+    )
+    for name in names:
+        assert sts[name]["restarts"] == 1, (name, sts[name])
+        job = cluster.get("rlhfjob", name, namespace)
+        assert job is not None
+        prefix = f"rlhf-{namespace}-{name}-{job['metadata']['uid'][:8]}-"
+        assert sorted(ray_submissions(prefix)) == [prefix + "0", prefix + "1"], name
+        assert len(watch.uids[name]) == 1, f"{name}: RayClusters {watch.uids[name]}"
