@@ -202,3 +202,23 @@ def ray_job_logs(submission_id: str) -> str:
     resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/{submission_id}/logs", timeout=10)
     resp.raise_for_status()
     return str(resp.json()["logs"])
+
+
+# Every series name of the trainer's metrics contract (DESIGN.md §4), written out independently of the code.
+METRICS_CONTRACT = [
+    "rlhf_step_phase_seconds",
+    "rlhf_phase_duration_seconds_bucket",
+    "rlhf_phase_in_progress",
+    "rlhf_phase_started_timestamp_seconds",
+    "rlhf_steps_completed_total",
+    "rlhf_last_step_completed_timestamp_seconds",
+    "rlhf_total_steps",
+    "rlhf_stall_timeout_seconds",
+    "rlhf_generated_tokens_total",
+    "rlhf_trained_tokens_total",
+    "rlhf_reward_mean",
+    "rlhf_kl",
+    "rlhf_reward_errors_total",
+    "rlhf_weight_sync_bytes_total",
+    "rlhf_rollout_engines",
+]

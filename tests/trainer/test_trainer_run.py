@@ -18,27 +18,11 @@ from statistics import mean
 from typing import Any
 
 import pytest
+from support import METRICS_CONTRACT as CONTRACT
 from trainer_runs import EXAMPLE, GRPO, REINFORCE_PP, cli_cmd, free_port, run_cli, run_env, tiny_sets
 
 pytestmark = pytest.mark.trainer
 
-CONTRACT = [
-    "rlhf_step_phase_seconds",
-    "rlhf_phase_duration_seconds_bucket",
-    "rlhf_phase_in_progress",
-    "rlhf_phase_started_timestamp_seconds",
-    "rlhf_steps_completed_total",
-    "rlhf_last_step_completed_timestamp_seconds",
-    "rlhf_total_steps",
-    "rlhf_stall_timeout_seconds",
-    "rlhf_generated_tokens_total",
-    "rlhf_trained_tokens_total",
-    "rlhf_reward_mean",
-    "rlhf_kl",
-    "rlhf_reward_errors_total",
-    "rlhf_weight_sync_bytes_total",
-    "rlhf_rollout_engines",
-]
 # The learning bar: mean reward of the last 5 steps over the first 5, on the 0-1 vowel-share reward.
 # Untrained, the tiny model samples near-uniform tokens: reward ~0.40 with a step-to-step spread of
 # ~0.01 (128 samples a step), so +0.10 is ten times the noise and a quarter of the way to all vowels.

@@ -7,26 +7,9 @@ import time
 import pytest
 from prometheus_client import generate_latest
 from rlhf_trainer.phases import PHASES, PhaseTimer, TrainerMetrics
+from support import METRICS_CONTRACT as CONTRACT
 
 pytestmark = pytest.mark.unit
-
-CONTRACT = [
-    "rlhf_step_phase_seconds",
-    "rlhf_phase_duration_seconds_bucket",
-    "rlhf_phase_in_progress",
-    "rlhf_phase_started_timestamp_seconds",
-    "rlhf_steps_completed_total",
-    "rlhf_last_step_completed_timestamp_seconds",
-    "rlhf_total_steps",
-    "rlhf_stall_timeout_seconds",
-    "rlhf_generated_tokens_total",
-    "rlhf_trained_tokens_total",
-    "rlhf_reward_mean",
-    "rlhf_kl",
-    "rlhf_reward_errors_total",
-    "rlhf_weight_sync_bytes_total",
-    "rlhf_rollout_engines",
-]
 
 
 def test_timer_marks_in_progress_and_records() -> None:
