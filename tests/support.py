@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -222,3 +224,83 @@ METRICS_CONTRACT = [
     "rlhf_weight_sync_bytes_total",
     "rlhf_rollout_engines",
 ]
+
+
+class RolloutNodes:
+    """Local Ray worker nodes standing in for a RayCluster's rollout pods (one `rlhf_rollout_slot` each).
+
+    KWOK runs pods without containers, so nothing joins Ray when a rollout pod starts. A test mirrors
+    the rollout pods into these nodes: `ray start --address=<local head>` advertising the one slot a
+    rollout pod's container advertises (rlhf_operator.manifests). Node i uses worker ports 31000+100i.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, i: int) -> None:
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS", None)
+        log = (self.log_dir / f"rollout-node-{i}-{time.monotonic_ns()}.log").open("wb")
+        self.procs[i] = subprocess.Popen(
+            [
+                str(VENV_BIN / "ray"),
+                "start",
+                "--block",
+                f"--address=127.0.0.1:{RAY_PORT}",
+                "--num-cpus=4",  # logical: room for an engine whatever else Ray packs there
+                f"--resources={json.dumps({'rlhf_rollout_slot': 1})}",
+                f"--min-worker-port={31000 + 100 * i}",
+                f"--max-worker-port={31099 + 100 * i}",
+                f"--temp-dir={tempfile.mkdtemp(prefix='rlhf-rn-')}",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        want = len(self.procs)
+        wait_for(lambda: rollout_slots() >= want or None, 120, f"rollout node {i} in Ray")
+
+    def scale_to(self, n: int) -> None:
+        for i in range(n):
+            if i not in self.procs:
+                self.start(i)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node i's raylet and workers at once, as a node that vanishes takes them."""
+        p = self.procs.pop(i)
+        _killpg(p, (signal.SIGKILL,))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            _killpg(p, (signal.SIGTERM, signal.SIGKILL))
+        self.procs.clear()
+        # Later tests share the head: wait until Ray has dropped the slots, or an engine would wait for one.
+        wait_for(lambda: rollout_slots() == 0 or None, 120, "the rollout nodes gone from Ray")
+
+
+def _killpg(p: subprocess.Popen[bytes], signals: tuple[signal.Signals, ...]) -> None:
+    for sig in signals:
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(20)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def rollout_slots() -> int:
+    """Rollout slots of the alive nodes of the local Ray head, as its dashboard reports them."""
+    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/v0/nodes", timeout=10)
+    resp.raise_for_status()
+    nodes = resp.json()["data"]["result"]["result"]
+    return int(
+        sum(
+            n.get("resources_total", {}).get("rlhf_rollout_slot", 0)
+            for n in nodes
+            if n.get("state") == "ALIVE"
+        )
+    )

@@ -111,6 +111,8 @@ def _pod_template(job: RLHFJob, role: str, gpus: int, ports: list[dict[str, Any]
         pod_spec["nodeSelector"] = dict(pods.node_selector)
     if pods.tolerations:
         pod_spec["tolerations"] = list(pods.tolerations)
+    if role == "rollout":
+        pod_spec["affinity"] = _spread_rollout_pods(job)
     if pods.service_account_name:
         pod_spec["serviceAccountName"] = pods.service_account_name
     if pods.volumes:
@@ -122,6 +124,27 @@ def _pod_template(job: RLHFJob, role: str, gpus: int, ports: list[dict[str, Any]
     if pods.annotations:
         metadata["annotations"] = dict(pods.annotations)
     return {"metadata": metadata, "spec": pod_spec}
+
+
+def _spread_rollout_pods(job: RLHFJob) -> dict[str, Any]:
+    """Prefer one rollout pod per node, so losing a node takes one engine's share, not all of them.
+
+    Preferred, not required: a cluster with fewer nodes than engines still schedules every pod.
+    """
+    selector = {**child_labels(job), ROLE_LABEL: "rollout"}
+    return {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {"matchLabels": selector},
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        }
+    }
 
 
 def _ray_resources(name: str, amount: int) -> str:

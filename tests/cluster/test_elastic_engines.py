@@ -11,92 +11,14 @@ API server, operator, KubeRay, the trainer with its DeepSpeed ranks and vLLM eng
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from rlhf_operator import manifests
-from support import (
-    RAY_DASHBOARD_PORT,
-    RAY_PORT,
-    VENV_BIN,
-    Cluster,
-    OperatorProcess,
-    RayHead,
-    ray_job_logs,
-    tiny_job,
-    wait_for,
-)
+from support import Cluster, OperatorProcess, RayHead, RolloutNodes, ray_job_logs, tiny_job, wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-class RolloutNodes:
-    """Local Ray worker nodes standing in for the rollout group's pods (one slot each)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def scale_to(self, n: int) -> None:
-        while len(self.procs) < n:
-            i = len(self.procs)
-            env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-            env.pop("RAY_ADDRESS", None)
-            log = (self.log_dir / f"rollout-node-{i}.log").open("wb")
-            self.procs.append(
-                subprocess.Popen(
-                    [
-                        str(VENV_BIN / "ray"),
-                        "start",
-                        "--block",
-                        f"--address=127.0.0.1:{RAY_PORT}",
-                        "--num-cpus=4",  # logical: room for an engine whatever else Ray packs there
-                        f"--resources={json.dumps({'rlhf_rollout_slot': 1})}",
-                        f"--min-worker-port={31000 + 100 * i}",
-                        f"--max-worker-port={31099 + 100 * i}",
-                        f"--temp-dir={tempfile.mkdtemp(prefix='rlhf-rn-')}",
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-            wait_for(lambda: rollout_slots() >= len(self.procs) or None, 120, f"rollout node {i} in Ray")
-
-    def stop(self) -> None:
-        for p in self.procs:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(p.pid, sig)
-                    p.wait(20)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        self.procs.clear()
-        # Later tests share the head: wait until Ray has dropped the slots, or an engine would wait for one.
-        wait_for(lambda: rollout_slots() == 0 or None, 120, "the rollout nodes gone from Ray")
-
-
-def rollout_slots() -> int:
-    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/v0/nodes", timeout=10)
-    resp.raise_for_status()
-    nodes = resp.json()["data"]["result"]["result"]
-    return int(
-        sum(
-            n.get("resources_total", {}).get("rlhf_rollout_slot", 0)
-            for n in nodes
-            if n.get("state") == "ALIVE"
-        )
-    )
 
 
 def test_kubectl_scale_gives_the_trainer_a_second_engine_from_the_next_step(

@@ -47,8 +47,12 @@ def test_actor_killed_in_each_phase_restarts_from_the_last_checkpoint_and_comple
     t0 = time.monotonic()
     cluster.apply(doc, namespace)
 
+    seen: list[int] = []  # status.step at every poll, to check a restart never shows 0 again
+
     def finished() -> dict[str, Any] | None:
         st = (cluster.get("rlhfjob", "faulty", namespace) or {}).get("status", {})
+        if st.get("step") is not None:
+            seen.append(int(st["step"]))
         return st if st.get("phase") in ("Succeeded", "Failed") else None
 
     st = wait_for(finished, 1500, "the faulted job to finish")
@@ -68,6 +72,10 @@ def test_actor_killed_in_each_phase_restarts_from_the_last_checkpoint_and_comple
     for attempt, resumed, done in rows:
         print(f"{attempt:>7}  {resumed!s:>12}  {done}")
     print(f"faults: {len(FAULTS)}; wall time to Succeeded {elapsed:.0f}s")
+
+    # A restarted attempt announces the step it resumes from before its minute of start-up.
+    after_first = seen[next((i for i, v in enumerate(seen) if v > 0), len(seen)) :]
+    assert 0 not in after_first, f"status.step fell back to 0 during a restart: {seen}"
 
     completed = [s for _, _, done in rows for s in done]
     assert sorted(set(completed)) == list(range(1, STEPS + 1)), rows  # every step done, none skipped

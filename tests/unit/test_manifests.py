@@ -61,6 +61,19 @@ def test_labels_propagate_to_cluster_and_pods() -> None:
     assert group(rc, "rollout")["template"]["metadata"]["labels"][manifests.ROLE_LABEL] == "rollout"
 
 
+def test_rollout_pods_prefer_distinct_nodes_and_select_only_their_own_job() -> None:
+    rc = manifests.build_raycluster(load("rlhfjob-tiny.yaml"))
+    rollout = group(rc, "rollout")["template"]
+    terms = rollout["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    (term,) = terms
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    # The selector must match the rollout pods themselves, and no pod of another job or role.
+    assert selector.items() <= rollout["metadata"]["labels"].items()
+    assert selector[manifests.JOB_LABEL] == "tiny" and selector[manifests.ROLE_LABEL] == "rollout"
+    assert "affinity" not in group(rc, "trainer")["template"]["spec"]  # trainer pods pack as the spec says
+
+
 def test_colocate_all_has_no_rollout_group() -> None:
     job = load("rlhfjob-tiny.yaml", **{"spec.trainer.colocateAll": True, "spec.trainer.actor.gpusPerNode": 1})
     rc = manifests.build_raycluster(job)

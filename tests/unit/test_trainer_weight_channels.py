@@ -2,7 +2,8 @@
 rank sends a bucket plan, two engine ranks receive it, and every tensor arrives bit for bit.
 
 The end-to-end greedy-output check (tests/trainer) covers applying the buckets inside vLLM; this covers
-each wire, including reuse of the shm file across buckets of different sizes and dtypes.
+each wire, including reuse of the two alternating shm files across buckets of different sizes and
+dtypes, and packing in place into the channel's staging memory.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def _run(rank: int, wire: dict[str, Any], shm_dir: str, results: Any) -> None:
     channel = open_channel(Rendezvous.from_wire(wire), rank)
     mismatched = []
     for i, bucket in enumerate(plan):
-        if rank == 0:
-            channel.send(pack_bucket(bucket, [params[n] for n in bucket.names]), i)
+        if rank == 0:  # odd buckets are packed in place into the channel's staging memory, even ones not
+            out = channel.staging(bucket, i) if i % 2 else None
+            channel.send(pack_bucket(bucket, [params[n] for n in bucket.names], out=out), i)
         else:
             flat = channel.recv(bucket, i)
             for name, view in unpack_bucket(bucket, flat):

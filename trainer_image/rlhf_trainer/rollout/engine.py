@@ -70,7 +70,15 @@ class RolloutEngine:
         self._request_seq = 0
 
     def ready(self) -> dict[str, Any]:
-        return {"engine": self.index, "start_seconds": self.start_seconds, "pid": os.getpid()}
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return {
+            "engine": self.index,
+            "start_seconds": self.start_seconds,
+            "pid": os.getpid(),
+            "node_id": node,
+        }
 
     def generate_chunks(
         self, chunks: list[dict[str, Any]], sampling: dict[str, Any]

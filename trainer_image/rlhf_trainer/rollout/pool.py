@@ -6,6 +6,7 @@ spec) and the rendezvous of the weight-sync group. Must not hold rollout data: i
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,41 @@ class EnginePool:
         if not self.ready():
             reason = failed[0].info.get("error") if failed else f"still starting after {timeout:.0f}s"
             raise RuntimeError(f"no rollout engine is ready: {reason}")
+
+    def mark_lost(self, slot: EngineSlot, error: BaseException) -> None:
+        """An engine died (its process, pod or node is gone): never used again, counted as failed.
+
+        The membership changes, so the next weight sync rebuilds its group without it.
+        """
+        if slot.state == "failed":
+            return
+        slot.state = "failed"
+        slot.info = {"error": f"{type(error).__name__}: {error}"}
+        self.membership_version += 1
+        with contextlib.suppress(Exception):  # already dead; make sure Ray never restarts it
+            ray.kill(slot.handle, no_restart=True)
+
+    def prune_lost(self, timeout: float = 30.0) -> list[EngineSlot]:
+        """Ping the ready engines; those that error (or do not answer in `timeout`) are marked lost.
+
+        Run before a weight sync: a dead peer in the sync group would fail or hang the broadcast.
+        """
+        ready = self.ready()
+        if not ready:
+            return []
+        refs = {s.handle.ready.remote(): s for s in ready}  # type: ignore[attr-defined]
+        done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        lost: list[EngineSlot] = []
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                self.mark_lost(refs[ref], e)
+                lost.append(refs[ref])
+        for ref in pending:
+            self.mark_lost(refs[ref], TimeoutError(f"no answer to a ping in {timeout:.0f}s"))
+            lost.append(refs[ref])
+        return lost
 
     # ---- views --------------------------------------------------------------------------------
     def live(self) -> list[EngineSlot]:

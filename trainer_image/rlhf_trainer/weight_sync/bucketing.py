@@ -100,6 +100,25 @@ def pack_bucket(
     return flat
 
 
+class StagingBuffer:
+    """One flat buffer per dtype, grown to the largest bucket and reused for every bucket and sync.
+
+    A fresh buffer per bucket costs a page fault per 4 KiB on first touch (most of `pack` on CPU); the
+    caller must be done with one bucket's view before asking for the next.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._buffers[dtype] = buf
+        return buf[:numel]
+
+
 def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Views of the flat buffer as (name, tensor) pairs, ready for a model's load_weights."""
     return [(s.name, flat[s.offset : s.offset + s.numel].view(s.shape)) for s in bucket.slots]

@@ -1,4 +1,4 @@
-"""The registry of weight transports behind one API: send(flat, i) / recv(bucket, i) / done_with(i).
+"""The registry of weight transports behind one API: staging / send(flat, i) / recv(bucket, i) / done_with(i).
 
 Owns only the name -> class mapping and the rendezvous record; each backend module owns its wire.
 """
@@ -15,6 +15,11 @@ from rlhf_trainer.weight_sync.bucketing import Bucket
 
 class WeightChannel(Protocol):
     rank: int
+
+    def staging(self, bucket: Bucket, index: int) -> torch.Tensor:
+        """Where the sender packs bucket `index` (its transport's own memory when it has some), so
+        `send` moves it without another copy."""
+        ...
 
     def send(self, flat: torch.Tensor, index: int) -> None: ...
     def recv(self, bucket: Bucket, index: int) -> torch.Tensor: ...

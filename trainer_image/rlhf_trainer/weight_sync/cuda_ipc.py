@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlhf_trainer.weight_sync.bucketing import Bucket
+from rlhf_trainer.weight_sync.bucketing import Bucket, dtype_from_name
 
 
 class CudaIpcChannel:
@@ -25,6 +25,10 @@ class CudaIpcChannel:
             host=master_addr, port=master_port, rank=rank, world_size=world_size
         )
         self._held: torch.Tensor | None = None
+
+    def staging(self, bucket: Bucket, index: int) -> torch.Tensor:
+        del index  # a fresh device buffer: engines map it by handle, so it must not be reused under them
+        return torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype), device="cuda")
 
     def send(self, flat: torch.Tensor, index: int) -> None:
         from torch.multiprocessing.reductions import reduce_tensor

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf_trainer.weight_sync.bucketing import Bucket, dtype_from_name
+from rlhf_trainer.weight_sync.bucketing import Bucket, StagingBuffer, dtype_from_name
 
 
 def open_gloo_group(
@@ -36,14 +36,19 @@ class GlooChannel:
     ) -> None:
         self.rank = rank
         self.pg, self._store = open_gloo_group(master_addr, master_port, rank, world_size, group_name)
+        self._buffer = StagingBuffer()  # broadcasts are synchronous: one bucket in flight at a time
+
+    def staging(self, bucket: Bucket, index: int) -> torch.Tensor:
+        del index
+        return self._buffer.get(bucket.numel, dtype_from_name(bucket.dtype))
 
     def send(self, flat: torch.Tensor, index: int) -> None:
         del index
         self.pg.broadcast(flat, 0).wait()
 
     def recv(self, bucket: Bucket, index: int) -> torch.Tensor:
-        del index
-        flat = torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype))
+        del index  # the engine has loaded the previous bucket's view before it asks for the next
+        flat = self._buffer.get(bucket.numel, dtype_from_name(bucket.dtype))
         self.pg.broadcast(flat, 0).wait()
         return flat
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_trainer.weight_sync.bucketing import Bucket, dtype_from_name
+from rlhf_trainer.weight_sync.bucketing import Bucket, StagingBuffer, dtype_from_name
 
 
 class NcclChannel:
@@ -25,6 +25,11 @@ class NcclChannel:
             host=master_addr, port=master_port, rank=rank, world_size=world_size
         )
         self.comm = PyNcclCommunicator(pg, device=self.device)
+        self._buffer = StagingBuffer(self.device)  # packed on the GPU: no host round trip
+
+    def staging(self, bucket: Bucket, index: int) -> torch.Tensor:
+        del index
+        return self._buffer.get(bucket.numel, dtype_from_name(bucket.dtype))
 
     def send(self, flat: torch.Tensor, index: int) -> None:
         del index
@@ -35,7 +40,7 @@ class NcclChannel:
 
     def recv(self, bucket: Bucket, index: int) -> torch.Tensor:
         del index
-        flat = torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype), device=self.device)
+        flat = self._buffer.get(bucket.numel, dtype_from_name(bucket.dtype))
         self.comm.broadcast(flat, src=0, stream=torch.cuda.current_stream())
         torch.cuda.current_stream().synchronize()
         return flat

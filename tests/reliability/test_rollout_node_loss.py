@@ -1,0 +1,147 @@
+"""A rollout worker's node disappears mid-run: the job goes on with the engines left, then regains one.
+
+Real: API server, scheduler, PodGC, KubeRay, KWOK, the operator, the trainer with its DeepSpeed ranks
+and vLLM engines. The node is deleted from the API (as a cloud's node controller does when a VM is
+preempted); PodGC then deletes its pods and KubeRay creates a replacement rollout pod elsewhere.
+STAND-IN FOR THE ROLLOUT PODS' RAY CONTAINERS (KWOK runs no containers): `support.RolloutNodes`, local
+Ray worker nodes with one rollout slot each. The test SIGKILLs the one mirroring the lost pod when the
+node goes, and starts a new one when the replacement pod is Running.
+
+Policy under test (docs/reliability.md): the step in flight regenerates the lost engine's chunks on
+the engines left; no restart; the trainer starts a new engine when the cluster offers a slot again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rlhf_operator import manifests
+from support import (
+    Cluster,
+    OperatorProcess,
+    RayHead,
+    RolloutNodes,
+    ray_job_logs,
+    tiny_job,
+    wait_for,
+)
+
+pytestmark = pytest.mark.reliability
+
+STEPS = 20  # PodGC waits about 40 s before deleting a lost node's pods; a new engine then takes ~30 s
+
+
+def rollout_pods(cluster: Cluster, namespace: str, job: str) -> list[dict[str, Any]]:
+    selector = f"{manifests.JOB_LABEL}={job},{manifests.ROLE_LABEL}=rollout"
+    return cluster.list("pods", namespace, selector=selector)
+
+
+def running_on(pods: list[dict[str, Any]]) -> dict[str, str]:
+    """pod name -> node, for the pods that are Running and not being deleted."""
+    return {
+        p["metadata"]["name"]: p["spec"].get("nodeName", "")
+        for p in pods
+        if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+    }
+
+
+def test_rollout_node_lost_job_goes_on_with_the_engines_left_and_regains_one(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    ray_head: RayHead,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    import devcluster
+
+    nodes = RolloutNodes(tmp_path)
+    deleted_node: str | None = None
+    try:
+        nodes.scale_to(2)
+        cluster.apply(
+            tiny_job("nodeloss", tiny_model, tmp_path / "ckpt", steps=STEPS, rollout={"engines": 2}),
+            namespace,
+        )
+
+        def status() -> dict[str, Any]:
+            return (cluster.get("rlhfjob", "nodeloss", namespace) or {}).get("status", {})
+
+        two = wait_for(
+            lambda: (
+                (
+                    (s := status()).get("rollout", {}).get("readyEngines") == 2
+                    and (s.get("step") or 0) >= 1
+                    and s
+                )
+                or (s.get("phase") in ("Succeeded", "Failed") and pytest.fail(f"ended early: {s}"))
+            ),
+            600,
+            "a first step with 2 ready engines",
+        )
+
+        def two_running() -> dict[str, str] | None:
+            m = running_on(rollout_pods(cluster, namespace, "nodeloss"))
+            return m if len(m) == 2 else None
+
+        placed = wait_for(two_running, 60, "2 Running rollout pods")
+        # The manifest's preferred anti-affinity spreads them, so one node takes one engine's share.
+        assert len(set(placed.values())) == 2, f"both rollout pods on one node: {placed}"
+        lost_pod, deleted_node = sorted(placed.items())[0]
+
+        t0 = time.monotonic()
+        lost_at_step = status().get("step") or 0
+        cluster.kubectl("delete", "node", deleted_node, "--wait=false")
+        nodes.kill(0)  # the lost pod's Ray container goes with its node
+
+        def replaced() -> dict[str, str] | None:
+            m = two_running()
+            return m if m and lost_pod not in m else None
+
+        replacement = wait_for(replaced, 240, "PodGC to delete the lost pod and KubeRay to run a replacement")
+        t_replaced = time.monotonic() - t0
+        assert deleted_node not in replacement.values(), replacement
+        assert status().get("phase") == "Running", status()
+        nodes.start(0)  # the replacement pod's Ray container joins
+
+        regained = wait_for(
+            lambda: (
+                ((s := status()).get("rollout", {}).get("readyEngines") == 2 and s)
+                or (
+                    s.get("phase") in ("Succeeded", "Failed")
+                    and pytest.fail(f"ended before 2 engines again: {s}")
+                )
+            ),
+            400,
+            "the trainer back at 2 ready engines",
+        )
+        t_regained = time.monotonic() - t0
+        st = wait_for(
+            lambda: ((s := status()).get("phase") in ("Succeeded", "Failed") and s) or None,
+            900,
+            "the job to end",
+        )
+        assert st["phase"] == "Succeeded", st
+        assert st.get("restarts", 0) == 0, f"the node loss restarted the job: {st}"
+        logs = ray_job_logs(st["submissionId"])
+        done = [json.loads(line) for line in logs.splitlines() if line.startswith('{"step":')]
+        assert [d["step"] for d in done] == list(range(1, STEPS + 1)), "a step was lost or repeated"
+        used = [len(d["engines"]) for d in done]
+        assert 1 in used[lost_at_step:], f"no step ran on the one engine left: {used}"
+        assert used[-1] == 2, f"the job did not regain its second engine: {used}"
+        assert "rollout engine" in logs and "lost" in logs, "the driver did not report the lost engine"
+        print(
+            f"\nnode {deleted_node} deleted during step {lost_at_step + 1} (2 engines before: step {two.get('step')});"
+            f" replacement pod Running after {t_replaced:.0f}s; 2 engines ready again after {t_regained:.0f}s"
+            f" (after step {regained.get('step')}); engines used per step: {used}; restarts: 0"
+        )
+    finally:
+        cluster.kubectl("delete", "rlhfjob", "nodeloss", "-n", namespace, "--wait=false", check=False)
+        if deleted_node is not None:  # later tests expect the cluster's nodes back
+            index = int(deleted_node.rsplit("-", 1)[1])
+            cluster.apply(devcluster.node_manifest(index))
+        nodes.stop()
