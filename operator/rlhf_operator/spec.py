@@ -301,8 +301,19 @@ class TrainerSpec(_Spec):
     sequence_parallel_size: int = Field(
         default=1,
         ge=1,
-        description="Ranks that split one sequence (ring attention); must divide the actor's ranks.",
+        description=(
+            "Ranks that split one sequence (Ulysses: all-to-all over attention heads); must divide the "
+            "actor's ranks, and the attention and key-value head counts of every model it splits. Heads "
+            "are checked by `rlhf validate` and by the trainer at start, not at admission (the model is a "
+            "path the API server cannot read). A critic or reference group whose ranks it does not divide "
+            "runs whole sequences."
+        ),
     )
+
+    def sequence_parallel_for(self, ranks: int) -> int:
+        """The SP size a model group of `ranks` ranks uses: sequenceParallelSize when it divides them,
+        else 1 (whole sequences, e.g. a one-rank critic)."""
+        return self.sequence_parallel_size if ranks % self.sequence_parallel_size == 0 else 1
 
     @property
     def actor_ref_colocated(self) -> bool:

@@ -111,7 +111,47 @@ def validate_manifest(obj: Any) -> list[Issue]:
     if spec_issues:
         return issues + spec_issues
     spec = RLHFJobSpec.model_validate(obj["spec"], by_alias=True, by_name=False)
-    return issues + [Issue(rule.field_path, rule.message) for rule in violated(spec)]
+    rule_issues = [Issue(rule.field_path, rule.message) for rule in violated(spec)]
+    return issues + (rule_issues or sequence_parallel_issues(spec))
+
+
+def sequence_parallel_issues(spec: RLHFJobSpec) -> list[Issue]:
+    """Ulysses sequence parallelism gives each rank of a group H / sequenceParallelSize attention heads,
+    so every model a split group runs needs both head counts divisible by it. Admission cannot check
+    this (the model is a path the API server cannot read); `rlhf validate` and the trainer read each
+    model's config.json when it is there (a missing model is reported by the trainer's own checks)."""
+    sp = spec.trainer.sequence_parallel_size
+    if sp <= 1:
+        return []
+    paths = {"actor": spec.model.actor, "critic": spec.model.critic, "reference": spec.model.reference_path}
+    issues: list[Issue] = []
+    for roles, placement in spec.gpu_groups():
+        if spec.trainer.sequence_parallel_for(placement.ranks) == 1:
+            continue  # this group runs whole sequences
+        for role in roles:
+            path = paths.get(role)
+            config = Path(path) / "config.json" if path else None
+            if config is None or not config.is_file():
+                continue
+            try:
+                data = yaml.safe_load(config.read_text(encoding="utf-8"))  # JSON is YAML
+                data = data.get("text_config", data)
+                heads = int(data["num_attention_heads"])
+                kv_heads = int(data.get("num_key_value_heads") or heads)
+            except (OSError, yaml.YAMLError, AttributeError, KeyError, TypeError, ValueError) as error:
+                issues.append(
+                    Issue(f"spec.model.{role}", f"cannot read the head counts in {config}: {error}")
+                )
+                continue
+            if heads % sp or kv_heads % sp:
+                issues.append(
+                    Issue(
+                        "spec.trainer.sequenceParallelSize",
+                        f"{sp} must divide the attention heads of spec.model.{role} ({path}: "
+                        f"num_attention_heads={heads}, num_key_value_heads={kv_heads})",
+                    )
+                )
+    return issues
 
 
 def _metadata_issues(metadata: Any) -> list[Issue]:

@@ -83,11 +83,15 @@ def _fake_trainer(seen: dict[str, object], resume_at: int | None) -> type:
             m = seen["metrics"]
             assert isinstance(m, TrainerMetrics)
             seen["ts_at_place"] = m.last_step_ts.labels(m.job)._value.get()
+            seen["steps_at_place"] = m.steps_completed.labels(m.job)._value.get()
             if resume_at is None:
                 raise _Stop
 
         def setup(self) -> None:
             pass
+
+        def resume_point(self) -> int:
+            return 0 if resume_at is None else resume_at - 1
 
         def maybe_resume(self) -> int:
             assert resume_at is not None
@@ -141,6 +145,8 @@ def test_a_resumed_driver_counts_steps_from_the_checkpoint(monkeypatch: pytest.M
     m = seen["metrics"]
     assert isinstance(m, TrainerMetrics)
     assert m.steps_completed.labels("demo")._value.get() == 8
+    # Announced before the minute of start-up (placement), so `kubectl get rlhf` never shows 0/N mid-run.
+    assert seen["steps_at_place"] == 8
     m.step_done({"generation": 1.0})
     assert m.steps_completed.labels("demo")._value.get() == 9
     assert m.last_step_ts.labels("demo")._value.get() >= float(seen["ts_at_place"])  # type: ignore[arg-type]

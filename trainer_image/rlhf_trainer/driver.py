@@ -76,11 +76,10 @@ def preflight(spec: Any) -> PromptDataset:
             raise InputError(f"{field}: model directory {path} does not exist")
         if not (p / "config.json").is_file():
             raise InputError(f"{field}: {path} is not an HF model directory (no config.json)")
-    if spec.trainer.sequence_parallel_size > 1:
-        raise InputError(
-            f"spec.trainer.sequenceParallelSize: {spec.trainer.sequence_parallel_size} is not supported by this "
-            "trainer yet (ring attention is not implemented); use 1"
-        )
+    from rlhf_operator.validate import sequence_parallel_issues
+
+    for issue in sequence_parallel_issues(spec):  # head counts: admission cannot read the model
+        raise InputError(str(issue))
     if spec.data.apply_chat_template:
         from transformers import AutoTokenizer
 
@@ -101,10 +100,11 @@ def preflight(spec: Any) -> PromptDataset:
             raise InputError(f"spec.{e}") from e
     a = spec.algorithm
     ranks = spec.trainer.actor.ranks
-    if a.rollout_batch_size % ranks:
+    shards = data_parallel_size(spec, ranks)  # one shard per SP group of actor ranks
+    if a.rollout_batch_size % shards:
         raise InputError(
             f"spec.algorithm.rolloutBatchSize: {a.rollout_batch_size} prompts do not split evenly "
-            f"over {ranks} actor ranks (trainer.actor)"
+            f"over {shards} actor data-parallel groups (trainer.actor ranks / sequenceParallelSize)"
         )
     for role in spec.model_roles():
         if role in ("critic", "reference") and ranks % spec.trainer.placement(role).ranks:
@@ -112,7 +112,21 @@ def preflight(spec: Any) -> PromptDataset:
                 f"spec.trainer.{role}: its {spec.trainer.placement(role).ranks} ranks must divide the "
                 f"actor's {ranks} ranks"
             )
+        if role in ("critic", "reference") and shards % data_parallel_size(
+            spec, spec.trainer.placement(role).ranks
+        ):
+            raise InputError(
+                f"spec.trainer.{role}: its {spec.trainer.placement(role).ranks} ranks cannot take whole actor "
+                f"shards: with sequenceParallelSize {spec.trainer.sequence_parallel_size} they form "
+                f"{data_parallel_size(spec, spec.trainer.placement(role).ranks)} data-parallel groups, which "
+                f"must divide the actor's {shards}"
+            )
     return data
+
+
+def data_parallel_size(spec: Any, ranks: int) -> int:
+    """Data-parallel groups of a model group with `ranks` ranks: each SP block is one (sees one shard)."""
+    return int(ranks // spec.trainer.sequence_parallel_for(ranks))
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -184,18 +198,25 @@ class Trainer:
             name = "+".join(hosted)
             res = self._resources(TRAINER_RESOURCE, gpu / sharers_per_device(spec, roles))
             threads = max(1, cores // placement.ranks)
+            sp = spec.trainer.sequence_parallel_for(placement.ranks)
             group = RayGroup(
                 name,
                 ModelRank,
                 placement.ranks,
                 res,
-                [(name, hosted, r, placement.ranks, self.info.kind, threads) for r in range(placement.ranks)],
+                [
+                    (name, hosted, r, placement.ranks, self.info.kind, threads, sp)
+                    for r in range(placement.ranks)
+                ],
                 env=env,
             )
             self.groups.append(group)
             for role in hosted:
                 self.role_groups[role] = group
-            self.log(f"placed {name}: {placement.ranks} rank(s), {res.bundle()} per rank")
+            self.log(
+                f"placed {name}: {placement.ranks} rank(s), {res.bundle()} per rank"
+                + (f", sequence parallel {sp}" if sp > 1 else "")
+            )
         self.actor_group = self.role_groups["actor"]
         self.critic_group = self.role_groups.get("critic")
         # Reward scorer: a threaded actor (function/http), or the holder of the reward model.
@@ -248,7 +269,8 @@ class Trainer:
         }
 
         def for_group(world: int) -> int:
-            local = a.samples_per_step // world
+            # every rank of an SP block runs all of its block's samples (its columns of each)
+            local = a.samples_per_step // data_parallel_size(spec, world)
             return max(1, math.ceil(int(local) / int(a.train_micro_batch_size)))
 
         out = {
@@ -296,7 +318,8 @@ class Trainer:
     def plan_chunks(self, n_prompts: int) -> list[tuple[int, int, list[int]]]:
         from rlhf_trainer.transfer import plan_chunks
 
-        return plan_chunks(n_prompts, self.spec.trainer.actor.ranks, len(self.pool.ready()))
+        shards = data_parallel_size(self.spec, self.spec.trainer.actor.ranks)  # one per SP group
+        return plan_chunks(n_prompts, shards, len(self.pool.ready()))
 
     def generate_and_score(
         self, step: int, chunks: list[tuple[int, int, list[int]]], prompts: list[str], labels: list[Any]
@@ -316,9 +339,9 @@ class Trainer:
             "max_tokens": self.algo.max_response_length,
             "max_prompt_tokens": self.algo.max_prompt_length,
         }
-        per_engine: dict[int, list[dict[str, Any]]] = {}
+        assigned: dict[int, list[dict[str, Any]]] = {}  # engine -> its chunks (re-dispatch reassigns)
         for c, (shard, engine, idx) in enumerate(chunks):
-            per_engine.setdefault(engine, []).append(
+            assigned.setdefault(engine, []).append(
                 {
                     "chunk": c,
                     "shard": shard,
@@ -327,24 +350,35 @@ class Trainer:
                     "labels": [labels[i] for i in idx],
                 }
             )
-        gens: dict[Any, int] = {
-            engines[e].handle.generate_chunks.options(num_returns="streaming").remote(batch, sampling): e
-            for e, batch in per_engine.items()
-        }
+        gens: dict[Any, int] = {}
+
+        def launch(e: int, batch: list[dict[str, Any]]) -> None:
+            gen = engines[e].handle.generate_chunks.options(num_returns="streaming").remote(batch, sampling)
+            gens[gen] = e
+
+        for e, batch in assigned.items():
+            launch(e, batch)
         packed: list[Any] = [None] * len(chunks)
         metas: list[Any] = [None] * len(chunks)
         reward_calls: list[Any] = [None] * len(chunks)
+        lost: set[int] = set()
         while gens:
             ready, _ = ray.wait(list(gens), num_returns=1)
             gen: Any
             for gen in ready:
                 try:
                     meta_ref = next(gen)
+                    packed_ref = next(gen)
+                    meta = ray.get(meta_ref)
                 except StopIteration:
                     del gens[gen]
                     continue
-                packed_ref = next(gen)
-                meta = ray.get(meta_ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
+                    e = gens.pop(gen)
+                    self._engine_lost(
+                        step, engines, e, err, lost, assigned, packed, metas, reward_calls, launch
+                    )
+                    continue
                 packed[meta.chunk], metas[meta.chunk] = packed_ref, meta
                 reward_calls[meta.chunk] = self.reward.score.options(num_returns=2).remote(
                     meta.chunk, packed_ref
@@ -354,6 +388,49 @@ class Trainer:
             raise RuntimeError(f"step {step}: engines returned no rollout for chunks {missing}")
         self.metrics.generated_tokens.labels(self.job).inc(sum(m.response_tokens for m in metas))
         return packed, metas, reward_calls
+
+    def _engine_lost(
+        self,
+        step: int,
+        engines: list[Any],
+        e: int,
+        err: BaseException,
+        lost: set[int],
+        assigned: dict[int, list[dict[str, Any]]],
+        packed: list[Any],
+        metas: list[Any],
+        reward_calls: list[Any],
+        launch: Callable[[int, list[dict[str, Any]]], None],
+    ) -> None:
+        """An engine died mid-generation (its pod or node is gone): the step goes on with the others.
+
+        Every chunk it had is generated again, including the finished ones: their tokens lived in the
+        lost node's object store. With no engine left the step fails, and so does the attempt, which
+        the operator restarts from the last checkpoint.
+        """
+        lost.add(e)
+        self.pool.mark_lost(engines[e], err)
+        self.metrics.set_engines(self.pool.counts())
+        redo = assigned.pop(e, [])
+        alive = [i for i in range(len(engines)) if i not in lost]
+        if not alive:
+            raise RuntimeError(
+                f"step {step}: every rollout engine was lost (last: {type(err).__name__}: {err})"
+            )
+        for b in redo:
+            packed[b["chunk"]] = metas[b["chunk"]] = reward_calls[b["chunk"]] = None
+        moved: dict[int, list[dict[str, Any]]] = {}
+        for k, b in enumerate(redo):
+            moved.setdefault(alive[k % len(alive)], []).append(b)
+        for target, batch in moved.items():
+            assigned.setdefault(target, []).extend(batch)
+            launch(target, batch)
+        print(
+            f"step {step}: rollout engine {engines[e].index} lost ({type(err).__name__}); "
+            f"{len(redo)} chunk(s) generated again on engine(s) {sorted(engines[t].index for t in moved)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def shard_refs(self, chunks: list[tuple[int, int, list[int]]], refs: list[Any]) -> dict[int, list[Any]]:
         out: dict[int, list[Any]] = {}
@@ -367,13 +444,17 @@ class Trainer:
         return role in self.role_groups
 
     def call_role(self, role: str, method: str, shards: dict[int, list[Any]]) -> list[Any]:
-        """Run an experience phase on the group hosting `role`; rank w takes shards r with r % W == w."""
+        """Run an experience phase on the group hosting `role`. Its ranks form D data-parallel groups of
+        SP ranks (contiguous blocks); rank w is in group w // SP and takes shards s with s % D == w // SP.
+        Every rank of an SP group gets the same refs and pulls the chunks itself: nothing is broadcast."""
         import ray
 
         group = self.role_groups[role]
         W = group.world_size
+        sp = self.spec.trainer.sequence_parallel_for(W)
+        D = W // sp
         per_rank = [
-            ({s: refs for s, refs in shards.items() if s % W == w}, self.algo.rollout_micro_batch_size)
+            ({s: refs for s, refs in shards.items() if s % D == w // sp}, self.algo.rollout_micro_batch_size)
             for w in range(W)
         ]
         refs = group.call(method, per_rank=per_rank)
@@ -427,8 +508,14 @@ class Trainer:
         import ray
 
         # The group's store is served by actor rank 0: its node and a port free there.
-        addr, port = ray.get(self.actor_group.handles[0].address.remote())
-        rdzv = self.pool.rendezvous(self.sync_backend, addr, port, self.job)
+        rank0 = self.actor_group.handles[0]
+        addr, port = ray.get(rank0.address.remote())
+        backend = self.sync_backend
+        if self.info.is_cpu and self.spec.weight_sync.backend == "auto":
+            engine_nodes = [str(s.info.get("node_id", "")) for s in self.pool.ready()]
+            backend = device.cpu_channel_for("auto", ray.get(rank0.node_id.remote()), engine_nodes)
+            self.log(f"weight sync: auto -> {backend} for {len(engine_nodes)} engine(s)")
+        rdzv = self.pool.rendezvous(backend, addr, port, self.job)
         refs = self.actor_group.call("open_weight_channel", rdzv.to_wire()) + self.pool.open_channel_refs(
             rdzv
         )
@@ -439,6 +526,8 @@ class Trainer:
         """Bucketed gather on every actor rank; rank 0 sends each bucket once to all engines."""
         import ray
 
+        if self.pool.prune_lost() and not self.pool.ready():
+            raise RuntimeError("every rollout engine was lost before the weight sync")
         if self._channel_version != self.pool.membership_version:
             self._open_channel()
         plan = ray.get(
@@ -492,6 +581,13 @@ class Trainer:
                 for role, digest in digests.items():
                     out[f"{g.name}/{rank}/{role}"] = digest
         return out
+
+    def resume_point(self) -> int:
+        """The step of the checkpoint `maybe_resume` will load (0: a fresh start); reads no weights."""
+        if self.store is None or self.spec.checkpoint.resume != "auto":
+            return 0
+        found = self.store.complete()
+        return found[-1][0] if found else 0
 
     def maybe_resume(self) -> int:
         """Load the newest complete checkpoint (resume: auto); returns the next step to run."""
@@ -627,16 +723,20 @@ def run(
         if metrics_port is not None
         else int(os.environ.get("RLHF_METRICS_PORT") or spec.monitoring.metrics_port)
     )
+    trainer = Trainer(spec, job, data, metrics, log)
+    # Before /metrics is served: a restarted attempt reports the step it will resume from, not 0, for
+    # the minute its start-up takes (`kubectl get rlhf` never shows 0/N mid-run).
+    announced = trainer.resume_point()
+    metrics.resumed(announced)
     if port:
         metrics.serve(port)
         log(f"metrics on :{port}/metrics")
-    trainer = Trainer(spec, job, data, metrics, log)
     started = connect_ray(trainer._process_count() + 1)
     try:
         trainer.place()
         trainer.setup()
         first = trainer.maybe_resume()
-        metrics.resumed(first - 1)  # the step counter continues from the checkpoint's step
+        metrics.resumed(first - 1 - announced)  # the counter continues from the checkpoint's step
         last = (
             spec.algorithm.total_steps
             if steps is None

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from rlhf_trainer import algorithms
-from rlhf_trainer.transfer import PackedRollout, pad_response_values
+from rlhf_trainer import algorithms, sequence_parallel
+from rlhf_trainer.sequence_parallel import SequenceParallel
+from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import Bucket, pack_bucket, plan_buckets
 from rlhf_trainer.weight_sync.channels import WeightChannel
 from rlhf_trainer.workers.deepspeed_utils import (
@@ -25,10 +26,11 @@ from rlhf_trainer.workers.deepspeed_utils import (
 
 
 class PolicyModel:
-    def __init__(self, path: str, settings: dict[str, Any]) -> None:
+    def __init__(self, path: str, settings: dict[str, Any], sp: SequenceParallel | None = None) -> None:
         import deepspeed
 
         self.s = settings
+        self.sp = sp
         self.rank = int(settings["rank"])
         dtype = torch.bfloat16 if settings["bf16"] else torch.float32
         cfg = ds_config(
@@ -41,6 +43,7 @@ class PolicyModel:
             train=True,
         )
         model, keepalive = load_hf_model(path, "causal_lm", cfg, dtype)
+        sequence_parallel.enable(model, sp)
         if settings.get("gradient_checkpointing"):
             model.gradient_checkpointing_enable()
         optimizer = torch.optim.AdamW(
@@ -65,7 +68,7 @@ class PolicyModel:
     def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
         self.engine.eval()
         out = [
-            response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature)[0]
+            response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp).packed()
             for s, e in rollout.micro_batches(micro_batch)
         ]
         return torch.cat(out) if out else torch.zeros(0)
@@ -91,28 +94,40 @@ class PolicyModel:
         tokens_valid = float(sum(int(resp_lens[i]) for i in range(rollout.num_samples) if bool(valid[i])))
         denom = max(tokens_valid, 1.0)
         ga = int(self.s["grad_accum"])
-        stats = {"policy_loss": 0.0, "clip_frac": 0.0, "kl_loss": 0.0}
+        sp_size = self.sp.size if self.sp is not None else 1
+        sums = torch.zeros(3, dtype=torch.float64)  # policy loss, clipped tokens, KL loss (summed)
         t0 = time.perf_counter()
         for _ in range(epochs):
             for s, e in rollout.micro_batches(micro_batch):
                 sl = slice(int(offsets[s]), int(offsets[e]))
-                _, lp, act = response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature)
-                sample_valid = valid[s:e].float().unsqueeze(1).to(act.device)
-                mask = act * sample_valid
-                old = pad_response_values(old_logprobs[sl], act.cpu()).to(act.device)
-                adv = pad_response_values(advantages[sl], act.cpu()).to(act.device)
+                out = response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp)
+                lp, act = out.values, out.mask
+                mask = act * valid[s:e].float().unsqueeze(1).to(act.device)
+                old, adv = out.local(old_logprobs[sl]), out.local(advantages[sl])
                 loss_sum, clipped = algorithms.policy_loss(lp, old, adv, mask, clip)
                 loss = loss_sum
+                kl = torch.zeros(())
                 if kl_loss_coef > 0 and ref_logprobs is not None:
-                    ref = pad_response_values(ref_logprobs[sl], act.cpu()).to(act.device)
-                    kl = (algorithms.kl_per_token(lp, ref, "k3") * mask).sum()
+                    kl = (algorithms.kl_per_token(lp, out.local(ref_logprobs[sl]), "k3") * mask).sum()
                     loss = loss + kl_loss_coef * kl
-                    stats["kl_loss"] += float(kl.detach()) / denom / epochs
                 # DeepSpeed divides by gradient_accumulation_steps; we want a token mean over the rank.
-                self.engine.backward(loss / denom * ga)
+                # Under SP each rank's loss covers only its columns of the group's samples, and autograd
+                # through the all-to-all sends every column's gradient back to the rank owning the weights'
+                # inputs, so the SP group's summed gradient is that of the whole micro-batch. DeepSpeed then
+                # averages over all W = dp x sp ranks; multiplying by sp makes that the average over the dp
+                # groups, i.e. exactly the sp=1 gradient (tests/unit/test_trainer_sequence_parallel.py).
+                self.engine.backward(loss / denom * ga * sp_size)
                 self.engine.step()
-                stats["policy_loss"] += float(loss_sum.detach()) / denom / epochs
-                stats["clip_frac"] += float(clipped) / denom / epochs
+                sums += torch.tensor([float(loss_sum.detach()), float(clipped), float(kl.detach())])
+        if self.sp is not None and self.sp.size > 1:  # partial sums per column slice -> the group's sums
+            on_device = sums.to(next(self.engine.parameters()).device)  # NCCL reduces device tensors
+            torch.distributed.all_reduce(on_device, group=self.sp.group)
+            sums = on_device.cpu()
+        stats = {
+            "policy_loss": float(sums[0]) / denom / epochs,
+            "clip_frac": float(sums[1]) / denom / epochs,
+            "kl_loss": float(sums[2]) / denom / epochs,
+        }
         stats["seconds"] = time.perf_counter() - t0
         stats["lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else 0.0
         return stats
@@ -136,7 +151,10 @@ class PolicyModel:
                 t1 = time.perf_counter()
                 t_gather += t1 - t0
                 if self.rank == 0 and channel is not None:
-                    flat = pack_bucket(bucket, [p.data.detach().cpu() for p in group])
+                    # Packed straight into the transport's memory (the shm file, a reused buffer, or
+                    # the GPU for NCCL): no fresh buffer and no host round trip per bucket.
+                    staged = channel.staging(bucket, index)
+                    flat = pack_bucket(bucket, [p.data.detach() for p in group], out=staged)
                     channel.send(flat, index)
                     nbytes += bucket.nbytes
                     t_send += time.perf_counter() - t1

@@ -11,16 +11,18 @@ from typing import Any
 
 import torch
 
-from rlhf_trainer import algorithms
-from rlhf_trainer.transfer import PackedRollout, pad_response_values
+from rlhf_trainer import algorithms, sequence_parallel
+from rlhf_trainer.sequence_parallel import SequenceParallel
+from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.workers.deepspeed_utils import ds_config, load_hf_model, token_values, training_state_digest
 
 
 class ValueModel:
-    def __init__(self, path: str, settings: dict[str, Any]) -> None:
+    def __init__(self, path: str, settings: dict[str, Any], sp: SequenceParallel | None = None) -> None:
         import deepspeed
 
         self.s = settings
+        self.sp = sp
         dtype = torch.bfloat16 if settings["bf16"] else torch.float32
         cfg = ds_config(
             zero_stage=settings["zero_stage"],
@@ -32,6 +34,7 @@ class ValueModel:
             train=True,
         )
         model, keepalive = load_hf_model(path, "value", cfg, dtype)
+        sequence_parallel.enable(model, sp)
         if settings.get("gradient_checkpointing"):
             model.gradient_checkpointing_enable()
         optimizer = torch.optim.AdamW(
@@ -54,7 +57,7 @@ class ValueModel:
     def values(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
         self.engine.eval()
         out = [
-            token_values(self.engine, rollout, s, e, self.pad_id)[0]
+            token_values(self.engine, rollout, s, e, self.pad_id, self.sp).packed()
             for s, e in rollout.micro_batches(micro_batch)
         ]
         return torch.cat(out) if out else torch.zeros(0)
@@ -75,20 +78,27 @@ class ValueModel:
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), resp_lens]), 0)
         denom = max(float(sum(int(resp_lens[i]) for i in range(rollout.num_samples) if bool(valid[i]))), 1.0)
         ga = int(self.s["grad_accum"])
-        total = 0.0
+        sp_size = self.sp.size if self.sp is not None else 1
+        total = torch.zeros(1, dtype=torch.float64)
         t0 = time.perf_counter()
         for _ in range(epochs):
             for s, e in rollout.micro_batches(micro_batch):
                 sl = slice(int(offsets[s]), int(offsets[e]))
-                _, v, act = token_values(self.engine, rollout, s, e, self.pad_id)
-                mask = act * valid[s:e].float().unsqueeze(1).to(act.device)
-                old = pad_response_values(old_values[sl], act.cpu()).to(act.device)
-                ret = pad_response_values(returns[sl], act.cpu()).to(act.device)
-                loss = algorithms.value_loss(v, old, ret, mask, clip)
-                self.engine.backward(loss / denom * ga)
+                out = token_values(self.engine, rollout, s, e, self.pad_id, self.sp)
+                mask = out.mask * valid[s:e].float().unsqueeze(1).to(out.mask.device)
+                loss = algorithms.value_loss(
+                    out.values, out.local(old_values[sl]), out.local(returns[sl]), mask, clip
+                )
+                # x sp: DeepSpeed averages over dp x sp ranks, each holding a column slice (see actor.train)
+                self.engine.backward(loss / denom * ga * sp_size)
                 self.engine.step()
-                total += float(loss.detach()) / denom / epochs
-        return {"value_loss": total, "seconds": time.perf_counter() - t0}
+                total += float(loss.detach())
+        if self.sp is not None and self.sp.size > 1:
+            on_device = total.to(next(self.engine.parameters()).device)  # NCCL reduces device tensors
+            torch.distributed.all_reduce(on_device, group=self.sp.group)
+            total = on_device.cpu()
+        total_loss = float(total[0]) / denom / epochs
+        return {"value_loss": total_loss, "seconds": time.perf_counter() - t0}
 
     def state_digest(self) -> dict[str, float]:
         return training_state_digest(self.optimizer, self.scheduler)

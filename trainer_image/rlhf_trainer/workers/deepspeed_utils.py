@@ -7,11 +7,13 @@ partitions at load) and how per-token log-probs/values come out of a padded micr
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlhf_trainer.transfer import PackedRollout, pad_micro_batch, unpad_response_values
+from rlhf_trainer.sequence_parallel import SequenceParallel, forward_context, gather_columns
+from rlhf_trainer.transfer import PackedRollout, pad_micro_batch, pad_response_values, unpad_response_values
 
 # Parameters below this many elements stay whole on every rank (DeepSpeed's persistence threshold).
 # DeepSpeed's default (1e5) would keep every tensor of a tiny model whole; overridable by env.
@@ -72,6 +74,65 @@ def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype)
     return model, keepalive
 
 
+@dataclass
+class TokenOutputs:
+    """Per-position results of one micro-batch's forward, for the columns this rank computed.
+
+    Without sequence parallelism the columns are all T-1 positions of the padded micro-batch; with it
+    they are this rank's contiguous slice of the sequence padded to a multiple of the SP size.
+    values/mask: [B, columns]; full_mask: the action mask of every column (all ranks).
+    """
+
+    values: torch.Tensor
+    mask: torch.Tensor
+    full_mask: torch.Tensor
+    cols: slice
+    sp: SequenceParallel | None = None
+
+    def packed(self) -> torch.Tensor:
+        """Packed response-token results of the whole micro-batch (gathered over the SP group: [B, T] floats)."""
+        values = self.values.detach()
+        if self.sp is not None:
+            values = gather_columns(values, self.sp)
+        return unpad_response_values(values, self.full_mask).cpu()
+
+    def local(self, packed: torch.Tensor) -> torch.Tensor:
+        """A packed per-token tensor of the micro-batch laid out like `values` (this rank's columns)."""
+        mask = self.full_mask.cpu()
+        return pad_response_values(packed, mask)[:, self.cols].to(self.values.device)
+
+
+def _forward(
+    model: torch.nn.Module,
+    rollout: PackedRollout,
+    start: int,
+    end: int,
+    pad_id: int,
+    sp: SequenceParallel | None,
+) -> tuple[Any, torch.Tensor, torch.Tensor, slice]:
+    """One forward of samples [start, end): (model output, labels, action mask, columns), all for the
+    positions this rank computes. With SP every rank sees the same token ids but embeds only its slice,
+    with global position ids; the Ulysses attention is causal over the whole sequence (right padding
+    keeps every real token's window free of padding)."""
+    ids, attn, act = pad_micro_batch(rollout, start, end, pad_id)
+    device = next(model.parameters()).device
+    labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), pad_id, dtype=ids.dtype)], dim=1)
+    if sp is None or sp.size <= 1:
+        width = ids.shape[1] - 1
+        out = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+        return out, labels[:, :width].to(device), act.to(device), slice(0, width)
+    width = -(-ids.shape[1] // sp.size) * sp.size  # padded length T, a multiple of the SP size
+    extra = width - ids.shape[1]
+    ids = torch.nn.functional.pad(ids, (0, extra), value=pad_id)
+    labels = torch.nn.functional.pad(labels, (0, extra), value=pad_id)
+    act = torch.nn.functional.pad(act, (0, width - act.shape[1]), value=0.0)
+    cols = sp.columns(width)
+    positions = torch.arange(cols.start, cols.stop).unsqueeze(0).expand(ids.shape[0], -1)
+    with forward_context(sp):
+        out = model(input_ids=ids[:, cols].to(device), position_ids=positions.to(device), use_cache=False)
+    return out, labels[:, cols].to(device), act.to(device), cols
+
+
 def response_logprobs(
     model: torch.nn.Module,
     rollout: PackedRollout,
@@ -79,29 +140,29 @@ def response_logprobs(
     end: int,
     pad_id: int,
     temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward samples [start, end): (packed response-token log-probs, padded [B,T-1] logprobs, action mask)."""
-    ids, attn, act = pad_micro_batch(rollout, start, end, pad_id)
-    device = next(model.parameters()).device
-    out = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
-    logits = out.logits[:, :-1, :].float()
+    sp: SequenceParallel | None = None,
+) -> TokenOutputs:
+    """Log-probs of each next token, for samples [start, end) (this rank's columns under SP)."""
+    out, labels, act, cols = _forward(model, rollout, start, end, pad_id, sp)
+    logits = out.logits[:, : cols.stop - cols.start, :].float()
     if temperature != 1.0:
         logits = logits / temperature
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
-    act = act.to(device)
-    return unpad_response_values(lp, act).detach().cpu(), lp, act
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return TokenOutputs(lp, act[:, cols], act, cols, sp if sp is not None and sp.size > 1 else None)
 
 
 def token_values(
-    model: torch.nn.Module, rollout: PackedRollout, start: int, end: int, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Critic forward: V(state before each response token), as (packed, padded [B,T-1], action mask)."""
-    ids, attn, act = pad_micro_batch(rollout, start, end, pad_id)
-    device = next(model.parameters()).device
-    out = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
-    values = out.logits[:, :-1, 0].float()
-    act = act.to(device)
-    return unpad_response_values(values, act).detach().cpu(), values, act
+    model: torch.nn.Module,
+    rollout: PackedRollout,
+    start: int,
+    end: int,
+    pad_id: int,
+    sp: SequenceParallel | None = None,
+) -> TokenOutputs:
+    """Critic forward: V(state before each response token), for samples [start, end)."""
+    out, _, act, cols = _forward(model, rollout, start, end, pad_id, sp)
+    values = out.logits[:, : cols.stop - cols.start, 0].float()
+    return TokenOutputs(values, act[:, cols], act, cols, sp if sp is not None and sp.size > 1 else None)
 
 
 def training_state_digest(optimizer: Any, scheduler: Any) -> dict[str, float]:

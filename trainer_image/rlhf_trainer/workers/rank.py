@@ -36,9 +36,18 @@ class ModelRank:
     """Hosts any of: actor (PolicyModel), reference, critic (ValueModel)."""
 
     def __init__(
-        self, group: str, roles: list[str], rank: int, world_size: int, dev: str, threads: int
+        self,
+        group: str,
+        roles: list[str],
+        rank: int,
+        world_size: int,
+        dev: str,
+        threads: int,
+        sp_size: int = 1,
     ) -> None:
         self.group = group
+        self.sp_size = sp_size
+        self.sp: Any = None  # sequence_parallel.SequenceParallel once setup ran (sp_size > 1)
         self.roles = roles
         self.rank = rank
         self.world_size = world_size
@@ -75,20 +84,24 @@ class ModelRank:
         if self.info.kind == "cuda":
             torch.cuda.set_device(0)
         deepspeed.init_distributed(dist_backend=self.info.dist_backend, auto_mpi_discovery=False)
+        if self.sp_size > 1:
+            from rlhf_trainer import sequence_parallel
+
+            self.sp = sequence_parallel.init_groups(self.sp_size)
         for role in self.roles:
             s = {**settings[role], "rank": self.rank, "world_size": self.world_size}
             if role == "actor":
                 from rlhf_trainer.workers.actor import PolicyModel
 
-                self.models[role] = PolicyModel(s["path"], s)
+                self.models[role] = PolicyModel(s["path"], s, self.sp)
             elif role == "critic":
                 from rlhf_trainer.workers.critic import ValueModel
 
-                self.models[role] = ValueModel(s["path"], s)
+                self.models[role] = ValueModel(s["path"], s, self.sp)
             elif role == "reference":
                 from rlhf_trainer.workers.reference import ReferenceModel
 
-                self.models[role] = ReferenceModel(s["path"], s)
+                self.models[role] = ReferenceModel(s["path"], s, self.sp)
             else:
                 raise ValueError(f"a model rank cannot host role {role!r}")
         return {
@@ -108,6 +121,11 @@ class ModelRank:
         self.shards = {s: PackedRollout.concat(ray.get(refs)) for s, refs in sorted(shard_refs.items())}
         self.local = {s: {} for s in self.shards}
 
+    @property
+    def reports(self) -> bool:
+        """Whether this rank reports results every rank of its SP group holds (only the first does)."""
+        return self.sp is None or bool(self.sp.leader)
+
     def _combined(self) -> PackedRollout:
         return PackedRollout.concat([self.shards[s] for s in sorted(self.shards)])
 
@@ -119,7 +137,8 @@ class ModelRank:
     def ref_logprobs(self, shard_refs: dict[int, list[Any]], micro_batch: int) -> dict[int, torch.Tensor]:
         self._load_shards(shard_refs)
         model = self.models["reference"]
-        return {s: model.logprobs(r, micro_batch) for s, r in self.shards.items()}
+        out = {s: model.logprobs(r, micro_batch) for s, r in self.shards.items()}
+        return out if self.reports else {}
 
     def critic_values(self, shard_refs: dict[int, list[Any]], micro_batch: int) -> dict[int, torch.Tensor]:
         self._load_shards(shard_refs)
@@ -127,7 +146,7 @@ class ModelRank:
         out = {s: model.values(r, micro_batch) for s, r in self.shards.items()}
         for s, v in out.items():
             self.local[s]["values"] = v
-        return out
+        return out if self.reports else {}
 
     def old_logprobs(self, shard_refs: dict[int, list[Any]], micro_batch: int) -> int:
         self._load_shards(shard_refs)
@@ -198,6 +217,8 @@ class ModelRank:
             stats["adv_abs_sum"] += float(torch.cat(advs).abs()[vmask].sum()) if advs else 0.0
             stats["valid"] += float(valid.sum())
             stats["score_sum"] += float(scores[valid].sum())
+        if not self.reports:  # every rank of an SP group computed the same: count it once
+            return {k: 0.0 for k in stats}, {}
         return stats, for_critic
 
     # ---- training phases ---------------------------------------------------------------------------
@@ -221,7 +242,7 @@ class ModelRank:
             clip=float(algo["clip"]),
             kl_loss_coef=kl_loss,
         )
-        stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"])
+        stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"]) if self.reports else 0.0
         return stats
 
     def train_critic(self, returns_refs: list[Any], algo: dict[str, Any]) -> dict[str, float]:
@@ -293,6 +314,12 @@ class ModelRank:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        """This process's Ray node (one per pod): same node means a shared /dev/shm."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
 
 
 def _merge_shard_dicts(parts: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:

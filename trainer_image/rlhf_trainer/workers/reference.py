@@ -9,14 +9,17 @@ from typing import Any
 
 import torch
 
+from rlhf_trainer import sequence_parallel
+from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.workers.deepspeed_utils import ds_config, load_hf_model, response_logprobs
 
 
 class ReferenceModel:
-    def __init__(self, path: str, settings: dict[str, Any]) -> None:
+    def __init__(self, path: str, settings: dict[str, Any], sp: SequenceParallel | None = None) -> None:
         import deepspeed
 
+        self.sp = sp
         dtype = torch.bfloat16 if settings["bf16"] else torch.float32
         cfg = ds_config(
             zero_stage=settings["zero_stage"],
@@ -28,6 +31,7 @@ class ReferenceModel:
             train=False,
         )
         model, keepalive = load_hf_model(path, "causal_lm", cfg, dtype)
+        sequence_parallel.enable(model, sp)
         model.requires_grad_(False)
         self.engine, *_ = deepspeed.initialize(model=model, config=cfg)
         del keepalive
@@ -38,7 +42,7 @@ class ReferenceModel:
     def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
         self.engine.eval()
         out = [
-            response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature)[0]
+            response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp).packed()
             for s, e in rollout.micro_batches(micro_batch)
         ]
         return torch.cat(out) if out else torch.zeros(0)
