@@ -4,8 +4,9 @@ Real: API server, scheduler, PodGC, KubeRay, KWOK, the operator, the trainer wit
 and vLLM engines. The node is deleted from the API (as a cloud's node controller does when a VM is
 preempted); PodGC then deletes its pods and KubeRay creates a replacement rollout pod elsewhere.
 STAND-IN FOR THE ROLLOUT PODS' RAY CONTAINERS (KWOK runs no containers): `support.RolloutNodes`, local
-Ray worker nodes with one rollout slot each. The test SIGKILLs the one mirroring the lost pod when the
-node goes, and starts a new one when the replacement pod is Running.
+Ray worker nodes with one rollout slot each, and one with trainer slots for the trainer pods. The test
+SIGKILLs the one mirroring the lost pod when the node goes, and starts a new one when the replacement
+pod is Running.
 
 Policy under test (docs/reliability.md): the step in flight regenerates the lost engine's chunks on
 the engines left; no restart; the trainer starts a new engine when the cluster offers a slot again.
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from rlhf_operator import manifests
 from support import (
@@ -49,6 +51,18 @@ def running_on(pods: list[dict[str, Any]]) -> dict[str, str]:
     }
 
 
+def generating(metrics_url: str) -> bool:
+    """The trainer's own gauge, read directly (the job's status lags it by a reconcile interval)."""
+    try:
+        text = httpx.get(metrics_url, timeout=2).text
+    except httpx.HTTPError:
+        return False
+    return any(
+        line.startswith("rlhf_phase_in_progress{") and 'phase="generation"' in line and line.endswith(" 1.0")
+        for line in text.splitlines()
+    )
+
+
 def test_rollout_node_lost_job_goes_on_with_the_engines_left_and_regains_one(
     cluster: Cluster,
     namespace: str,
@@ -62,11 +76,13 @@ def test_rollout_node_lost_job_goes_on_with_the_engines_left_and_regains_one(
     nodes = RolloutNodes(tmp_path)
     deleted_node: str | None = None
     try:
+        # The trainer pods' stand-in first: with trainer slots in the cluster the ranks go there, as on a
+        # real RayCluster, and losing a rollout node can only take an engine.
+        nodes.start_trainer_node(slots=8)
         nodes.scale_to(2)
-        cluster.apply(
-            tiny_job("nodeloss", tiny_model, tmp_path / "ckpt", steps=STEPS, rollout={"engines": 2}),
-            namespace,
-        )
+        doc = tiny_job("nodeloss", tiny_model, tmp_path / "ckpt", steps=STEPS, rollout={"engines": 2})
+        metrics_url = f"http://127.0.0.1:{doc['spec']['monitoring']['metricsPort']}/metrics"
+        cluster.apply(doc, namespace)
 
         def status() -> dict[str, Any]:
             return (cluster.get("rlhfjob", "nodeloss", namespace) or {}).get("status", {})
@@ -93,6 +109,10 @@ def test_rollout_node_lost_job_goes_on_with_the_engines_left_and_regains_one(
         assert len(set(placed.values())) == 2, f"both rollout pods on one node: {placed}"
         lost_pod, deleted_node = sorted(placed.items())[0]
 
+        # Strike while the engines generate (most of a step): the lost engine's chunks must be redone on
+        # the other. (A node lost after its chunks were generated, before the ranks fetched them, fails
+        # the step and restarts the attempt: docs/reliability.md.)
+        wait_for(lambda: generating(metrics_url) or None, 120, "the trainer in a generation phase", 0.1)
         t0 = time.monotonic()
         lost_at_step = status().get("step") or 0
         cluster.kubectl("delete", "node", deleted_node, "--wait=false")

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -362,9 +363,22 @@ class Trainer:
         metas: list[Any] = [None] * len(chunks)
         reward_calls: list[Any] = [None] * len(chunks)
         lost: set[int] = set()
+        engine_gone = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+        gen: Any
         while gens:
-            ready, _ = ray.wait(list(gens), num_returns=1)
-            gen: Any
+            try:
+                ready, _ = ray.wait(list(gens), num_returns=1)
+            except engine_gone:
+                # ray.wait itself raises when a generator's actor is unreachable: find which one(s).
+                for gen in list(gens):
+                    try:
+                        ray.wait([gen], num_returns=1, timeout=0)
+                    except engine_gone as err:
+                        e = gens.pop(gen)
+                        self._engine_lost(
+                            step, engines, e, err, lost, assigned, packed, metas, reward_calls, launch
+                        )
+                continue
             for gen in ready:
                 try:
                     meta_ref = next(gen)
@@ -373,7 +387,7 @@ class Trainer:
                 except StopIteration:
                     del gens[gen]
                     continue
-                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
+                except engine_gone as err:
                     e = gens.pop(gen)
                     self._engine_lost(
                         step, engines, e, err, lost, assigned, packed, metas, reward_calls, launch
@@ -834,6 +848,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        # Not a bad input: the trace says where (the job's log is where an operator will look).
+        traceback.print_exc(file=sys.stderr)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if args.summary_json:

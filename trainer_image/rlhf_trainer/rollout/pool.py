@@ -7,6 +7,7 @@ spec) and the rendezvous of the weight-sync group. Must not hold rollout data: i
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,18 +130,14 @@ class EnginePool:
         ready = self.ready()
         if not ready:
             return []
-        refs = {s.handle.ready.remote(): s for s in ready}  # type: ignore[attr-defined]
-        done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
         lost: list[EngineSlot] = []
-        for ref in done:
+        deadline = time.monotonic() + timeout
+        for slot in ready:  # one at a time: an unreachable actor can make ray.wait/ray.get raise at once
             try:
-                ray.get(ref)
-            except Exception as e:
-                self.mark_lost(refs[ref], e)
-                lost.append(refs[ref])
-        for ref in pending:
-            self.mark_lost(refs[ref], TimeoutError(f"no answer to a ping in {timeout:.0f}s"))
-            lost.append(refs[ref])
+                ray.get(slot.handle.ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:  # died, unreachable, or silent past the deadline
+                self.mark_lost(slot, e)
+                lost.append(slot)
         return lost
 
     # ---- views --------------------------------------------------------------------------------
