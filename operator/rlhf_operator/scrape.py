@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlhf_operator.rayjobs import tls_context
+
 
 class MalformedMetrics(ValueError):
     """The /metrics body is not Prometheus text exposition."""
@@ -101,7 +103,7 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> TrainerMetrics:
 
 def fetch_metrics(url: str, rlhfjob: str | None = None, timeout: float = 5.0) -> TrainerMetrics:
     try:
-        resp = httpx.get(url, timeout=timeout)
+        resp = httpx.get(url, timeout=timeout, verify=tls_context())
     except httpx.HTTPError as e:
         raise MetricsUnavailable(f"{url}: {e.__class__.__name__}: {e}") from e
     if resp.status_code != 200:
