@@ -351,11 +351,11 @@ class Trainer:
                     "labels": [labels[i] for i in idx],
                 }
             )
-        gens: dict[Any, int] = {}
+        gens: dict[Any, tuple[int, list[dict[str, Any]]]] = {}  # stream -> (engine, its chunks)
 
         def launch(e: int, batch: list[dict[str, Any]]) -> None:
             gen = engines[e].handle.generate_chunks.options(num_returns="streaming").remote(batch, sampling)
-            gens[gen] = e
+            gens[gen] = (e, batch)
 
         for e, batch in assigned.items():
             launch(e, batch)
@@ -363,35 +363,43 @@ class Trainer:
         metas: list[Any] = [None] * len(chunks)
         reward_calls: list[Any] = [None] * len(chunks)
         lost: set[int] = set()
+
+        def engine_lost(e: int, err: BaseException) -> None:
+            for g in [g for g, (ge, _) in gens.items() if ge == e]:
+                del gens[g]  # nothing more is read from a lost engine's streams
+            if e not in lost:
+                self._engine_lost(step, engines, e, err, lost, assigned, packed, metas, reward_calls, launch)
+
         engine_gone = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
         gen: Any
         while gens:
             try:
                 ready, _ = ray.wait(list(gens), num_returns=1)
             except engine_gone:
-                # ray.wait itself raises when a generator's actor is unreachable: find which one(s).
+                # ray.wait itself raises when a stream's actor is unreachable: find which one(s).
                 for gen in list(gens):
                     try:
                         ray.wait([gen], num_returns=1, timeout=0)
                     except engine_gone as err:
-                        e = gens.pop(gen)
-                        self._engine_lost(
-                            step, engines, e, err, lost, assigned, packed, metas, reward_calls, launch
-                        )
+                        if gen in gens:
+                            engine_lost(gens[gen][0], err)
                 continue
             for gen in ready:
+                if gen not in gens:
+                    continue
+                e, batch = gens[gen]
                 try:
                     meta_ref = next(gen)
                     packed_ref = next(gen)
                     meta = ray.get(meta_ref)
                 except StopIteration:
                     del gens[gen]
+                    short = [b["chunk"] for b in batch if metas[b["chunk"]] is None]
+                    if short:  # a stream that ends early: its actor died between two chunks
+                        engine_lost(e, RuntimeError(f"its stream ended without chunks {short}"))
                     continue
                 except engine_gone as err:
-                    e = gens.pop(gen)
-                    self._engine_lost(
-                        step, engines, e, err, lost, assigned, packed, metas, reward_calls, launch
-                    )
+                    engine_lost(e, err)
                     continue
                 packed[meta.chunk], metas[meta.chunk] = packed_ref, meta
                 reward_calls[meta.chunk] = self.reward.score.options(num_returns=2).remote(
