@@ -548,7 +548,9 @@ class Trainer:
         """Bucketed gather on every actor rank; rank 0 sends each bucket once to all engines."""
         import ray
 
-        if self.pool.prune_lost() and not self.pool.ready():
+        for slot in self.pool.prune_lost():
+            self.log(f"rollout engine {slot.index} lost before the weight sync ({slot.info.get('error')})")
+        if not self.pool.ready():
             raise RuntimeError("every rollout engine was lost before the weight sync")
         if self._channel_version != self.pool.membership_version:
             self._open_channel()
