@@ -34,7 +34,7 @@ from support import (
 
 pytestmark = pytest.mark.reliability
 
-STEPS = 28  # PodGC waits about 40 s before deleting a lost node's pods; a new engine then takes ~30 s
+STEPS = 36  # PodGC waits about 40 s before deleting a lost node's pods; a new engine then takes ~30 s
 
 
 def rollout_pods(cluster: Cluster, namespace: str, job: str) -> list[dict[str, Any]]:
