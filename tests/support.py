@@ -206,6 +206,20 @@ def ray_job_logs(submission_id: str) -> str:
     return str(resp.json()["logs"])
 
 
+def step_reports(logs: str) -> list[dict[str, Any]]:
+    """The driver's one-JSON-object-per-step lines from a Ray job log, in order.
+
+    Ray's log monitor sometimes glues a worker's deduplicated line (it lacks a newline) in front of the
+    driver's next line, so a report can start mid-line: look for it anywhere in the line.
+    """
+    reports = []
+    for line in logs.splitlines():
+        at = line.find('{"step":')
+        if at >= 0:
+            reports.append(json.loads(line[at:]))
+    return reports
+
+
 # Every series name of the trainer's metrics contract (DESIGN.md §4), written out independently of the code.
 METRICS_CONTRACT = [
     "rlhf_step_phase_seconds",

@@ -10,13 +10,21 @@ API server, operator, KubeRay, the trainer with its DeepSpeed ranks and vLLM eng
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rlhf_operator import manifests
-from support import Cluster, OperatorProcess, RayHead, RolloutNodes, ray_job_logs, tiny_job, wait_for
+from support import (
+    Cluster,
+    OperatorProcess,
+    RayHead,
+    RolloutNodes,
+    ray_job_logs,
+    step_reports,
+    tiny_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -64,7 +72,7 @@ def test_kubectl_scale_gives_the_trainer_a_second_engine_from_the_next_step(
         )
         assert st["phase"] == "Succeeded", st
         logs = ray_job_logs(st["submissionId"])
-        done = [json.loads(line) for line in logs.splitlines() if line.startswith('{"step":')]
+        done = step_reports(logs)
         assert [d["step"] for d in done] == list(range(1, steps + 1)), "a step was lost or repeated"
         used = [len(d["engines"]) for d in done]
         first_two = used.index(2) if 2 in used else None

@@ -14,7 +14,6 @@ the engines left; no restart; the trainer starts a new engine when the cluster o
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from support import (
     RayHead,
     RolloutNodes,
     ray_job_logs,
+    step_reports,
     tiny_job,
     wait_for,
 )
@@ -148,7 +148,7 @@ def test_rollout_node_lost_job_goes_on_with_the_engines_left_and_regains_one(
         assert st["phase"] == "Succeeded", st
         assert st.get("restarts", 0) == 0, f"the node loss restarted the job: {st}"
         logs = ray_job_logs(st["submissionId"])
-        done = [json.loads(line) for line in logs.splitlines() if line.startswith('{"step":')]
+        done = step_reports(logs)
         assert [d["step"] for d in done] == list(range(1, STEPS + 1)), "a step was lost or repeated"
         used = [len(d["engines"]) for d in done]
         assert 1 in used[lost_at_step:], f"no step ran on the one engine left: {used}"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import Cluster, OperatorProcess, ray_job_logs, tiny_job, wait_for
+from support import Cluster, OperatorProcess, ray_job_logs, step_reports, tiny_job, wait_for
 
 pytestmark = pytest.mark.reliability
 
@@ -29,7 +29,7 @@ STEPS = 7
 def attempt_steps(logs: str) -> tuple[int | None, list[int]]:
     """(the step this attempt resumed from, the steps it completed) from the driver's log lines."""
     resumed = re.search(r"resumed from \S+ \(step (\d+)\)", logs)
-    done = [json.loads(line)["step"] for line in logs.splitlines() if line.startswith('{"step":')]
+    done = [r["step"] for r in step_reports(logs)]
     return (int(resumed.group(1)) if resumed else None), done
 
 
