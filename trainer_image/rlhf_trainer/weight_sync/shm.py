@@ -51,18 +51,19 @@ class ShmChannel:
             self._maps[slot] = m
         return m[:nbytes].view(dtype)
 
-    def staging(self, bucket: Bucket, index: int) -> torch.Tensor:
-        slot = index % SLOTS
-        pending = self._consumed.pop(slot, None)
-        if pending is not None:
-            pending.wait()  # every engine has loaded the bucket this file held before
-        return self._view(slot, bucket.numel, dtype_from_name(bucket.dtype))
-
-    def send(self, flat: torch.Tensor, index: int) -> None:
-        slot = index % SLOTS
+    def _free(self, slot: int) -> None:
+        """Wait until every engine has loaded the bucket this file held before."""
         pending = self._consumed.pop(slot, None)
         if pending is not None:
             pending.wait()
+
+    def staging(self, bucket: Bucket, index: int) -> torch.Tensor:
+        self._free(index % SLOTS)
+        return self._view(index % SLOTS, bucket.numel, dtype_from_name(bucket.dtype))
+
+    def send(self, flat: torch.Tensor, index: int) -> None:
+        slot = index % SLOTS
+        self._free(slot)
         dst = self._view(slot, flat.numel(), flat.dtype)
         if dst.data_ptr() != flat.data_ptr():  # not packed in place by `staging`
             dst.copy_(flat)
