@@ -17,6 +17,7 @@ RUN python -m venv /opt/venv
 WORKDIR /src
 # Only what the package build reads: the project file, the README it names, the operator package.
 COPY pyproject.toml README.md ./
+COPY api/ api/
 COPY operator/ operator/
 # A regular (not editable) install: the source tree stays in this stage. pip byte-compiles the
 # modules here, since the running container cannot write .pyc files.

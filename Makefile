@@ -28,12 +28,12 @@ cluster-status:
 	@$(DEVCLUSTER) status
 
 lint: setup ## ruff and mypy
-	@$(VENV)/bin/ruff check operator trainer_image tests benchmarks scripts
-	@$(VENV)/bin/ruff format --check operator trainer_image tests benchmarks scripts
+	@$(VENV)/bin/ruff check api operator trainer_image tests benchmarks scripts
+	@$(VENV)/bin/ruff format --check api operator trainer_image tests benchmarks scripts
 	@$(VENV)/bin/mypy
 
 crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model
-	@$(PY) -m rlhf_operator.crd --write
+	@$(PY) -m rlhf_api.crd --write
 
 bench: setup ## Run every benchmark (not tests; see docs/benchmarks.md)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -13,7 +13,7 @@ Command = Callable[[argparse.Namespace], int]
 
 def _crd(args: argparse.Namespace) -> int:
     """Print the generated CustomResourceDefinition."""
-    from rlhf_operator.crd import crd_yaml
+    from rlhf_api.crd import crd_yaml
 
     sys.stdout.write(crd_yaml())
     return 0
@@ -21,7 +21,7 @@ def _crd(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     """Validate manifests offline: one `FILE: path: message` line per problem; exit 1 on any."""
-    from rlhf_operator.validate import format_issues, validate_file
+    from rlhf_api.validate import format_issues, validate_file
 
     failed = False
     for name in args.files:

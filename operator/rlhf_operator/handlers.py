@@ -19,9 +19,9 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+from rlhf_api.spec import GROUP, PLURAL, TERMINAL_PHASES, VERSION, RLHFJob
 
 from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape
-from rlhf_operator.spec import GROUP, PLURAL, TERMINAL_PHASES, VERSION, RLHFJob
 from rlhf_operator.status import Decision, Observed, decide, parse_time, status_patch
 
 log = logging.getLogger("rlhf_operator")

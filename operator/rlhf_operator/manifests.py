@@ -12,16 +12,14 @@ import json
 import shlex
 from typing import Any
 
-from rlhf_operator.spec import GROUP, RLHFJob, RLHFJobSpec
+from rlhf_api.constants import ROLLOUT_RESOURCE, TRAINER_RESOURCE
+from rlhf_api.spec import GROUP, RLHFJob, RLHFJobSpec
 
 JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlhf-operator"}
 GPU = "nvidia.com/gpu"
 DASHBOARD_PORT = 8265
-# Ray custom resources that tell the trainer which Ray nodes are trainer pods and which run engines.
-TRAINER_RESOURCE = "rlhf_trainer_slot"
-ROLLOUT_RESOURCE = "rlhf_rollout_slot"
 # Labels of the job that are never copied to children (they describe the RLHFJob object itself).
 _NOT_PROPAGATED_PREFIXES = ("kopf.zalando.org/",)
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
-
-from rlhf_operator.spec import PHASES
+from rlhf_api.spec import PHASES
 
 JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase, as last reconciled.", ["namespace", "phase"])
 JOB_PHASE = Gauge(

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from rlhf_operator.spec import AutoscalingSpec, RLHFJobSpec
+from rlhf_api.spec import AutoscalingSpec, RLHFJobSpec
+
 from rlhf_operator.status import iso, parse_time, set_condition
 
 Direction = Literal["up", "down", "hold"]

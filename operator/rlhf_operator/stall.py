@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from rlhf_api.spec import MonitoringSpec
+
 from rlhf_operator.scrape import TrainerMetrics
-from rlhf_operator.spec import MonitoringSpec
 
 CONDITION_TYPE = "Stalled"
 # Reason when the phase in progress is unknown: metrics unavailable, or no phase running (between phases).

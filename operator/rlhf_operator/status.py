@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from rlhf_api.spec import RLHFJob
+
 from rlhf_operator import rayjobs
 from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines
 from rlhf_operator.scrape import TrainerMetrics
-from rlhf_operator.spec import RLHFJob
 from rlhf_operator.stall import detect_stall, set_stalled_condition
 
 Action = Literal[

@@ -357,8 +357,8 @@ def test_image_reference() -> None:
 
 def test_pod_monitor_selects_the_head_pods_the_operator_creates() -> None:
     """The PodMonitor's selector and port match the RayCluster that rlhf_operator.manifests builds."""
+    from rlhf_api.spec import RLHFJob
     from rlhf_operator import manifests
-    from rlhf_operator.spec import RLHFJob
 
     job = RLHFJob.model_validate(yaml.safe_load((ROOT / "examples" / "rlhfjob-llama-8b.yaml").read_text()))
     head = manifests.build_raycluster(job)["spec"]["headGroupSpec"]["template"]
@@ -536,7 +536,7 @@ def test_notes(tmp_path: Path) -> None:
 
 def test_chart_crd_is_the_generated_one() -> None:
     """crds/ holds exactly the CRD generated from the operator's model (Helm installs what is there)."""
-    from rlhf_operator.crd import crd_yaml
+    from rlhf_api.crd import crd_yaml
 
     assert sorted(p.name for p in (CHART / "crds").iterdir()) == ["rlhfjobs.rlhf.dev.yaml"]
     assert (CHART / "crds" / "rlhfjobs.rlhf.dev.yaml").read_text() == crd_yaml(), (

@@ -471,8 +471,8 @@ def test_pod_monitor_selects_the_head_pod_kuberay_creates(cluster: Cluster, name
     """The chart's PodMonitor selector, applied to the pods KubeRay really creates for an RLHFJob's
     RayCluster (built by the operator's own manifests code), selects the head pod only, and that pod
     has the `rlhf-metrics` port the PodMonitor scrapes."""
+    from rlhf_api.spec import RLHFJob
     from rlhf_operator import manifests
-    from rlhf_operator.spec import RLHFJob
 
     job_manifest = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
     job_manifest["metadata"] = {"name": "scrape-probe", "namespace": namespace}

@@ -185,7 +185,7 @@ def dockerignore() -> tuple[list[str], set[str]]:
 def test_dockerignore_is_an_allowlist() -> None:
     patterns, allowed = dockerignore()
     assert patterns[0] == "*", ".dockerignore should be an allowlist starting with `*`"
-    assert allowed == {"pyproject.toml", "README.md", "operator", "trainer_image"}
+    assert allowed == {"pyproject.toml", "README.md", "api", "operator", "trainer_image"}
     for junk in ("**/__pycache__", "**/*.pyc", "**/*.egg-info"):
         assert junk in patterns, f".dockerignore does not exclude {junk}"
 
@@ -230,7 +230,7 @@ def test_operator_image() -> None:
     assert "trainer" not in installs and "vllm" not in installs and "torch" not in installs
     assert values(OPERATOR, "ENTRYPOINT") == ['["rlhf", "operator"]']
     copied = {s.rstrip("/") for sources, _ in copies(OPERATOR) for s in sources}
-    assert copied == {"pyproject.toml", "README.md", "operator"}, "only the operator's sources go in"
+    assert copied == {"pyproject.toml", "README.md", "api", "operator"}, "only the operator's sources go in"
     # The final stage takes the venv from the build stage, not the sources.
     assert values(OPERATOR, "COPY", stage=-1) == ["--from=build /opt/venv /opt/venv"]
 
@@ -341,16 +341,18 @@ def build_context_wheel(dockerfile: Path, stage: int, tmp_path: Path) -> zipfile
 def test_operator_sources_build_the_operator(tmp_path: Path) -> None:
     wheel = build_context_wheel(OPERATOR, 0, tmp_path)
     names = set(wheel.namelist())
-    for module in ("main", "handlers", "metrics", "spec", "cli"):
+    for module in ("main", "handlers", "metrics", "cli"):
         assert f"rlhf_operator/{module}.py" in names, module
+    for module in ("spec", "rules", "validate", "crd", "constants"):
+        assert f"rlhf_api/{module}.py" in names, module
     assert not any(n.startswith("rlhf_trainer/") for n in names), "trainer code in the operator image"
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert "rlhf = rlhf_operator.cli:main" in wheel.read(entry_points).decode()
 
 
 def test_trainer_sources_build_the_entrypoint_the_operator_submits(tmp_path: Path) -> None:
+    from rlhf_api.spec import RLHFJob
     from rlhf_operator import manifests
-    from rlhf_operator.spec import RLHFJob
 
     job = RLHFJob.model_validate(yaml.safe_load((ROOT / "examples" / "rlhfjob-llama-8b.yaml").read_text()))
     command = shlex.split(manifests.trainer_entrypoint(job))
@@ -362,7 +364,7 @@ def test_trainer_sources_build_the_entrypoint_the_operator_submits(tmp_path: Pat
     wheel = build_context_wheel(TRAINER, 1, tmp_path)
     names = set(wheel.namelist())
     assert module.replace(".", "/") + ".py" in names, f"{module} is not in the trainer image's package"
-    # The driver validates its spec with the operator's model, which must be in the image too.
-    assert "rlhf_operator/spec.py" in names
+    # The driver validates its spec with the shared API package, which must be in the image too.
+    assert "rlhf_api/spec.py" in names
     metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "Provides-Extra: trainer" in metadata

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import yaml
-from rlhf_operator.rules import RULES
-from rlhf_operator.spec import RLHFJobSpec, RolloutSpec
+from rlhf_api.rules import RULES
+from rlhf_api.spec import RLHFJobSpec, RolloutSpec
 from support import Cluster, wait_for
 
 pytestmark = pytest.mark.cluster

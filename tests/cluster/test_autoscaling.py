@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 from prometheus_client import start_http_server
+from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests, rayjobs
-from rlhf_operator.spec import RLHFJob
 from rlhf_trainer.phases import TrainerMetrics
 from support import Cluster, OperatorProcess, RayHead, free_port, wait_for
 from test_operator_lifecycle import events, job_status, tiny_job

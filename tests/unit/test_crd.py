@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
-from rlhf_operator import crd
+from rlhf_api import crd
+from rlhf_api.rules import RULES
+from rlhf_api.spec import PHASES, RLHFJobSpec
 from rlhf_operator.cli import main as cli_main
-from rlhf_operator.rules import RULES
-from rlhf_operator.spec import PHASES, RLHFJobSpec
 
 pytestmark = pytest.mark.unit
 

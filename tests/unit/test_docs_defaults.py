@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rlhf_operator.crd import spec_schema
+from rlhf_api.crd import spec_schema
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

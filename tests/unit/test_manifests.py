@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import yaml
+from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests
-from rlhf_operator.spec import RLHFJob
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +138,7 @@ def test_names_and_submission_ids_are_deterministic() -> None:
 def test_runtime_env_carries_the_spec_round_trip() -> None:
     job = load("rlhfjob-tiny.yaml")
     env = manifests.trainer_runtime_env(job)["env_vars"]
-    from rlhf_operator.spec import RLHFJobSpec
+    from rlhf_api.spec import RLHFJobSpec
 
     assert RLHFJobSpec.model_validate_json(env["RLHF_SPEC_JSON"]) == job.spec
     assert env["RLHF_JOB_NAME"] == "tiny"

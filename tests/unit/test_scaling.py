@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from rlhf_api.spec import AutoscalingSpec, RLHFJobSpec
 from rlhf_operator.scaling import (
     AT_MAX,
     AT_MIN,
@@ -26,7 +27,6 @@ from rlhf_operator.scaling import (
     history_to_status,
     plan_engines,
 )
-from rlhf_operator.spec import AutoscalingSpec, RLHFJobSpec
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

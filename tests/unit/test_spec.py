@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import ValidationError
-from rlhf_operator import spec as spec_module
-from rlhf_operator.rules import RULES, violated
-from rlhf_operator.spec import (
+from rlhf_api import spec as spec_module
+from rlhf_api.rules import RULES, violated
+from rlhf_api.spec import (
     PHASES,
     Placement,
     RLHFJob,
@@ -288,3 +288,47 @@ def test_reward_colocation_compares_with_the_critic_or_the_actor() -> None:
 def test_whole_worker_rule_uses_the_default_worker_size() -> None:
     spec = RLHFJobSpec.model_validate(minimal(rollout={"engines": 3, "tensorParallelSize": 2}))
     assert violated(spec) == []
+
+
+# ---- batch geometry: the data-parallel groups a step is sharded over -----------------------------
+
+
+def names(spec: dict[str, Any]) -> list[str]:
+    return [rule.name for rule in violated(RLHFJobSpec.model_validate(spec))]
+
+
+def test_data_parallel_groups_are_sequence_parallel_blocks() -> None:
+    trainer = RLHFJobSpec.model_validate(minimal(trainer={"sequenceParallelSize": 2})).trainer
+    assert [trainer.data_parallel_size(r) for r in (1, 2, 3, 4, 8)] == [1, 1, 3, 2, 4]
+
+
+def test_rollout_batch_must_split_over_the_actor_data_parallel_groups() -> None:
+    batch = {"trainMicroBatchSize": 2, "rolloutMicroBatchSize": 2}
+    two_ranks = {"actor": {"gpusPerNode": 2}}
+    assert names(minimal(algorithm={**batch, "rolloutBatchSize": 4}, trainer=two_ranks)) == []
+    assert names(minimal(algorithm={**batch, "rolloutBatchSize": 3}, trainer=two_ranks)) == [
+        "rollout-batch-splits-over-actor-shards"
+    ]
+    # Sequence parallelism over both ranks makes them one group: 3 prompts split over 1.
+    one_block = {**two_ranks, "sequenceParallelSize": 2}
+    assert names(minimal(algorithm={**batch, "rolloutBatchSize": 3}, trainer=one_block)) == []
+
+
+def test_critic_and_reference_must_take_whole_actor_shards() -> None:
+    gae = {"advantageEstimator": "gae", "klCoef": 0}
+    critic = {"actor": {"gpusPerNode": 4}, "critic": {"gpusPerNode": 3}}
+    with_critic = {"actor": "/a", "critic": "/c", "reward": {"type": "function", "function": "r:f"}}
+    assert names(minimal(model=with_critic, algorithm=gae, trainer=critic)) == [
+        "critic-takes-whole-actor-shards"
+    ]
+    # The critic is not loaded under grpo, so its placement does not matter.
+    assert names(minimal(model=with_critic, algorithm={"klCoef": 0}, trainer=critic)) == []
+    # 2 critic ranks divide 4 actor ranks; under SP 4 the actor is 1 shard and the critic (whole
+    # sequences: 4 does not divide 2) is 2: indivisible although the ranks divide.
+    split = {"actor": {"gpusPerNode": 4}, "critic": {"gpusPerNode": 2}, "sequenceParallelSize": 4}
+    assert names(minimal(model=with_critic, algorithm=gae, trainer=split)) == [
+        "critic-takes-whole-actor-shards"
+    ]
+    reference = {"actor": {"gpusPerNode": 4}, "reference": {"gpusPerNode": 3}}
+    assert names(minimal(trainer=reference)) == ["reference-takes-whole-actor-shards"]  # klCoef 0.01
+    assert names(minimal(algorithm={"klCoef": 0}, trainer=reference)) == []  # no reference model

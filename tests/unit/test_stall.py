@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from rlhf_api.spec import MonitoringSpec
 from rlhf_operator.scrape import TrainerMetrics
-from rlhf_operator.spec import MonitoringSpec
 from rlhf_operator.stall import STEP_STALLED, detect_stall, set_stalled_condition
 from rlhf_operator.status import decide, iso
 from test_status import NOW, SID, job, obs, ray

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import yaml
+from rlhf_api.spec import RLHFJob
 from rlhf_operator.rayjobs import RayJobInfo
 from rlhf_operator.scrape import TrainerMetrics
-from rlhf_operator.spec import RLHFJob
 from rlhf_operator.status import Observed, decide, iso, status_patch
 
 pytestmark = pytest.mark.unit

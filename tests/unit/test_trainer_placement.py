@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from rlhf_operator.spec import RLHFJobSpec
+from rlhf_api.spec import RLHFJobSpec
 from rlhf_trainer.cli import apply_overrides
 from rlhf_trainer.driver import sharers_per_device
 

@@ -184,8 +184,8 @@ def test_heads_not_divisible_is_rejected_by_rlhf_validate_naming_the_field(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import yaml
+    from rlhf_api.validate import validate_manifest
     from rlhf_operator.cli import main as cli_main
-    from rlhf_operator.validate import validate_manifest
 
     model = str(tiny_model / "model")  # 2 heads, 2 key-value heads
     assert validate_manifest(_manifest(model, 2, 2)) == []
@@ -219,9 +219,11 @@ def test_an_sp_block_is_one_data_parallel_shard(tiny_model: Path, tmp_path: Path
     """Shards (and so the chunks each rank pulls) follow the data-parallel groups, not the ranks: the 2
     ranks of a block read the same shard, and a group the SP size does not divide keeps whole sequences."""
     import yaml
-    from rlhf_operator.spec import RLHFJobSpec
+    from rlhf_api.rules import violated
+    from rlhf_api.spec import RLHFJobSpec
+    from rlhf_api.validate import runtime_issues
     from rlhf_trainer.cli import apply_overrides
-    from rlhf_trainer.driver import InputError, data_parallel_size, preflight
+    from rlhf_trainer.driver import data_parallel_size, preflight
 
     example = Path(__file__).resolve().parents[2] / "examples" / "rlhfjob-tiny.yaml"
 
@@ -234,23 +236,20 @@ def test_an_sp_block_is_one_data_parallel_shard(tiny_model: Path, tmp_path: Path
     s = spec("trainer.actor.gpusPerNode=4", "trainer.sequenceParallelSize=2")
     assert data_parallel_size(s, 4) == 2  # actor: 2 blocks of 2 -> 2 shards
     assert data_parallel_size(s, 1) == 1  # the 1-rank critic runs whole sequences
+    assert violated(s) == []
     preflight(s)
-    # 2 blocks of 2 actor ranks, but a 4-rank critic split in 2 blocks and a 3-prompt batch: not even
-    with pytest.raises(
-        InputError, match=r"spec.algorithm.rolloutBatchSize: 3 prompts .* 2 actor data-parallel"
-    ):
-        preflight(
-            spec(
-                "trainer.actor.gpusPerNode=4",
-                "trainer.sequenceParallelSize=2",
-                "algorithm.rolloutBatchSize=3",
-            )
-        )
+    # The geometry is admission's (rlhf_api.rules), so a job that cannot shard is never admitted.
+    # 2 blocks of 2 actor ranks and a 3-prompt batch: not even.
+    uneven = spec(
+        "trainer.actor.gpusPerNode=4", "trainer.sequenceParallelSize=2", "algorithm.rolloutBatchSize=3"
+    )
+    assert "rollout-batch-splits-over-actor-shards" in [rule.name for rule in violated(uneven)]
     # SP 4 over 4 actor ranks (1 shard); a 2-rank critic cannot split by 4: 2 whole-sequence ranks, 2 shards.
     # (the actor needs 4 heads for SP 4: only its config.json is read before start)
     four_heads = tmp_path / "four-heads"
     four_heads.mkdir()
     (four_heads / "config.json").write_text('{"num_attention_heads": 4, "num_key_value_heads": 4}')
-    with pytest.raises(InputError, match=r"spec.trainer.critic: its 2 ranks cannot take whole actor shards"):
-        preflight(spec("trainer.actor.gpusPerNode=4", "trainer.critic.gpusPerNode=2", "trainer.sequenceParallelSize=4",
-                       f"model.actor={four_heads}"))  # fmt: skip
+    split = spec("trainer.actor.gpusPerNode=4", "trainer.critic.gpusPerNode=2", "trainer.sequenceParallelSize=4",
+                 f"model.actor={four_heads}")  # fmt: skip
+    assert [rule.name for rule in violated(split)] == ["critic-takes-whole-actor-shards"]
+    assert runtime_issues(split) == []  # the heads of the one split model divide by 4

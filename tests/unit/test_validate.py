@@ -11,17 +11,18 @@ from typing import Any
 
 import pytest
 import yaml
-from rlhf_operator.cli import main as cli_main
-from rlhf_operator.rules import RULES
-from rlhf_operator.spec import RLHFJob
-from rlhf_operator.validate import (
+from rlhf_api.rules import RULES
+from rlhf_api.spec import RLHFJob, RLHFJobSpec
+from rlhf_api.validate import (
     Issue,
     ManifestError,
     load_job,
+    runtime_issues,
     validate_file,
     validate_manifest,
     validate_text,
 )
+from rlhf_operator.cli import main as cli_main
 
 pytestmark = pytest.mark.unit
 
@@ -242,3 +243,68 @@ def test_cli_validate_does_not_import_heavy_packages() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
+
+
+# ---- runtime_issues: the checks that need the files a spec names ---------------------------------
+
+
+def hf_dir(path: Path, heads: int = 2, **files: str) -> str:
+    """A directory that looks like an HF model to the checks (config.json with head counts, plus files)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(f'{{"num_attention_heads": {heads}, "num_key_value_heads": {heads}}}')
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return str(path)
+
+
+def runtime_spec(**sections: Any) -> RLHFJobSpec:
+    spec = valid_manifest()["spec"]
+    spec.update(sections)
+    return RLHFJobSpec.model_validate(spec, by_alias=True, by_name=False)
+
+
+def test_runtime_issues_name_each_missing_or_non_hf_model(tmp_path: Path) -> None:
+    not_hf = tmp_path / "not-hf"
+    not_hf.mkdir()
+    model = {
+        "actor": str(tmp_path / "nowhere"),
+        "critic": str(not_hf),
+        "reward": {"type": "model", "model": hf_dir(tmp_path / "rm")},
+    }
+    issues = runtime_issues(runtime_spec(model=model, algorithm={"advantageEstimator": "gae"}))
+    assert issues == [
+        Issue("spec.model.actor", f"model directory {tmp_path / 'nowhere'} does not exist"),
+        Issue("spec.model.critic", f"{not_hf} is not an HF model directory (no config.json)"),
+    ]
+    # The critic is not loaded under grpo, and the reference defaults to the actor.
+    model["actor"] = hf_dir(tmp_path / "actor")
+    assert runtime_issues(runtime_spec(model=model)) == []
+    model["reference"] = str(tmp_path / "gone")
+    assert runtime_issues(runtime_spec(model=model)) == [
+        Issue("spec.model.reference", f"model directory {tmp_path / 'gone'} does not exist")
+    ]
+    assert runtime_issues(runtime_spec(model=model, algorithm={"klCoef": 0})) == []  # no reference loaded
+
+
+def test_runtime_issues_check_the_heads_sequence_parallelism_splits(tmp_path: Path) -> None:
+    model = {"actor": hf_dir(tmp_path / "a", heads=2), "reward": {"type": "function", "function": "r:f"}}
+    trainer = {"actor": {"gpusPerNode": 4}, "sequenceParallelSize": 4}
+    issues = runtime_issues(runtime_spec(model=model, trainer=trainer, algorithm={"klCoef": 0}))
+    assert [(i.path, i.message.split(" (")[0]) for i in issues] == [
+        ("spec.trainer.sequenceParallelSize", "4 must divide the attention heads of spec.model.actor")
+    ]
+
+
+def test_runtime_issues_need_a_chat_template_only_when_asked(tmp_path: Path) -> None:
+    plain = {"actor": hf_dir(tmp_path / "plain"), "reward": {"type": "function", "function": "r:f"}}
+    chat = {"prompts": "/p.jsonl", "applyChatTemplate": True}
+    assert runtime_issues(runtime_spec(model=plain)) == []
+    assert runtime_issues(runtime_spec(model=plain, data=chat)) == [
+        Issue("spec.data.applyChatTemplate", f"the actor's tokenizer ({plain['actor']}) has no chat template")
+    ]
+    for name, files in {
+        "jinja": {"chat_template.jinja": "{{ messages }}"},
+        "config": {"tokenizer_config.json": '{"chat_template": "{{ messages }}"}'},
+    }.items():
+        model = {**plain, "actor": hf_dir(tmp_path / name, **files)}
+        assert runtime_issues(runtime_spec(model=model, data=chat)) == [], name

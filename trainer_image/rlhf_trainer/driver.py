@@ -21,12 +21,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rlhf_api.constants import ROLLOUT_RESOURCE, TRAINER_RESOURCE
+from rlhf_api.rules import violated
+from rlhf_api.spec import RLHFJobSpec
+from rlhf_api.validate import runtime_issues, schema_issues, validate_manifest
+
 from rlhf_trainer import device, faults
 from rlhf_trainer.checkpoint import CheckpointStore
 from rlhf_trainer.data import DatasetError, PromptDataset
 from rlhf_trainer.phases import PhaseTimer, TrainerMetrics
-
-TRAINER_RESOURCE = "rlhf_trainer_slot"  # advertised by trainer worker pods (rlhf_operator.manifests)
 
 
 class InputError(ValueError):
@@ -36,11 +39,8 @@ class InputError(ValueError):
 # ---------------------------------------------------------------------------------------------- spec
 
 
-def parse_spec(data: dict[str, Any]) -> Any:
+def parse_spec(data: dict[str, Any]) -> RLHFJobSpec:
     """An RLHFJobSpec (or a whole RLHFJob manifest) -> RLHFJobSpec, validated like the API server does."""
-    from rlhf_operator.spec import RLHFJobSpec
-    from rlhf_operator.validate import schema_issues, validate_manifest
-
     if "spec" in data and "kind" in data:
         issues = validate_manifest(data)
         if issues:
@@ -50,8 +50,6 @@ def parse_spec(data: dict[str, Any]) -> Any:
     if issues:
         raise InputError("spec fails validation:\n" + "\n".join(f"  {i}" for i in issues))
     spec = RLHFJobSpec.model_validate(data, by_alias=True, by_name=False)
-    from rlhf_operator.rules import violated
-
     problems = violated(spec)
     if problems:
         raise InputError(
@@ -60,34 +58,12 @@ def parse_spec(data: dict[str, Any]) -> Any:
     return spec
 
 
-def preflight(spec: Any) -> PromptDataset:
-    """Cheap checks with precise messages, before Ray starts: paths, dataset, reward, batch geometry."""
-    paths = {"spec.model.actor": spec.model.actor}
-    if spec.algorithm.uses_critic:
-        if not spec.model.critic:
-            raise InputError("spec.model.critic: required by advantageEstimator gae")
-        paths["spec.model.critic"] = spec.model.critic
-    if spec.algorithm.uses_reference and spec.model.reference:
-        paths["spec.model.reference"] = spec.model.reference
-    if spec.model.reward.type == "model" and spec.model.reward.model:
-        paths["spec.model.reward.model"] = spec.model.reward.model
-    for field, path in paths.items():
-        p = Path(path)
-        if not p.is_dir():
-            raise InputError(f"{field}: model directory {path} does not exist")
-        if not (p / "config.json").is_file():
-            raise InputError(f"{field}: {path} is not an HF model directory (no config.json)")
-    from rlhf_operator.validate import sequence_parallel_issues
-
-    for issue in sequence_parallel_issues(spec):  # head counts: admission cannot read the model
-        raise InputError(str(issue))
-    if spec.data.apply_chat_template:
-        from transformers import AutoTokenizer
-
-        if not getattr(AutoTokenizer.from_pretrained(spec.model.actor), "chat_template", None):
-            raise InputError(
-                f"spec.data.applyChatTemplate: the actor's tokenizer ({spec.model.actor}) has no chat template"
-            )
+def preflight(spec: RLHFJobSpec) -> PromptDataset:
+    """Before Ray starts: the checks that need files (rlhf_api.validate.runtime_issues; the batch geometry
+    is an admission rule), then the prompt dataset and the reward function, loaded with precise messages."""
+    issues = runtime_issues(spec)
+    if issues:
+        raise InputError("\n".join(str(issue) for issue in issues))
     try:
         data = PromptDataset(spec.data.prompts, spec.data.input_key, spec.data.label_key, spec.algorithm.seed)
     except DatasetError as e:
@@ -99,29 +75,6 @@ def preflight(spec: Any) -> PromptDataset:
             load_reward_function(str(spec.model.reward.function))
         except RewardSetupError as e:
             raise InputError(f"spec.{e}") from e
-    a = spec.algorithm
-    ranks = spec.trainer.actor.ranks
-    shards = data_parallel_size(spec, ranks)  # one shard per SP group of actor ranks
-    if a.rollout_batch_size % shards:
-        raise InputError(
-            f"spec.algorithm.rolloutBatchSize: {a.rollout_batch_size} prompts do not split evenly "
-            f"over {shards} actor data-parallel groups (trainer.actor ranks / sequenceParallelSize)"
-        )
-    for role in spec.model_roles():
-        if role in ("critic", "reference") and ranks % spec.trainer.placement(role).ranks:
-            raise InputError(
-                f"spec.trainer.{role}: its {spec.trainer.placement(role).ranks} ranks must divide the "
-                f"actor's {ranks} ranks"
-            )
-        if role in ("critic", "reference") and shards % data_parallel_size(
-            spec, spec.trainer.placement(role).ranks
-        ):
-            raise InputError(
-                f"spec.trainer.{role}: its {spec.trainer.placement(role).ranks} ranks cannot take whole actor "
-                f"shards: with sequenceParallelSize {spec.trainer.sequence_parallel_size} they form "
-                f"{data_parallel_size(spec, spec.trainer.placement(role).ranks)} data-parallel groups, which "
-                f"must divide the actor's {shards}"
-            )
     return data
 
 
@@ -184,7 +137,7 @@ class Trainer:
 
     def place(self) -> None:
         from rlhf_trainer.groups import RayGroup
-        from rlhf_trainer.rollout.pool import ROLLOUT_RESOURCE, EnginePool
+        from rlhf_trainer.rollout.pool import EnginePool
         from rlhf_trainer.workers.rank import ModelRank
         from rlhf_trainer.workers.reward import RewardScorer
 

@@ -164,7 +164,7 @@ def enable(model: Any, sp: SequenceParallel | None) -> None:
     cfg = model.config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    if heads % sp.size or kv_heads % sp.size:  # also checked before start (rlhf_operator.validate)
+    if heads % sp.size or kv_heads % sp.size:  # also checked before start (rlhf_api.validate)
         raise ValueError(
             f"spec.trainer.sequenceParallelSize: {sp.size} must divide the model's attention heads "
             f"(num_attention_heads={heads}, num_key_value_heads={kv_heads})"

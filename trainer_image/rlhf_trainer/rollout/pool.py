@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from rlhf_api.constants import ROLLOUT_RESOURCE
 
 from rlhf_trainer.groups import Resources
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.weight_sync.channels import Rendezvous
-
-ROLLOUT_RESOURCE = "rlhf_rollout_slot"  # advertised by rollout worker pods (rlhf_operator.manifests)
 
 
 @dataclass

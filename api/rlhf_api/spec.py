@@ -315,6 +315,11 @@ class TrainerSpec(_Spec):
         else 1 (whole sequences, e.g. a one-rank critic)."""
         return self.sequence_parallel_size if ranks % self.sequence_parallel_size == 0 else 1
 
+    def data_parallel_size(self, ranks: int) -> int:
+        """Data-parallel groups of a model group of `ranks` ranks: each sequence-parallel block is one
+        group (it reads one shard of the rollout batch)."""
+        return ranks // self.sequence_parallel_for(ranks)
+
     @property
     def actor_ref_colocated(self) -> bool:
         """Whether the reference model shares the actor's GPUs."""

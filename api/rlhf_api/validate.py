@@ -1,6 +1,7 @@
-"""Offline validation of RLHFJob manifests, with the same field paths and messages as the API server:
-schema errors from the pydantic model, then the cross-field rules of `rules.py`. Pure apart from
-reading files; never imports kopf, the Kubernetes client or torch.
+"""Validation of RLHFJob manifests in one place: schema errors from the pydantic model and the cross-field
+rules of `rules.py` (what the API server checks, same field paths and messages), plus `runtime_issues`,
+the checks that need the files a spec names. Pure apart from reading files; never imports kopf, the
+Kubernetes client, torch or Ray.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlhf_operator.rules import violated
-from rlhf_operator.spec import API_VERSION, KIND, RLHFJob, RLHFJobSpec
+from rlhf_api.rules import violated
+from rlhf_api.spec import API_VERSION, KIND, RLHFJob, RLHFJobSpec
 
 # metadata.name of a namespaced custom resource: a DNS-1123 subdomain.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -113,6 +114,55 @@ def validate_manifest(obj: Any) -> list[Issue]:
     spec = RLHFJobSpec.model_validate(obj["spec"], by_alias=True, by_name=False)
     rule_issues = [Issue(rule.field_path, rule.message) for rule in violated(spec)]
     return issues + (rule_issues or sequence_parallel_issues(spec))
+
+
+def runtime_issues(spec: RLHFJobSpec) -> list[Issue]:
+    """What admission cannot check because it needs the files a spec names: each model a run loads is an
+    HF model directory, sequence parallelism divides its head counts, and a chat template exists when
+    `data.applyChatTemplate` asks for one. The trainer calls this before it starts anything; the prompt
+    dataset and the reward function are loaded (and so checked) by the trainer itself."""
+    paths = {
+        "actor": spec.model.actor,
+        "critic": spec.model.critic,  # unset under gae: the gae-needs-critic rule reports it
+        "reference": spec.model.reference,  # unset: the actor's, checked as the actor
+        "reward": spec.model.reward.model,
+    }
+    issues: list[Issue] = []
+    for role in spec.model_roles():
+        path = paths[role]
+        if path is None:
+            continue
+        field = f"spec.model.{'reward.model' if role == 'reward' else role}"
+        if not Path(path).is_dir():
+            issues.append(Issue(field, f"model directory {path} does not exist"))
+        elif not (Path(path) / "config.json").is_file():
+            issues.append(Issue(field, f"{path} is not an HF model directory (no config.json)"))
+    if issues:
+        return issues
+    issues += sequence_parallel_issues(spec)
+    if spec.data.apply_chat_template and not _has_chat_template(Path(spec.model.actor)):
+        issues.append(
+            Issue(
+                "spec.data.applyChatTemplate",
+                f"the actor's tokenizer ({spec.model.actor}) has no chat template",
+            )
+        )
+    return issues
+
+
+def _has_chat_template(model: Path) -> bool:
+    """Whether an HF tokenizer directory carries a chat template: a `chat_template.jinja` (or `.json`)
+    file, a template under `additional_chat_templates/`, or `chat_template` in tokenizer_config.json."""
+    if (model / "chat_template.jinja").is_file() or (model / "chat_template.json").is_file():
+        return True
+    extra = model / "additional_chat_templates"
+    if extra.is_dir() and any(extra.glob("*.jinja")):
+        return True
+    try:
+        config = yaml.safe_load((model / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
 def sequence_parallel_issues(spec: RLHFJobSpec) -> list[Issue]:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rlhf_operator.spec import Placement, RLHFJobSpec
+from rlhf_api.spec import Placement, RLHFJobSpec, Role
 
 Reason = Literal["FieldValueInvalid", "FieldValueRequired", "FieldValueForbidden"]
 
@@ -84,6 +84,59 @@ def _cel_same(field: str, other: str) -> str:
     )
 
 
+# Ranks of the actor group, and the data-parallel groups (shards of the rollout batch) of a group of R ranks:
+# R / sequenceParallelSize when that divides R, else R (the group runs whole sequences). CEL has no
+# functions of our own, so the expressions are spelt out; the predicates use the spec's own methods.
+_CEL_ACTOR_RANKS = "(self.trainer.actor.nodes * self.trainer.actor.gpusPerNode)"
+
+
+def _cel_data_parallel(ranks: str) -> str:
+    """CEL for TrainerSpec.data_parallel_size(ranks)."""
+    sp = "self.trainer.sequenceParallelSize"
+    return f"({ranks} / ({ranks} % {sp} == 0 ? {sp} : 1))"
+
+
+# The split models whose placement the trainer shards against the actor's: (role, CEL "the role runs").
+_SPLIT_ROLES: tuple[tuple[Role, str], ...] = (
+    ("critic", "self.algorithm.advantageEstimator == 'gae'"),
+    ("reference", "self.algorithm.klCoef > 0.0"),
+)
+
+
+def _role_takes_whole_shards(spec: RLHFJobSpec, role: Role) -> bool:
+    trainer = spec.trainer
+    shards = trainer.data_parallel_size(trainer.actor.ranks)
+    return (
+        role not in spec.model_roles()
+        or shards % trainer.data_parallel_size(trainer.placement(role).ranks) == 0
+    )
+
+
+def _split_role_rules() -> tuple[Rule, ...]:
+    """Per critic/reference: its data-parallel groups divide the actor's, so each of its groups scores
+    whole actor shards. (With sequence-parallel-divides-actor-ranks this also makes its ranks divide the
+    actor's, so that needs no rule of its own.)"""
+    rules: list[Rule] = []
+    for role, runs in _SPLIT_ROLES:
+        ranks = (
+            f"(has(self.trainer.{role}) ? self.trainer.{role}.nodes * self.trainer.{role}.gpusPerNode"
+            f" : {_CEL_ACTOR_RANKS})"
+        )
+        rules.append(
+            Rule(
+                name=f"{role}-takes-whole-actor-shards",
+                scope="",
+                cel=f"!({runs}) || {_cel_data_parallel(_CEL_ACTOR_RANKS)} % {_cel_data_parallel(ranks)} == 0",
+                field=f"trainer.{role}",
+                message=f"the {role}'s data-parallel groups must divide the actor's, so each scores whole actor "
+                "shards (R ranks form R / sequenceParallelSize groups when that divides R, else R; so with "
+                "sequenceParallelSize 1 its ranks must divide the actor's)",
+                check=lambda s, role=role: _role_takes_whole_shards(s, role),  # type: ignore[misc]
+            )
+        )
+    return tuple(rules)
+
+
 # CEL escapes property names that are CEL reserved words: `function` is reached as `__function__`.
 RULES: tuple[Rule, ...] = (
     Rule(
@@ -151,6 +204,18 @@ RULES: tuple[Rule, ...] = (
         message="sequenceParallelSize must divide the actor's ranks (nodes x gpusPerNode)",
         check=lambda s: s.trainer.actor.ranks % s.trainer.sequence_parallel_size == 0,
     ),
+    Rule(
+        name="rollout-batch-splits-over-actor-shards",
+        scope="",
+        cel=f"self.algorithm.rolloutBatchSize % {_cel_data_parallel(_CEL_ACTOR_RANKS)} == 0",
+        field="algorithm.rolloutBatchSize",
+        message="rolloutBatchSize must be a multiple of the actor's data-parallel groups (trainer.actor "
+        "ranks / sequenceParallelSize), so every group trains on whole prompts",
+        check=lambda s: (
+            s.algorithm.rollout_batch_size % s.trainer.data_parallel_size(s.trainer.actor.ranks) == 0
+        ),
+    ),
+    *_split_role_rules(),
     Rule(
         name="colocate-all-matches-engines",
         scope="",
