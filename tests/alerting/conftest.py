@@ -1,0 +1,64 @@
+"""Fixtures of the alerting group: the chart installed in the test's namespace (its operator pod a KWOK
+fake, so its metrics Service has endpoints to discover), the real operator as a host process serving
+its metrics on the chart's metrics port, and Prometheus + Alertmanager configured from `helm template`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from monitoring_stack import MonitoringStack, WebhookReceiver, free_port, start_stack
+from support import ROOT, Cluster, OperatorProcess, wait_for
+
+sys.path.insert(0, str(ROOT / "tests" / "chart"))
+
+from chart_tools import CHART, one, render
+from monitored import RELEASE, Monitored, chart_values
+
+
+def _serves(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture
+def monitored(cluster: Cluster, namespace: str, rlhf_crd: str, tmp_path: Path) -> Iterator[Monitored]:
+    port = free_port()
+    # Installed without the monitoring API (this cluster has no Prometheus Operator): the Service and
+    # the operator's Deployment; the monitors and the rule are read from `helm template` instead.
+    install = chart_values(port, api=False)
+    cluster.helm("install", RELEASE, str(CHART), "-n", namespace, "--wait", "--timeout", "120s", *install)
+    webhook: WebhookReceiver | None = None
+    stack: MonitoringStack | None = None
+    op = OperatorProcess(cluster, tmp_path / "operator.log", {"RLHF_OPERATOR_METRICS_PORT": str(port)})
+    try:
+        objects = render(*chart_values(port), namespace=namespace)
+        monitors = [o for o in objects if o["kind"] in ("ServiceMonitor", "PodMonitor")]
+        assert {o["kind"] for o in monitors} == {"ServiceMonitor", "PodMonitor"}, monitors
+        rule = one(objects, "PrometheusRule")
+        op.start()
+        # Serving before Prometheus starts: else RLHFOperatorDown (absent up) fires during start-up.
+        wait_for(lambda: _serves(port) or None, 120, "the operator's metrics endpoint")
+        webhook = WebhookReceiver()
+        stack = start_stack(
+            tmp_path / "monitoring", monitors, rule, cluster.kubeconfig, cluster.bin_dir, webhook.url
+        )
+        names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+        m = Monitored(namespace, op, stack, webhook, rule, names)
+        wait_for(lambda: m.operator_up() == 1.0 or None, 60, "Prometheus scraping the operator")
+        yield m
+    finally:
+        op.stop()
+        print(f"--- operator log tail ---\n{op.log_tail()}")
+        if stack is not None:
+            print(f"--- prometheus log tail ---\n{stack.log_tail('prometheus')}")
+            stack.stop()
+        if webhook is not None:
+            webhook.close()
+        cluster.helm("uninstall", RELEASE, "-n", namespace, "--wait", check=False)
