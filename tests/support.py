@@ -164,17 +164,24 @@ class OperatorProcess:
     def stop(self) -> None:
         if self.alive():
             assert self.proc is not None
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+            terminate(self.proc)
 
     def log_tail(self, lines: int = 40) -> str:
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def terminate(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within `grace` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def free_port() -> int:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from monitoring_stack import MonitoringStack, WebhookReceiver, free_port, start_stack
-from support import ROOT, Cluster, OperatorProcess, wait_for
+from monitoring_stack import MonitoringStack, WebhookReceiver, start_stack
+from support import ROOT, Cluster, OperatorProcess, free_port, wait_for
 
 sys.path.insert(0, str(ROOT / "tests" / "chart"))
 

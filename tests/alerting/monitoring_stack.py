@@ -12,7 +12,6 @@ import http.server
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 import yaml
+from support import free_port, terminate
 
 # The dev-override stand-in (DESIGN.md §6): pods here are KWOK fakes, so a discovered pod IP serves
 # nothing. The trainer of every RLHFJob runs on the local Ray head and the operator is a host process,
@@ -29,12 +29,6 @@ import yaml
 # target's own port. Discovery, selector, port name and path stay the monitors'. The real-node issue
 # removes this step: Prometheus then scrapes the pod IP.
 DEV_OVERRIDE_HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def alertmanager_binary() -> str:
@@ -239,13 +233,7 @@ class MonitoringStack:
 
     def stop(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(10)
+            terminate(p, grace=20)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, what: str) -> None:
