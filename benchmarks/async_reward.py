@@ -23,11 +23,11 @@ SLOW_REWARD = Path(__file__).resolve().parent / "lib" / "slow_reward.py"
 
 
 def build(tiny: Path, args: argparse.Namespace) -> SimpleNamespace:
-    """A real engine actor and a real reward-scorer actor, plus the slice of Trainer that
-    generate_and_score reads (pool, algo, spec.rollout, reward, metrics)."""
+    """A real engine actor and a real reward-scorer actor, plus what the chunk dispatcher is given
+    (the pool's ready engines, the sampling settings, the reward scorer)."""
     import ray
     from prometheus_client import CollectorRegistry
-    from rlhf_trainer.phases import TrainerMetrics
+    from rlhf_trainer.metrics import TrainerExporter
     from rlhf_trainer.rollout.engine import RolloutEngine
     from rlhf_trainer.workers.reward import RewardScorer
 
@@ -64,21 +64,34 @@ def build(tiny: Path, args: argparse.Namespace) -> SimpleNamespace:
         ),
         spec=SimpleNamespace(rollout=SimpleNamespace(temperature=1.0, top_p=1.0)),
         reward=scorer,
-        metrics=TrainerMetrics("bench", registry=CollectorRegistry()),
+        metrics=TrainerExporter("bench", registry=CollectorRegistry()),
         job="bench",
         engine=engine,
     )
 
 
 def run_ours(t: Any, prompts: list[str], chunks_per_shard: int | None, ranks: int) -> dict[str, float]:
-    """loop.py's `generation` + `reward` phases, through the driver's own generate_and_score."""
+    """loop.py's `generation` + `reward` phases, through the trainer's own ChunkDispatcher."""
     import ray
-    from rlhf_trainer.driver import Trainer
+    from rlhf_trainer.rollout.dispatch import ChunkDispatcher
     from rlhf_trainer.transfer import plan_chunks
 
     chunks = plan_chunks(len(prompts), ranks, 1, chunks_per_shard)
+    sampling = {
+        "n": t.algo.samples_per_prompt,
+        "temperature": t.spec.rollout.temperature,
+        "top_p": t.spec.rollout.top_p,
+        "max_tokens": t.algo.max_response_length,
+        "max_prompt_tokens": t.algo.max_prompt_length,
+    }
+
+    def engine_lost(slot: Any, err: BaseException) -> None:
+        raise RuntimeError(f"benchmark engine {slot.index} lost: {err}")
+
     t0 = time.perf_counter()
-    _, metas, reward_calls = Trainer.generate_and_score(t, 0, chunks, prompts, [None] * len(prompts))
+    dispatcher = ChunkDispatcher(0, t.pool.ready(), t.reward, sampling, engine_lost)
+    rollout = dispatcher.run(chunks, prompts, [None] * len(prompts))
+    metas, reward_calls = rollout.metas, rollout.reward_calls
     t1 = time.perf_counter()
     reward_metas = ray.get([m for m, _ in reward_calls])
     t2 = time.perf_counter()

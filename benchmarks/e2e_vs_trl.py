@@ -51,7 +51,7 @@ def model_dir(scale: int) -> Path:
     if scale == 0:
         return common.tiny_model()
     if not (MEDIUM_DIR / "model" / "config.json").is_file():
-        from rlhf_trainer.tiny import TinyModelShape, make_tiny_model
+        from rlhf_trainer.tiny_model import TinyModelShape, make_tiny_model
 
         shape = TinyModelShape(
             hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8
@@ -96,8 +96,9 @@ def ours_manifest(base: Path, size: Size, steps: int, ranks: int) -> dict[str, A
 
 
 def child_ours(size: Size, base: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from rlhf_trainer.config import parse_spec, preflight
     from rlhf_trainer.data import PromptDataset
-    from rlhf_trainer.driver import parse_spec, preflight, run
+    from rlhf_trainer.driver import run
     from transformers import AutoTokenizer
 
     steps = args.warmup + (args.steps or size.steps)

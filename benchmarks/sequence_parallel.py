@@ -42,7 +42,7 @@ LONG_DIR = common.TINY_DIR.parent / (common.TINY_DIR.name + "-4k")
 def long_model() -> Path:
     """The tiny Llama with max_position_embeddings 4096 (the default tiny model stays at 512)."""
     if not (LONG_DIR / "model" / "config.json").is_file():
-        from rlhf_trainer.tiny import TinyModelShape, make_tiny_model
+        from rlhf_trainer.tiny_model import TinyModelShape, make_tiny_model
 
         make_tiny_model(LONG_DIR, shape=TinyModelShape(max_position_embeddings=4096), num_prompts=16)
     return LONG_DIR / "model"

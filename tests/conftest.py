@@ -48,7 +48,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The offline tiny model, tokenizer and prompt set (`rlhf make-tiny-model`), made once."""
-    from rlhf_trainer.tiny import make_tiny_model
+    from rlhf_trainer.tiny_model import make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny")
     make_tiny_model(out)

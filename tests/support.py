@@ -244,6 +244,7 @@ METRICS_CONTRACT = [
     "rlhf_reward_errors_total",
     "rlhf_weight_sync_bytes_total",
     "rlhf_rollout_engines",
+    "rlhf_last_checkpoint_step",
 ]
 
 

@@ -5,7 +5,7 @@ EnginesPending, and the built-in policy scales on the generation share.
 No real trainer runs here (that is the trainer suite's job). Before the operator starts, each test
 submits a stand-in Ray job under the submission id the operator would use, so the operator adopts it as
 the running trainer; where metrics matter, a STAND-IN FOR THE TRAINER'S /metrics (the trainer's own
-`rlhf_trainer.phases.TrainerMetrics`, DESIGN.md §4, served by prometheus_client from this process)
+`rlhf_trainer.metrics.TrainerExporter`, DESIGN.md §4, served by prometheus_client from this process)
 reports the steps and phase timings the test dictates.
 """
 
@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import start_http_server
 from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests, rayjobs
-from rlhf_trainer.phases import TrainerMetrics
+from rlhf_trainer.metrics import TrainerExporter
 from support import Cluster, OperatorProcess, RayHead, free_port, wait_for
 from test_operator_lifecycle import events, job_status, tiny_job
 
@@ -186,7 +186,7 @@ def test_built_in_policy_scales_up_when_generation_bound_and_back_down(
             "spec.monitoring": {"metricsPort": port, "stallTimeoutSeconds": 600, "scrapeIntervalSeconds": 1},
         },
     )
-    trainer = TrainerMetrics("auto")  # stand-in: the trainer's metric contract, served from this process
+    trainer = TrainerExporter("auto")  # stand-in: the trainer's metric contract, served from this process
     trainer.total_steps.labels("auto").set(20)
     trainer.stall_timeout.labels("auto").set(600)
     trainer.set_engines({"ready": 1})

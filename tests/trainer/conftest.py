@@ -18,7 +18,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlhf_trainer.tiny import make_tiny_model
+    from rlhf_trainer.tiny_model import make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny")
     make_tiny_model(out)

@@ -98,6 +98,13 @@ def test_ppo_gae_learns_checkpoints_and_serves_metrics(tiny: Path, tmp_path: Pat
         if s.name.startswith("rlhf_"):
             assert s.labels.get("rlhfjob") == "tiny" and "job" not in s.labels, s
     assert _value(last, "rlhf_total_steps") == 20
+    # rlhf_last_checkpoint_step: the last checkpoint written (every 5 steps); set in the checkpoint phase,
+    # just before its step counts as completed
+    checkpointed = [
+        (_value(t, "rlhf_last_checkpoint_step"), _value(t, "rlhf_steps_completed_total")) for t in scraped
+    ]
+    assert all(c % 5 == 0 and c <= done + 1 for c, done in checkpointed), checkpointed
+    assert max(c for c, _ in checkpointed) >= 5, checkpointed
     assert _value(last, "rlhf_stall_timeout_seconds") == 300
     assert _value(last, "rlhf_rollout_engines", state="ready") == 1
     assert _value(last, "rlhf_steps_completed_total") >= 1

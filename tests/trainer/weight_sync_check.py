@@ -18,10 +18,15 @@ import ray
 import torch
 import yaml
 from prometheus_client import generate_latest
+from rlhf_trainer.checkpoint import Checkpointer
 from rlhf_trainer.cli import apply_overrides
-from rlhf_trainer.driver import Trainer, connect_ray, parse_spec, preflight
-from rlhf_trainer.loop import run_step
-from rlhf_trainer.phases import TrainerMetrics
+from rlhf_trainer.config import parse_spec, preflight
+from rlhf_trainer.device import detect
+from rlhf_trainer.driver import connect_ray
+from rlhf_trainer.loop import StepContext, run_step
+from rlhf_trainer.metrics import TrainerExporter
+from rlhf_trainer.placement import Placed, place, process_count, start
+from rlhf_trainer.weight_sync.manager import WeightSyncManager
 
 PROMPTS = ["fer rust dil", "ba ko", "stou plaing tre", "zu", "kreast mol vi", "a"]
 NEW_TOKENS = 24
@@ -37,30 +42,44 @@ def hf_greedy(model: Any, tokenizer: Any, prompts: list[str]) -> list[list[int]]
     return out
 
 
+def log(message: str) -> None:
+    del message  # quiet: the one JSON line is this script's output
+
+
 def main() -> int:
     manifest = apply_overrides(yaml.safe_load(Path(sys.argv[1]).read_text()), sys.argv[2:])
     spec = parse_spec(manifest)
     data = preflight(spec)
-    trainer = Trainer(spec, "wscheck", data, TrainerMetrics("wscheck"), log=lambda m: None)
-    started = connect_ray(trainer._process_count() + 1)
+    metrics, info = TrainerExporter("wscheck"), detect()
+    started = connect_ray(process_count(spec) + 1)
+    placed: Placed | None = None
+    sync: WeightSyncManager | None = None
     try:
-        trainer.place()
-        trainer.setup()
+        placed = place(spec, info, log)
+        start(placed, spec, metrics, log)
+        sync = WeightSyncManager(
+            spec, "wscheck", info, placed.actor, placed.pool, metrics, log, resumed=False
+        )
+        checkpointer = Checkpointer(spec, "wscheck", data, placed.groups, metrics, log)
+        ctx = StepContext(spec, "wscheck", data, placed, sync, checkpointer, metrics)
         total = spec.algorithm.total_steps
-        reports = [run_step(trainer, step) for step in range(1, total - 1)]
+        reports = [run_step(ctx, step) for step in range(1, total - 1)]
         # The cluster gains a rollout slot: at the next step boundary the pool starts an engine in the
         # background (step total-1 still generates on one engine); once it is ready, the last step's
         # boundary rebuilds the sync group, and from then on every bucket goes once to both engines.
-        trainer.pool.desired_from_cluster = lambda fallback: fallback + 1  # type: ignore[method-assign]
-        reports.append(run_step(trainer, total - 1))
-        trainer.pool.wait_ready()
-        reports.append(run_step(trainer, total))
-        engines = trainer.pool.ready()
+        placed.pool.desired_from_cluster = lambda fallback: fallback + 1  # type: ignore[method-assign]
+        reports.append(run_step(ctx, total - 1))
+        placed.pool.wait_ready()
+        reports.append(run_step(ctx, total))
+        engines = placed.pool.ready()
         engine_tokens = ray.get([e.handle.greedy.remote(PROMPTS, NEW_TOKENS) for e in engines])
-        state = ray.get(trainer.actor_group.call("gathered_state_dict"))[0]
-        scrape = generate_latest(trainer.metrics.registry).decode()
+        state = ray.get(placed.actor.call("gathered_state_dict"))[0]
+        scrape = generate_latest(metrics.registry).decode()
     finally:
-        trainer.shutdown()
+        if sync is not None:
+            sync.close()
+        if placed is not None:
+            placed.shutdown()
         if started:
             ray.shutdown()
     from transformers import AutoModelForCausalLM, AutoTokenizer

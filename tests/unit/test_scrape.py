@@ -1,5 +1,5 @@
 """The operator's reader of the trainer's /metrics (rlhf_operator.scrape), fed by the trainer's own exporter
-(rlhf_trainer.phases): the two sides of the DESIGN §4 contract are checked against each other."""
+(rlhf_trainer.metrics): the two sides of the DESIGN §4 contract are checked against each other."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 from rlhf_operator.scrape import MalformedMetrics, MetricsUnavailable, fetch_metrics, parse_metrics
-from rlhf_trainer.phases import PhaseTimer, TrainerMetrics
+from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 
 pytestmark = pytest.mark.unit
 
 
-def exported(m: TrainerMetrics) -> str:
+def exported(m: TrainerExporter) -> str:
     return generate_latest(m.registry).decode()
 
 
 def test_a_fresh_trainer_exposition_parses_with_no_step_and_no_phase() -> None:
-    m = TrainerMetrics("job-a")
+    m = TrainerExporter("job-a")
     m.total_steps.labels("job-a").set(20)
     got = parse_metrics(exported(m), "job-a")
     assert got.steps_completed == 0 and got.total_steps == 20
@@ -30,7 +30,7 @@ def test_a_fresh_trainer_exposition_parses_with_no_step_and_no_phase() -> None:
 
 
 def test_a_completed_step_and_a_running_phase_are_read_back() -> None:
-    m = TrainerMetrics("job-a")
+    m = TrainerExporter("job-a")
     m.step_done({"generation": 3.0, "reward": 0.5, "actor_train": 1.5})
     m.generated_tokens.labels("job-a").inc(1234)
     m.reward_mean.labels("job-a").set(0.25)
@@ -50,7 +50,7 @@ def test_a_completed_step_and_a_running_phase_are_read_back() -> None:
 
 
 def test_series_of_another_job_are_ignored() -> None:
-    m = TrainerMetrics("other")
+    m = TrainerExporter("other")
     m.step_done({"generation": 9.0})
     got = parse_metrics(exported(m), "job-a")
     assert got.steps_completed == 0 and got.phase_seconds == {}
@@ -89,7 +89,7 @@ def server() -> Iterator[dict[str, Any]]:
 
 
 def test_fetch_reads_a_live_endpoint(server: dict[str, Any]) -> None:
-    m = TrainerMetrics("job-a")
+    m = TrainerExporter("job-a")
     m.step_done({"generation": 1.0})
     server["body"] = generate_latest(m.registry)
     assert fetch_metrics(server["url"], "job-a").steps_completed == 1

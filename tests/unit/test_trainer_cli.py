@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rlhf_trainer import cli
 from rlhf_trainer.loop import StepReport
-from rlhf_trainer.phases import PHASES
+from rlhf_trainer.metrics import PHASES
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from rlhf_trainer.rollout.engine import encode_prompt
-from rlhf_trainer.tiny import build_tokenizer
+from rlhf_trainer.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.unit
 

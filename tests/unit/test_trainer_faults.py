@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from rlhf_trainer.faults import armed
-from rlhf_trainer.phases import PhaseTimer, TrainerMetrics
+from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +22,7 @@ def test_a_malformed_fault_is_an_error_not_silently_no_fault(bad: str) -> None:
 
 
 def test_the_start_hook_runs_once_the_phase_is_visible_as_in_progress() -> None:
-    m = TrainerMetrics("j")
+    m = TrainerExporter("j")
     seen: list[tuple[str, float]] = []
     timer = PhaseTimer(
         m, on_start=lambda p: seen.append((p, m.phase_in_progress.labels("j", p)._value.get()))

@@ -1,4 +1,4 @@
-"""Phase timer and the trainer's metric names (rlhf_trainer.phases): the DESIGN §4 contract."""
+"""Phase timer and the trainer's metric names (rlhf_trainer.metrics): the DESIGN §4 contract."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import time
 
 import pytest
 from prometheus_client import generate_latest
-from rlhf_trainer.phases import PHASES, PhaseTimer, TrainerMetrics
+from rlhf_trainer.metrics import PHASES, PhaseTimer, TrainerExporter
 from support import METRICS_CONTRACT as CONTRACT
 
 pytestmark = pytest.mark.unit
 
 
 def test_timer_marks_in_progress_and_records() -> None:
-    m = TrainerMetrics("demo")
+    m = TrainerExporter("demo")
     t = PhaseTimer(m)
     with t.phase("generation"):
         assert m.phase_in_progress.labels("demo", "generation")._value.get() == 1
@@ -28,7 +28,7 @@ def test_timer_marks_in_progress_and_records() -> None:
 def test_exposition_has_every_contract_series_with_rlhfjob_label() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    m = TrainerMetrics("demo")
+    m = TrainerExporter("demo")
     m.step_done({"generation": 1.5, "weight_sync": 0.1})
     text = generate_latest(m.registry).decode()
     samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
@@ -57,53 +57,50 @@ def _tiny_spec() -> object:
     from pathlib import Path
 
     import yaml
-    from rlhf_trainer.driver import parse_spec
+    from rlhf_trainer.config import parse_spec
 
     example = Path(__file__).resolve().parents[2] / "examples" / "rlhfjob-tiny.yaml"
     return parse_spec(yaml.safe_load(example.read_text()))
 
 
-def _fake_trainer(seen: dict[str, object], resume_at: int | None) -> type:
-    """Stands in for driver.Trainer: records what /metrics shows when placement starts, then stops
-    the run there (resume_at None) or resumes at that step and runs no step."""
+def _fake_run(monkeypatch: pytest.MonkeyPatch, seen: dict[str, object], resume_at: int | None) -> None:
+    """Stands in for Ray, placement and the checkpointer in driver.run: records what /metrics shows when
+    placement starts, then stops the run there (resume_at None) or resumes at that step and runs no step."""
+    from types import SimpleNamespace
 
-    class FakeTrainer:
-        def __init__(
-            self, spec: object, job: str, data: object, metrics: TrainerMetrics, log: object
-        ) -> None:
-            seen["metrics"] = metrics
-            self.checkpoints: list[str] = []
+    from rlhf_trainer import driver
+
+    class Exporter(TrainerExporter):
+        def __init__(self, job: str) -> None:
+            super().__init__(job)
+            seen["metrics"] = self
+
+    def place(spec: object, info: object, log: object) -> object:
+        m = seen["metrics"]
+        assert isinstance(m, TrainerExporter)
+        seen["ts_at_place"] = m.last_step_ts.labels(m.job)._value.get()
+        seen["steps_at_place"] = m.steps_completed.labels(m.job)._value.get()
+        seen["checkpoint_at_place"] = m.last_checkpoint_step.labels(m.job)._value.get()
+        if resume_at is None:
+            raise _Stop
+        pool = SimpleNamespace(ready=lambda: [], shutdown=lambda: None)
+        return SimpleNamespace(actor=None, pool=pool, groups=(), victim=None, shutdown=lambda: None)
+
+    class Checkpointer:
+        def __init__(self, *args: object) -> None:
+            self.written: list[str] = []
             self.resume_info: dict[str, object] = {}
-            self.pool = self
 
-        def _process_count(self) -> int:
-            return 1
-
-        def place(self) -> None:
-            m = seen["metrics"]
-            assert isinstance(m, TrainerMetrics)
-            seen["ts_at_place"] = m.last_step_ts.labels(m.job)._value.get()
-            seen["steps_at_place"] = m.steps_completed.labels(m.job)._value.get()
-            if resume_at is None:
-                raise _Stop
-
-        def setup(self) -> None:
-            pass
-
-        def resume_point(self) -> int:
-            return 0 if resume_at is None else resume_at - 1
-
-        def maybe_resume(self) -> int:
+        def resume(self) -> int:
             assert resume_at is not None
             return resume_at
 
-        def ready(self) -> list[object]:
-            return []
-
-        def shutdown(self) -> None:
-            pass
-
-    return FakeTrainer
+    monkeypatch.setattr(driver, "TrainerExporter", Exporter)
+    monkeypatch.setattr(driver, "connect_ray", lambda processes: False)
+    monkeypatch.setattr(driver, "place", place)
+    monkeypatch.setattr(driver, "start", lambda placed, spec, metrics, log: None)
+    monkeypatch.setattr(driver, "resume_point", lambda spec: 0 if resume_at is None else resume_at - 1)
+    monkeypatch.setattr(driver, "Checkpointer", Checkpointer)
 
 
 class _Data:
@@ -121,15 +118,15 @@ def test_driver_sets_last_step_time_to_its_start_before_the_first_step(
     from rlhf_trainer import driver
 
     seen: dict[str, object] = {}
-    monkeypatch.setattr(driver, "Trainer", _fake_trainer(seen, None))
-    monkeypatch.setattr(driver, "connect_ray", lambda processes: False)
+    _fake_run(monkeypatch, seen, None)
     t0 = time.time()
     with pytest.raises(_Stop):
         driver.run(_tiny_spec(), "demo", metrics_port=0, data=_Data(), log=lambda m: None)  # type: ignore[arg-type]
     assert t0 <= float(seen["ts_at_place"]) <= time.time()  # type: ignore[arg-type]
     m = seen["metrics"]
-    assert isinstance(m, TrainerMetrics)
+    assert isinstance(m, TrainerExporter)
     assert m.steps_completed.labels("demo")._value.get() == 0
+    assert seen["checkpoint_at_place"] == 0  # a fresh start: no checkpoint yet
 
 
 def test_a_resumed_driver_counts_steps_from_the_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,15 +135,15 @@ def test_a_resumed_driver_counts_steps_from_the_checkpoint(monkeypatch: pytest.M
     from rlhf_trainer import driver
 
     seen: dict[str, object] = {}
-    monkeypatch.setattr(driver, "Trainer", _fake_trainer(seen, 9))  # resumed from step 8's checkpoint
-    monkeypatch.setattr(driver, "connect_ray", lambda processes: False)
+    _fake_run(monkeypatch, seen, 9)  # resumed from step 8's checkpoint
     summary = driver.run(_tiny_spec(), "demo", steps=0, metrics_port=0, data=_Data(), log=lambda m: None)  # type: ignore[arg-type]
     assert summary["steps"] == []
     m = seen["metrics"]
-    assert isinstance(m, TrainerMetrics)
+    assert isinstance(m, TrainerExporter)
     assert m.steps_completed.labels("demo")._value.get() == 8
     # Announced before the minute of start-up (placement), so `kubectl get rlhf` never shows 0/N mid-run.
     assert seen["steps_at_place"] == 8
+    assert seen["checkpoint_at_place"] == 8  # rlhf_last_checkpoint_step: the checkpoint resumed from
     m.step_done({"generation": 1.0})
     assert m.steps_completed.labels("demo")._value.get() == 9
     assert m.last_step_ts.labels("demo")._value.get() >= float(seen["ts_at_place"])  # type: ignore[arg-type]
@@ -155,7 +152,7 @@ def test_a_resumed_driver_counts_steps_from_the_checkpoint(monkeypatch: pytest.M
 def test_a_phase_that_did_not_run_in_the_last_step_reports_zero() -> None:
     """docs/monitoring.md: rlhf_step_phase_seconds is the last completed step; `checkpoint` (not due every
     step) must not keep an older step's duration, or the step time and generation share drift."""
-    m = TrainerMetrics("demo")
+    m = TrainerExporter("demo")
     m.step_done({"generation": 2.0, "weight_sync": 0.5, "checkpoint": 3.0})
     m.step_done({"generation": 1.0, "weight_sync": 0.25})
     got = {p: m.step_phase_seconds.labels("demo", p)._value.get() for p in PHASES}

@@ -1,4 +1,4 @@
-"""Device sharing of colocated roles (rlhf_trainer.driver.sharers_per_device): derived from the spec."""
+"""Device sharing of colocated roles (rlhf_trainer.placement.sharers_per_device): derived from the spec."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from rlhf_api.spec import RLHFJobSpec
 from rlhf_trainer.cli import apply_overrides
-from rlhf_trainer.driver import sharers_per_device
+from rlhf_trainer.placement import sharers_per_device
 
 pytestmark = pytest.mark.unit
 

@@ -120,7 +120,7 @@ def test_http_reward_scores_and_counts_server_errors() -> None:
 
 
 def test_model_reward_scores_with_an_hf_sequence_classifier(tmp_path: Path) -> None:
-    from rlhf_trainer.tiny import make_tiny_model
+    from rlhf_trainer.tiny_model import make_tiny_model
 
     paths = make_tiny_model(tmp_path, num_prompts=4)
     scorer = RewardScorer({"type": "model", "model": paths["model"]})

@@ -223,7 +223,7 @@ def test_an_sp_block_is_one_data_parallel_shard(tiny_model: Path, tmp_path: Path
     from rlhf_api.spec import RLHFJobSpec
     from rlhf_api.validate import runtime_issues
     from rlhf_trainer.cli import apply_overrides
-    from rlhf_trainer.driver import data_parallel_size, preflight
+    from rlhf_trainer.config import data_parallel_size, preflight
 
     example = Path(__file__).resolve().parents[2] / "examples" / "rlhfjob-tiny.yaml"
 

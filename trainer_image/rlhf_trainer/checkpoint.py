@@ -1,8 +1,9 @@
 """Atomic checkpoints: every part is written into a hidden temp directory, which is renamed into place.
 
-Owns the directory layout (`step-00000010/` with `trainer_state.json` written last), rotation (keep last N)
-and finding the newest *complete* checkpoint. A crash leaves at most a `.tmp-*` directory, which resume
-ignores and the next start removes. What goes inside (DeepSpeed shards) is the workers' business.
+Owns the directory layout (`step-00000010/` with `trainer_state.json` written last), rotation (keep last N),
+finding the newest *complete* checkpoint (`CheckpointStore`) and the driver's save/resume of a run
+(`Checkpointer`). A crash leaves at most a `.tmp-*` directory, which resume ignores and the next start
+removes. What goes inside (DeepSpeed shards) is the workers' business.
 """
 
 from __future__ import annotations
@@ -11,9 +12,18 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import ray
+from rlhf_api.spec import RLHFJobSpec
+
+from rlhf_trainer.data import PromptDataset
+from rlhf_trainer.groups import RayGroup
+from rlhf_trainer.metrics import TrainerExporter
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -91,6 +101,103 @@ class CheckpointStore:
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
         return removed
+
+
+def resume_point(spec: RLHFJobSpec) -> int:
+    """The step of the checkpoint `Checkpointer.resume` will load (0: a fresh start); reads no weights."""
+    if not spec.checkpoint.path or spec.checkpoint.resume != "auto":
+        return 0
+    found = CheckpointStore(spec.checkpoint.path).complete()
+    return found[-1][0] if found else 0
+
+
+class Checkpointer:
+    """Saves the run (every trained rank's shards, data position, digests) when due, and resumes it.
+
+    `on_written(step)` runs once every rank has written its shard, before the commit (fault injection).
+    """
+
+    def __init__(
+        self,
+        spec: RLHFJobSpec,
+        job: str,
+        data: PromptDataset,
+        groups: Sequence[RayGroup],
+        metrics: TrainerExporter,
+        log: Callable[[str], None],
+        on_written: Callable[[int], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.job = job
+        self.data = data
+        self.groups = groups
+        self.metrics = metrics
+        self.log = log
+        self.on_written = on_written
+        self.store = CheckpointStore(spec.checkpoint.path) if spec.checkpoint.path else None
+        self.written: list[str] = []  # paths of the checkpoints this run wrote
+        self.resume_info: dict[str, Any] = {}  # what `resume` loaded ({} on a fresh start)
+
+    def due(self, step: int) -> bool:
+        return self.store is not None and (
+            step % self.spec.checkpoint.interval_steps == 0 or step == self.spec.algorithm.total_steps
+        )
+
+    def save(self, step: int, history: Sequence[dict[str, Any]]) -> str:
+        """Write step's checkpoint atomically, then rotate; `history`: the run's step reports, as dicts."""
+        assert self.store is not None
+        tmp = self.store.begin(step)
+        try:
+            ray.get([ref for g in self.groups for ref in g.call("save", str(tmp))])
+            if self.on_written is not None:
+                self.on_written(step)
+            state = {
+                "data": self.data.position.to_dict(),
+                "state_digests": self.state_digests(),
+                "job": self.job,
+                "history": list(history[-50:]),
+                "time": time.time(),
+            }
+            final = self.store.commit(tmp, step, state)
+        except BaseException:
+            self.store.abort(tmp)
+            raise
+        self.store.rotate(self.spec.checkpoint.keep_last)
+        self.written.append(str(final))
+        self.metrics.checkpointed(step)
+        return str(final)
+
+    def state_digests(self) -> dict[str, dict[str, float]]:
+        """{"<group>/<rank>/<role>": digest} of every trained model's weights, optimizer and schedule."""
+        out: dict[str, dict[str, float]] = {}
+        for g in self.groups:
+            for rank, digests in enumerate(ray.get(g.call("state_digests"))):
+                for role, digest in digests.items():
+                    out[f"{g.name}/{rank}/{role}"] = digest
+        return out
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint (resume: auto); returns the next step to run."""
+        if self.store is None or self.spec.checkpoint.resume != "auto":
+            return 1
+        for p in self.store.remove_partial():
+            self.log(f"removed partial checkpoint {p}")
+        latest = self.store.latest()
+        if latest is None:
+            return 1
+        step, path, state = latest
+        ray.get([ref for g in self.groups for ref in g.call("load", str(path))])
+        self.data.restore(state["data"])
+        self.resume_info = {
+            "from_step": step,
+            "path": str(path),
+            "data": state["data"],
+            "state_digests_saved": state.get("state_digests"),
+            "state_digests_loaded": self.state_digests(),
+        }
+        self.metrics.checkpointed(step)
+        self.log(f"resumed from {path} (step {step}); data position {state['data']}")
+        return step + 1
 
 
 def _is_complete(path: Path) -> bool:

@@ -66,7 +66,8 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    from rlhf_trainer.driver import InputError, parse_spec, run
+    from rlhf_trainer.config import InputError, parse_spec
+    from rlhf_trainer.driver import run
     from rlhf_trainer.loop import RewardFailure
 
     try:
@@ -203,7 +204,7 @@ def _phase_table(rows: list[Any]) -> Any:
     """Phases as rows (the table stays narrow however many steps ran): last step, mean, share of the step."""
     from rich.table import Table
 
-    from rlhf_trainer.phases import PHASES
+    from rlhf_trainer.metrics import PHASES
 
     used = [p for p in PHASES if any(p in r.phase_seconds for r in rows)]
     totals = {p: sum(r.phase_seconds.get(p, 0.0) for r in rows) for p in used}
@@ -238,7 +239,7 @@ def make_tiny_model_main(argv: list[str] | argparse.Namespace) -> int:
         p.add_argument("--prompts", type=int, default=2048, help="number of prompts")
         p.add_argument("--seed", type=int, default=0)
         args = p.parse_args(list(argv))
-    from rlhf_trainer.tiny import make_tiny_model
+    from rlhf_trainer.tiny_model import make_tiny_model
 
     out = make_tiny_model(args.dir, num_prompts=getattr(args, "prompts", 2048), seed=getattr(args, "seed", 0))
     print(json.dumps(out))

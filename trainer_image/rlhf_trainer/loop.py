@@ -1,21 +1,28 @@
 """One PPO step as a sequence of named, timed phases (readable on one screen).
 
 Owns the order of phases and what flows between them (object refs and small metadata only). How a
-phase is done lives in the workers, the engine pool and the weight-sync backends; placement in driver.py.
+phase is done lives in the workers, the chunk dispatcher, the weight-sync manager and the checkpointer;
+what was placed where in placement.py. Must not hold state across steps beyond `StepContext.history`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import ray
+from rlhf_api.spec import RLHFJobSpec
 
-from rlhf_trainer.faults import armed, maybe_fire
-from rlhf_trainer.phases import PhaseTimer
-
-if TYPE_CHECKING:
-    from rlhf_trainer.driver import Trainer
+from rlhf_trainer.checkpoint import Checkpointer
+from rlhf_trainer.config import algorithm_wire, sampling
+from rlhf_trainer.data import PromptDataset
+from rlhf_trainer.faults import FaultInjector
+from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
+from rlhf_trainer.placement import Placed, shards_of
+from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
+from rlhf_trainer.rollout.pool import EngineSlot
+from rlhf_trainer.transfer import plan_chunks
+from rlhf_trainer.weight_sync.manager import WeightSyncManager
 
 
 class RewardFailure(RuntimeError):
@@ -36,61 +43,78 @@ class StepReport:
     weight_sync_bytes: int = 0
     engines: list[int] = field(default_factory=list)
     checkpoint: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_step(t: Trainer, step: int) -> StepReport:
-    timer = PhaseTimer(t.metrics, on_start=(lambda phase: maybe_fire(t, step, phase)) if armed() else None)
-    sync_bytes = t.refresh_engines(timer)  # elastic pool: new engines join (and get weights) between steps
-    prompts, labels = t.data.next_batch(t.algo.rollout_batch_size)
-    chunks = t.plan_chunks(len(prompts))  # [(shard, engine, [prompt indices])], whole prompt groups
-    t.actors_and_models_new_step()
+@dataclass
+class StepContext:
+    """What a step needs: the spec, the data, what was placed and the three helpers around it."""
+
+    spec: RLHFJobSpec
+    job: str
+    data: PromptDataset
+    placed: Placed
+    sync: WeightSyncManager
+    checkpointer: Checkpointer
+    metrics: TrainerExporter
+    faults: FaultInjector | None = None
+    history: list[StepReport] = field(default_factory=list)
+
+
+def run_step(ctx: StepContext, step: int) -> StepReport:
+    spec, placed, faults = ctx.spec, ctx.placed, ctx.faults
+    timer = PhaseTimer(ctx.metrics, on_start=(lambda p: faults.phase_started(step, p)) if faults else None)
+    sync_bytes = ctx.sync.refresh(timer)  # elastic pool: new engines join (and get weights) between steps
+    prompts, labels = ctx.data.next_batch(spec.algorithm.rollout_batch_size)
+    chunks = plan_chunks(len(prompts), shards_of(spec), len(placed.pool.ready()))  # whole prompt groups
+    placed.new_step()
 
     with timer.phase("generation"):  # rewards start as soon as each chunk is generated
-        packed, metas, reward_calls = t.generate_and_score(step, chunks, prompts, labels)
-        t.engines_sleep(True)  # rollout.enableSleep (GPU): engines free their memory while models train
+        rollout = generate(ctx, step, chunks, prompts, labels)
+        ctx.sync.engines_sleep(
+            True
+        )  # rollout.enableSleep (GPU): engines free their memory while models train
     with timer.phase("reward"):  # only the part of scoring not hidden behind generation
-        reward_metas = ray.get([meta_ref for meta_ref, _ in reward_calls])
+        reward_metas = ray.get([meta_ref for meta_ref, _ in rollout.reward_calls])
     errors = sum(m.errors for m in reward_metas)
-    t.metrics.reward_errors.labels(t.job).inc(errors)
-    if errors and t.spec.model.reward.on_error == "failStep":
+    ctx.metrics.reward_errors.labels(ctx.job).inc(errors)
+    if errors and spec.model.reward.on_error == "failStep":
         first = next((msg for m in reward_metas for msg in m.messages), "")
         raise RewardFailure(f"step {step}: reward failed for {errors} sample(s) (onError=failStep): {first}")
 
-    shards = t.shard_refs(chunks, packed)  # {shard: [packed chunk refs]}; refs only
-    rewards = t.shard_refs(chunks, [result for _, result in reward_calls])
+    shards = by_shard(chunks, rollout.packed)  # {shard: [packed chunk refs]}; refs only
+    rewards = by_shard(chunks, [result for _, result in rollout.reward_calls])
+    micro, algo = spec.algorithm.rollout_micro_batch_size, algorithm_wire(spec)
     ref_out: list[Any] = []
     value_out: list[Any] = []
-    if t.has_role("reference"):
+    if spec.algorithm.uses_reference and "reference" in placed.roles:
         with timer.phase("reference"):
-            ref_out = t.call_role("reference", "ref_logprobs", shards)
-    if t.has_role("critic"):
+            ref_out = placed.call_role("reference", "ref_logprobs", shards, micro)
+    if placed.critic is not None:
         with timer.phase("critic_values"):
-            value_out = t.call_role("critic", "critic_values", shards)
+            value_out = placed.call_role("critic", "critic_values", shards, micro)
     with timer.phase("old_logprobs"):
-        t.call_role("actor", "old_logprobs", shards)
+        placed.call_role("actor", "old_logprobs", shards, micro)
     with timer.phase("advantages"):
-        adv = t.actor_group.call("advantages", rewards, ref_out, value_out, t.algo_wire(), num_returns=2)
+        adv = placed.actor.call("advantages", rewards, ref_out, value_out, algo, num_returns=2)
         stats = ray.get([s for s, _ in adv])
     valid = int(sum(s["valid"] for s in stats))
     trained_tokens = 0
     with timer.phase("actor_train"):
         if valid:
-            train_stats = t.actor_group.get("train_actor", t.algo_wire())
-            trained_tokens = int(sum(s["trained_tokens"] for s in train_stats))
-    if t.critic_group is not None:
+            trained_tokens = int(sum(s["trained_tokens"] for s in placed.actor.get("train_actor", algo)))
+    if placed.critic is not None:
         with timer.phase("critic_train"):
             if valid:
-                t.critic_group.get("train_critic", [r for _, r in adv], t.algo_wire())
+                placed.critic.get("train_critic", [r for _, r in adv], algo)
     with timer.phase("weight_sync"):
-        t.engines_sleep(False)
-        sync_bytes += t.sync_weights() if valid else 0
+        ctx.sync.engines_sleep(False)
+        sync_bytes += ctx.sync.sync() if valid else 0
     checkpoint = None
-    if t.checkpoint_due(step):
+    if ctx.checkpointer.due(step):
         with timer.phase("checkpoint"):
-            checkpoint = t.save_checkpoint(step)
+            checkpoint = ctx.checkpointer.save(step, [asdict(r) for r in ctx.history])
 
-    gen_tokens = sum(m.response_tokens for m in metas)
+    gen_tokens = sum(m.response_tokens for m in rollout.metas)
     kl_tokens = sum(s["kl_tokens"] for s in stats)
     report = StepReport(
         step=step,
@@ -103,8 +127,41 @@ def run_step(t: Trainer, step: int) -> StepReport:
         valid_samples=valid,
         tokens_per_second=gen_tokens / max(timer.seconds.get("generation", 0.0), 1e-9),
         weight_sync_bytes=sync_bytes,
-        engines=sorted({m.engine for m in metas}),
+        engines=sorted({m.engine for m in rollout.metas}),
         checkpoint=checkpoint,
     )
-    t.record(report)
+    record(ctx, report)
     return report
+
+
+def generate(
+    ctx: StepContext, step: int, chunks: list[Chunk], prompts: list[str], labels: list[Any]
+) -> Rollout:
+    """The generation phase's work: stream the chunks out of the ready engines, scoring each at once."""
+    pool, metrics = ctx.placed.pool, ctx.metrics
+
+    def engine_lost(slot: EngineSlot, err: BaseException) -> None:
+        pool.mark_lost(slot, err)
+        metrics.set_engines(pool.counts())
+
+    dispatcher = ChunkDispatcher(step, pool.ready(), ctx.placed.reward, sampling(ctx.spec), engine_lost)
+    rollout = dispatcher.run(chunks, prompts, labels)
+    metrics.generated_tokens.labels(ctx.job).inc(sum(m.response_tokens for m in rollout.metas))
+    return rollout
+
+
+def by_shard(chunks: list[Chunk], refs: list[Any]) -> dict[int, list[Any]]:
+    """{shard: [refs of its chunks]} in chunk order."""
+    out: dict[int, list[Any]] = {}
+    for (shard, _, _), ref in zip(chunks, refs, strict=True):
+        out.setdefault(shard, []).append(ref)
+    return out
+
+
+def record(ctx: StepContext, report: StepReport) -> None:
+    ctx.history.append(report)
+    m = ctx.metrics
+    m.reward_mean.labels(ctx.job).set(report.reward_mean)
+    m.kl.labels(ctx.job).set(report.kl)
+    m.trained_tokens.labels(ctx.job).inc(report.trained_tokens)
+    m.step_done(report.phase_seconds)

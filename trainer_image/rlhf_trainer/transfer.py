@@ -56,10 +56,6 @@ class PackedRollout:
     def offsets(self) -> torch.Tensor:
         return torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens]), 0)
 
-    def sample_tokens(self, i: int) -> torch.Tensor:
-        off = self.offsets()
-        return self.tokens[int(off[i]) : int(off[i + 1])]
-
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size() for t in (self.tokens, self.seq_lens, self.prompt_lens, self.group)

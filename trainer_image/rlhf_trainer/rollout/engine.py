@@ -186,9 +186,6 @@ class RolloutEngine:
     def close_weight_channel(self) -> None:
         self.llm.collective_rpc("rlhf_close_weight_channel")
 
-    def weight_digest(self) -> str:
-        return str(self.llm.collective_rpc("rlhf_weight_digest")[0])
-
     def sleep(self) -> None:
         if self.options.get("enable_sleep") and self.options.get("device") != "cpu" and not self.sleeping:
             self.llm.sleep(level=1)

@@ -7,7 +7,6 @@ re-runs the linear-weight packing. Control arguments are plain data only (tensor
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any
 
@@ -59,15 +58,6 @@ class RLHFWorkerExtension:
             "load_seconds": t_load,
             "repacked": repacked,
         }
-
-    def rlhf_weight_digest(self) -> str:
-        """Digest of named parameters (for tests): equal digests mean equal weights."""
-        h = hashlib.sha256()
-        for name, p in sorted(self._rlhf_model().named_parameters()):
-            if p.numel():
-                h.update(name.encode())
-                h.update(p.detach().float().cpu().numpy().tobytes())
-        return h.hexdigest()
 
 
 def repack_cpu_linears(model: torch.nn.Module) -> int:

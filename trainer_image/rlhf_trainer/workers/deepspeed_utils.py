@@ -1,7 +1,8 @@
-"""DeepSpeed plumbing shared by the actor, critic and reference: config, ZeRO-3 loading, forward passes.
+"""DeepSpeed plumbing shared by the actor, critic and reference: config, the one engine builder, forward passes.
 
 Owns how an HF model becomes a DeepSpeed engine (HfDeepSpeedConfig before from_pretrained, so ZeRO-3
-partitions at load) and how per-token log-probs/values come out of a padded micro-batch. No Ray here.
+partitions at load; `build_engine` for every role) and how per-token log-probs/values come out of a
+padded micro-batch. No Ray here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rlhf_trainer import algorithms, sequence_parallel
 from rlhf_trainer.sequence_parallel import SequenceParallel, forward_context, gather_columns
 from rlhf_trainer.transfer import PackedRollout, pad_micro_batch, pad_response_values, unpad_response_values
 
@@ -72,6 +74,82 @@ def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype)
     else:
         raise ValueError(kind)
     return model, keepalive
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """A role's DeepSpeed engine, with its optimizer and LR schedule (None for the frozen reference)."""
+
+    engine: Any
+    optimizer: Any
+    scheduler: Any
+
+
+def build_engine(
+    path: str, settings: dict[str, Any], sp: SequenceParallel | None, *, head: str, train: bool
+) -> BuiltEngine:
+    """The one way a role's model becomes a DeepSpeed engine (actor and critic train, reference is frozen).
+
+    head: "causal_lm" (actor, reference) or "value" (critic). A trained engine gets AdamW and the LR
+    schedule of `settings`; a frozen one has no optimizer and no gradients.
+    """
+    import deepspeed
+
+    dtype = torch.bfloat16 if settings["bf16"] else torch.float32
+    cfg = ds_config(
+        zero_stage=settings["zero_stage"],
+        micro_batch=settings["train_micro_batch"],
+        grad_accum=settings["grad_accum"] if train else 1,
+        world_size=settings["world_size"],
+        bf16=settings["bf16"],
+        offload=settings["offload"],
+        train=train,
+    )
+    model, keepalive = load_hf_model(path, head, cfg, dtype)
+    sequence_parallel.enable(model, sp)
+    if not train:
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        del keepalive
+        return BuiltEngine(engine, None, None)
+    if settings.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8
+    )
+    schedule = algorithms.lr_lambda(
+        settings["lr_scheduler"], settings["lr_warmup_steps"], settings["total_steps"]
+    )
+
+    def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=make_scheduler, config=cfg
+    )
+    del keepalive
+    return BuiltEngine(engine, optimizer, scheduler)
+
+
+class TrainedRole:
+    """Checkpoint and resume-check methods of a trained role (actor, critic) over its `BuiltEngine`."""
+
+    engine: Any
+    optimizer: Any
+    scheduler: Any
+
+    def save(self, directory: str, tag: str) -> None:
+        self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
+
+    def load(self, directory: str, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(
+            directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")
+
+    def state_digest(self) -> dict[str, float]:
+        return training_state_digest(self.optimizer, self.scheduler)
 
 
 @dataclass

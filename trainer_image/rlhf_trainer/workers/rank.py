@@ -14,10 +14,13 @@ from typing import Any
 
 import torch
 
-from rlhf_trainer import algorithms, device
+from rlhf_trainer import algorithms, device, sequence_parallel
 from rlhf_trainer.transfer import PackedRollout, split_per_response
 from rlhf_trainer.weight_sync.bucketing import plan_bytes
 from rlhf_trainer.weight_sync.channels import Rendezvous, WeightChannel, open_channel
+from rlhf_trainer.workers.policy import PolicyModel
+from rlhf_trainer.workers.reference import ReferenceModel
+from rlhf_trainer.workers.value import ValueModel
 
 
 def free_port() -> int:
@@ -51,9 +54,7 @@ class ModelRank:
         self.roles = roles
         self.rank = rank
         self.world_size = world_size
-        self.info = device.DeviceInfo(
-            dev, "nccl" if dev == "cuda" else "gloo", "nccl" if dev == "cuda" else "gloo"
-        )
+        self.info = device.DeviceInfo(dev, "nccl" if dev == "cuda" else "gloo")
         device.configure_process(self.info, threads)
         self.models: dict[str, Any] = {}
         self.shards: dict[int, PackedRollout] = {}
@@ -85,22 +86,14 @@ class ModelRank:
             torch.cuda.set_device(0)
         deepspeed.init_distributed(dist_backend=self.info.dist_backend, auto_mpi_discovery=False)
         if self.sp_size > 1:
-            from rlhf_trainer import sequence_parallel
-
             self.sp = sequence_parallel.init_groups(self.sp_size)
         for role in self.roles:
             s = {**settings[role], "rank": self.rank, "world_size": self.world_size}
             if role == "actor":
-                from rlhf_trainer.workers.actor import PolicyModel
-
                 self.models[role] = PolicyModel(s["path"], s, self.sp)
             elif role == "critic":
-                from rlhf_trainer.workers.critic import ValueModel
-
                 self.models[role] = ValueModel(s["path"], s, self.sp)
             elif role == "reference":
-                from rlhf_trainer.workers.reference import ReferenceModel
-
                 self.models[role] = ReferenceModel(s["path"], s, self.sp)
             else:
                 raise ValueError(f"a model rank cannot host role {role!r}")
@@ -175,7 +168,6 @@ class ModelRank:
         stats: dict[str, float] = {
             "kl_sum": 0.0,
             "kl_tokens": 0.0,
-            "adv_abs_sum": 0.0,
             "valid": 0.0,
             "score_sum": 0.0,
         }
@@ -214,7 +206,6 @@ class ModelRank:
             vmask = torch.repeat_interleave(valid, lens)
             stats["kl_sum"] += float(kl_tok[vmask].sum())
             stats["kl_tokens"] += float(vmask.sum())
-            stats["adv_abs_sum"] += float(torch.cat(advs).abs()[vmask].sum()) if advs else 0.0
             stats["valid"] += float(valid.sum())
             stats["score_sum"] += float(scores[valid].sum())
         if not self.reports:  # every rank of an SP group computed the same: count it once
@@ -311,9 +302,6 @@ class ModelRank:
     def state_digests(self) -> dict[str, dict[str, float]]:
         """{role: training-state digest} of the trained roles this rank hosts (resume checks)."""
         return {role: self.models[role].state_digest() for role in ("actor", "critic") if role in self.models}
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def node_id(self) -> str:
         """This process's Ray node (one per pod): same node means a shared /dev/shm."""

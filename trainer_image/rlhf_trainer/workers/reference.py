@@ -9,32 +9,15 @@ from typing import Any
 
 import torch
 
-from rlhf_trainer import sequence_parallel
 from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
-from rlhf_trainer.workers.deepspeed_utils import ds_config, load_hf_model, response_logprobs
+from rlhf_trainer.workers.deepspeed_utils import build_engine, response_logprobs
 
 
 class ReferenceModel:
     def __init__(self, path: str, settings: dict[str, Any], sp: SequenceParallel | None = None) -> None:
-        import deepspeed
-
         self.sp = sp
-        dtype = torch.bfloat16 if settings["bf16"] else torch.float32
-        cfg = ds_config(
-            zero_stage=settings["zero_stage"],
-            micro_batch=settings["train_micro_batch"],
-            grad_accum=1,
-            world_size=settings["world_size"],
-            bf16=settings["bf16"],
-            offload=settings["offload"],
-            train=False,
-        )
-        model, keepalive = load_hf_model(path, "causal_lm", cfg, dtype)
-        sequence_parallel.enable(model, sp)
-        model.requires_grad_(False)
-        self.engine, *_ = deepspeed.initialize(model=model, config=cfg)
-        del keepalive
+        self.engine = build_engine(path, settings, sp, head="causal_lm", train=False).engine
         self.pad_id = int(settings["pad_id"])
         self.temperature = float(settings.get("temperature", 1.0))
 

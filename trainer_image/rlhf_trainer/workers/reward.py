@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -117,8 +118,8 @@ class RewardScorer:
             raise RewardSetupError(f"model.reward.type {self.kind!r} is not function, model or http")
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=int(reward.get("concurrency", 4)))
 
-    def ready(self) -> str:
-        return str(self.kind)
+    def ready(self) -> dict[str, Any]:
+        return {"kind": self.kind, "pid": os.getpid()}
 
     def _call(self, prompts: list[str], responses: list[str], labels: list[Any]) -> list[Any]:
         if self.fn is not None:

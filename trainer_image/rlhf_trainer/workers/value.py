@@ -11,46 +11,20 @@ from typing import Any
 
 import torch
 
-from rlhf_trainer import algorithms, sequence_parallel
+from rlhf_trainer import algorithms
 from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
-from rlhf_trainer.workers.deepspeed_utils import ds_config, load_hf_model, token_values, training_state_digest
+from rlhf_trainer.workers.deepspeed_utils import TrainedRole, build_engine, token_values
 
 
-class ValueModel:
+class ValueModel(TrainedRole):
+    """The critic role's model: token values from an HF token-classification head."""
+
     def __init__(self, path: str, settings: dict[str, Any], sp: SequenceParallel | None = None) -> None:
-        import deepspeed
-
         self.s = settings
         self.sp = sp
-        dtype = torch.bfloat16 if settings["bf16"] else torch.float32
-        cfg = ds_config(
-            zero_stage=settings["zero_stage"],
-            micro_batch=settings["train_micro_batch"],
-            grad_accum=settings["grad_accum"],
-            world_size=settings["world_size"],
-            bf16=settings["bf16"],
-            offload=settings["offload"],
-            train=True,
-        )
-        model, keepalive = load_hf_model(path, "value", cfg, dtype)
-        sequence_parallel.enable(model, sp)
-        if settings.get("gradient_checkpointing"):
-            model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.0
-        )
-        schedule = algorithms.lr_lambda(
-            settings["lr_scheduler"], settings["lr_warmup_steps"], settings["total_steps"]
-        )
-
-        def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-            return torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=make_scheduler, config=cfg
-        )
-        del keepalive
+        built = build_engine(path, settings, sp, head="value", train=True)
+        self.engine, self.optimizer, self.scheduler = built.engine, built.optimizer, built.scheduler
         self.pad_id = int(settings["pad_id"])
 
     @torch.no_grad()
@@ -99,16 +73,3 @@ class ValueModel:
             total = on_device.cpu()
         total_loss = float(total[0]) / denom / epochs
         return {"value_loss": total_loss, "seconds": time.perf_counter() - t0}
-
-    def state_digest(self) -> dict[str, float]:
-        return training_state_digest(self.optimizer, self.scheduler)
-
-    def save(self, directory: str, tag: str) -> None:
-        self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
-
-    def load(self, directory: str, tag: str) -> None:
-        path, _ = self.engine.load_checkpoint(
-            directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")

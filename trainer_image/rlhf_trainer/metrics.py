@@ -1,7 +1,8 @@
-"""Phase timing and the trainer's Prometheus metrics (the DESIGN §4 contract, label `rlhfjob`).
+"""The trainer's Prometheus metrics (the DESIGN §4 contract, label `rlhfjob`) and the training-phase timer.
 
-Owns the metric names and the `PhaseTimer` that marks a phase in progress, times it and exports it.
-Never uses a label named `job` (Prometheus would rename it to exported_job).
+Owns the metric names (`TrainerExporter`, served on /metrics) and the `PhaseTimer` that marks a phase of
+a step in progress, times it and exports it. Never uses a label named `job` (Prometheus would rename it
+to exported_job).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ ENGINE_STATES = ("starting", "ready", "failed", "stopping")
 L = "rlhfjob"
 
 
-class TrainerMetrics:
-    """Every series of DESIGN §4, in its own registry (so tests can build several)."""
+class TrainerExporter:
+    """Every series of DESIGN §4, in its own registry (so tests can build several), served on /metrics.
+
+    (The operator's `rlhf_operator.scrape.TrainerMetrics` is the other side: values parsed from a scrape.)
+    """
 
     def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
         self.job = job
@@ -77,6 +81,12 @@ class TrainerMetrics:
         self.rollout_engines = Gauge(
             "rlhf_rollout_engines", "Rollout engines by state", [L, "state"], registry=r
         )
+        self.last_checkpoint_step = Gauge(
+            "rlhf_last_checkpoint_step",
+            "Step of the last checkpoint written, or resumed from at start (0: none)",
+            [L],
+            registry=r,
+        )
         # Create every labelled child now so /metrics shows the full contract from the first scrape.
         for phase in PHASES:
             self.step_phase_seconds.labels(job, phase)
@@ -93,7 +103,14 @@ class TrainerMetrics:
             self.weight_sync_bytes,
         ):
             c.labels(job)
-        for g in (self.last_step_ts, self.total_steps, self.stall_timeout, self.reward_mean, self.kl):
+        for g in (
+            self.last_step_ts,
+            self.total_steps,
+            self.stall_timeout,
+            self.reward_mean,
+            self.kl,
+            self.last_checkpoint_step,
+        ):
             g.labels(job)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
@@ -114,6 +131,10 @@ class TrainerMetrics:
         if steps_done > 0:
             self.steps_completed.labels(self.job).inc(steps_done)
 
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of `step` was written, or the run resumed from it."""
+        self.last_checkpoint_step.labels(self.job).set(step)
+
     def step_done(self, phase_seconds: dict[str, float]) -> None:
         for phase in PHASES:  # a phase that did not run in this step reports 0, not its last duration
             self.step_phase_seconds.labels(self.job, phase).set(phase_seconds.get(phase, 0.0))
@@ -125,7 +146,7 @@ class PhaseTimer:
     """Times the named phases of one step: `with timer.phase("generation"): ...`."""
 
     def __init__(
-        self, metrics: TrainerMetrics | None = None, on_start: Callable[[str], None] | None = None
+        self, metrics: TrainerExporter | None = None, on_start: Callable[[str], None] | None = None
     ) -> None:
         self.metrics = metrics
         self.on_start = on_start  # called once a phase is marked in progress (fault injection hooks here)
@@ -162,6 +183,3 @@ class PhaseTimer:
             yield
         finally:
             self.stop(name, t0)
-
-    def total(self) -> float:
-        return sum(self.seconds.values())

@@ -1,0 +1,179 @@
+"""The trainer's input: the RLHFJob spec parsed and checked, and the settings derived from it.
+
+Owns spec parsing (validated as the API server does), the checks that need this machine's files, and
+the plain dicts the spec becomes for the ranks, engines and advantage code. Must not start Ray or place
+anything: every function here is pure or reads local files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rlhf_api.rules import violated
+from rlhf_api.spec import RLHFJobSpec
+from rlhf_api.validate import runtime_issues, schema_issues, validate_manifest
+
+from rlhf_trainer.data import DatasetError, PromptDataset
+from rlhf_trainer.device import DeviceInfo
+from rlhf_trainer.workers.reward import RewardSetupError, load_reward_function
+
+
+class InputError(ValueError):
+    """A bad input caught before any heavy work starts; the message names the field/path/function."""
+
+
+def parse_spec(data: dict[str, Any]) -> RLHFJobSpec:
+    """An RLHFJobSpec (or a whole RLHFJob manifest) -> RLHFJobSpec, validated like the API server does."""
+    if "spec" in data and "kind" in data:
+        issues = validate_manifest(data)
+        if issues:
+            raise InputError("spec fails validation:\n" + "\n".join(f"  {i}" for i in issues))
+        return RLHFJobSpec.model_validate(data["spec"], by_alias=True, by_name=False)
+    issues = schema_issues(RLHFJobSpec, data, ("spec",))
+    if issues:
+        raise InputError("spec fails validation:\n" + "\n".join(f"  {i}" for i in issues))
+    spec = RLHFJobSpec.model_validate(data, by_alias=True, by_name=False)
+    problems = violated(spec)
+    if problems:
+        raise InputError(
+            "spec fails validation:\n" + "\n".join(f"  {r.field_path}: {r.message}" for r in problems)
+        )
+    return spec
+
+
+def load_spec_arg(args: argparse.Namespace) -> RLHFJobSpec:
+    """The spec from --spec-json, --spec-env (the operator) or --spec-file."""
+    if args.spec_json:
+        raw = args.spec_json
+    elif args.spec_env:
+        raw = os.environ.get(args.spec_env, "")
+        if not raw:
+            raise InputError(f"--spec-env {args.spec_env}: environment variable is empty or unset")
+    elif args.spec_file:
+        try:
+            return parse_spec(yaml.safe_load(Path(args.spec_file).read_text()))
+        except OSError as e:
+            raise InputError(f"--spec-file {args.spec_file}: cannot read: {e.strerror or e}") from e
+    else:
+        raise InputError("one of --spec-json, --spec-env, --spec-file is required")
+    try:
+        return parse_spec(json.loads(raw))
+    except json.JSONDecodeError as e:
+        raise InputError(f"spec JSON is malformed: {e}") from e
+
+
+def preflight(spec: RLHFJobSpec) -> PromptDataset:
+    """Before Ray starts: the checks that need files (rlhf_api.validate.runtime_issues; the batch geometry
+    is an admission rule), then the prompt dataset and the reward function, loaded with precise messages."""
+    issues = runtime_issues(spec)
+    if issues:
+        raise InputError("\n".join(str(issue) for issue in issues))
+    try:
+        data = PromptDataset(spec.data.prompts, spec.data.input_key, spec.data.label_key, spec.algorithm.seed)
+    except DatasetError as e:
+        raise InputError(f"spec.{e}") from e
+    if spec.model.reward.type == "function":
+        try:
+            load_reward_function(str(spec.model.reward.function))
+        except RewardSetupError as e:
+            raise InputError(f"spec.{e}") from e
+    return data
+
+
+def data_parallel_size(spec: RLHFJobSpec, ranks: int) -> int:
+    """Data-parallel groups of a model group with `ranks` ranks: each SP block is one (sees one shard)."""
+    return int(ranks // spec.trainer.sequence_parallel_for(ranks))
+
+
+# ---------------------------------------------------------------------------- settings derived from the spec
+
+
+def model_settings(spec: RLHFJobSpec, pad_id: int) -> dict[str, dict[str, Any]]:
+    """{role: settings} for the ranks' DeepSpeed engines (actor, reference, critic if any)."""
+    a = spec.algorithm
+    base = {
+        "zero_stage": spec.trainer.zero_stage,
+        "bf16": bool(spec.trainer.bf16),
+        "offload": spec.trainer.offload,
+        "gradient_checkpointing": spec.trainer.gradient_checkpointing,
+        "pad_id": int(pad_id),
+        "lr_scheduler": a.lr_scheduler,
+        "lr_warmup_steps": a.lr_warmup_steps * a.epochs,
+        "total_steps": a.total_steps * a.epochs,
+        "train_micro_batch": a.train_micro_batch_size,
+        # log-probs of the distribution the engines sampled from (logits / T); greedy (T=0) -> 1
+        "temperature": float(spec.rollout.temperature) if spec.rollout.temperature > 0 else 1.0,
+    }
+
+    def grad_accum(world: int) -> int:
+        # every rank of an SP block runs all of its block's samples (its columns of each)
+        local = a.samples_per_step // data_parallel_size(spec, world)
+        return max(1, math.ceil(int(local) / int(a.train_micro_batch_size)))
+
+    out = {
+        "actor": {
+            **base,
+            "path": spec.model.actor,
+            "lr": a.actor_learning_rate,
+            "grad_accum": grad_accum(spec.trainer.actor.ranks),
+        },
+        "reference": {**base, "path": spec.model.reference_path, "lr": 0.0, "grad_accum": 1},
+    }
+    if spec.model.critic:
+        out["critic"] = {
+            **base,
+            "path": spec.model.critic,
+            "lr": a.critic_learning_rate,
+            "grad_accum": grad_accum(spec.trainer.placement("critic").ranks),
+        }
+    return out
+
+
+def algorithm_wire(spec: RLHFJobSpec) -> dict[str, Any]:
+    """The advantage and loss settings the actor and critic ranks read each step."""
+    a = spec.algorithm
+    return {
+        "estimator": a.advantage_estimator,
+        "kl_coef": a.kl_coef if a.uses_reference else 0.0,
+        "gamma": a.gamma,
+        "lam": a.lam,
+        "clip": a.clip_range,
+        "value_clip": a.value_clip_range,
+        "epochs": a.epochs,
+        "train_micro_batch": a.train_micro_batch_size,
+    }
+
+
+def sampling(spec: RLHFJobSpec) -> dict[str, Any]:
+    """The rollout engines' sampling settings for one step's chunks."""
+    return {
+        "n": spec.algorithm.samples_per_prompt,
+        "temperature": spec.rollout.temperature,
+        "top_p": spec.rollout.top_p,
+        "max_tokens": spec.algorithm.max_response_length,
+        "max_prompt_tokens": spec.algorithm.max_prompt_length,
+    }
+
+
+def engine_options(spec: RLHFJobSpec, info: DeviceInfo, threads: int) -> dict[str, Any]:
+    """What every rollout engine (a vLLM `LLM` in a Ray actor) is started with."""
+    return {
+        "model_path": spec.model.actor,
+        "device": info.kind,
+        "seed": spec.algorithm.seed,
+        "chat_template": spec.data.apply_chat_template,
+        "max_model_len": spec.algorithm.max_prompt_length + spec.algorithm.max_response_length + 8,
+        "tensor_parallel_size": spec.rollout.tensor_parallel_size,
+        "gpu_memory_utilization": spec.rollout.gpu_memory_utilization,
+        "enable_sleep": spec.rollout.enable_sleep,
+        "threads": threads,
+        "dtype": "bfloat16"
+        if spec.trainer.bf16 and not info.is_cpu
+        else ("float32" if info.is_cpu else "auto"),
+    }

@@ -1,0 +1,168 @@
+"""One step's generation: chunks streamed out of the engines, each finished chunk scored at once.
+
+Owns which engine generates which chunk, reading the engines' streams, handing each finished chunk to the
+reward scorer, and engine loss mid-generation (a lost engine's chunks are generated again on the others).
+Must not fetch tokens: only chunk metadata is read here; packed rollouts stay in the object store.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ObjectLostError, RayActorError
+
+from rlhf_trainer.rollout.pool import EngineSlot
+from rlhf_trainer.transfer import ChunkMeta
+
+Chunk = tuple[int, int, list[int]]  # (shard, engine, prompt indices), transfer.plan_chunks
+ChunkJob = dict[str, Any]  # one chunk as an engine's generate_chunks reads it
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class RaySeam:
+    """The Ray calls the dispatcher makes on streams and refs (tests pass fakes: no Ray needed)."""
+
+    wait: Callable[..., tuple[list[Any], list[Any]]] = ray.wait
+    get: Callable[[Any], Any] = ray.get
+    gone: tuple[type[BaseException], ...] = (RayActorError, ObjectLostError)  # an engine is unreachable
+
+
+@dataclass
+class Rollout:
+    """A step's rollout, in chunk order: packed refs, chunk metas and (reward meta ref, reward result ref)."""
+
+    packed: list[Any]
+    metas: list[ChunkMeta]
+    reward_calls: list[tuple[Any, Any]]
+
+
+@dataclass
+class ChunkDispatcher:
+    """Streams one step's chunks out of `engines` (the pool's ready engines when the step started).
+
+    `on_lost(slot, error)` is told of each engine lost (the pool marks it; the metrics count it).
+    """
+
+    step: int
+    engines: Sequence[EngineSlot]
+    reward: Any  # the RewardScorer actor handle
+    sampling: dict[str, Any]
+    on_lost: Callable[[EngineSlot, BaseException], None]
+    log: Callable[[str], None] = _stderr
+    ray_seam: RaySeam = field(default_factory=RaySeam)
+    # engine index -> its chunks (re-dispatch reassigns)
+    assigned: dict[int, list[ChunkJob]] = field(default_factory=dict)
+    # open stream -> (engine index, the chunks it generates)
+    streams: dict[Any, tuple[int, list[ChunkJob]]] = field(default_factory=dict)
+    packed: list[Any] = field(default_factory=list)
+    metas: list[ChunkMeta | None] = field(default_factory=list)
+    reward_calls: list[tuple[Any, Any] | None] = field(default_factory=list)
+    lost: set[int] = field(default_factory=set)
+
+    def run(self, chunks: Sequence[Chunk], prompts: Sequence[str], labels: Sequence[Any]) -> Rollout:
+        """Generate and score every chunk; raises if an engine returned none for some chunk."""
+        n = len(chunks)
+        self.packed, self.metas, self.reward_calls = [None] * n, [None] * n, [None] * n
+        for c, (shard, engine, idx) in enumerate(chunks):
+            job = {
+                "chunk": c,
+                "shard": shard,
+                "prompts": [prompts[i] for i in idx],
+                "groups": list(idx),
+                "labels": [labels[i] for i in idx],
+            }
+            self.assigned.setdefault(engine, []).append(job)
+        for e, batch in self.assigned.items():
+            self._launch(e, list(batch))  # a stream's own chunks: `assigned` grows when chunks move
+        while self.streams:
+            try:
+                ready, _ = self.ray_seam.wait(list(self.streams), num_returns=1)
+            except self.ray_seam.gone:
+                self._find_lost_streams()  # ray.wait itself raises when a stream's actor is unreachable
+                continue
+            for stream in ready:
+                if stream in self.streams:
+                    self._read(stream)
+        missing = [c for c, m in enumerate(self.metas) if m is None]
+        if missing:
+            raise RuntimeError(f"step {self.step}: engines returned no rollout for chunks {missing}")
+        return Rollout(
+            list(self.packed),
+            [m for m in self.metas if m is not None],
+            [r for r in self.reward_calls if r is not None],
+        )
+
+    def _launch(self, e: int, batch: list[ChunkJob]) -> None:
+        handle = self.engines[e].handle
+        stream = handle.generate_chunks.options(num_returns="streaming").remote(batch, self.sampling)
+        self.streams[stream] = (e, batch)
+
+    def _read(self, stream: Any) -> None:
+        """The next finished chunk of a ready stream: its meta, and its packed ref sent to the scorer."""
+        e, batch = self.streams[stream]
+        try:
+            meta_ref = next(stream)
+            packed_ref = next(stream)
+            meta: ChunkMeta = self.ray_seam.get(meta_ref)
+        except StopIteration:
+            del self.streams[stream]
+            short = [b["chunk"] for b in batch if self.metas[b["chunk"]] is None]
+            if short:  # a stream that ends early: its actor died between two chunks
+                self._engine_lost(e, RuntimeError(f"its stream ended without chunks {short}"))
+            return
+        except self.ray_seam.gone as err:
+            self._engine_lost(e, err)
+            return
+        self.packed[meta.chunk], self.metas[meta.chunk] = packed_ref, meta
+        self.reward_calls[meta.chunk] = self.reward.score.options(num_returns=2).remote(
+            meta.chunk, packed_ref
+        )
+
+    def _find_lost_streams(self) -> None:
+        """After ray.wait raised: wait on each stream alone to find the unreachable engine(s)."""
+        for stream in list(self.streams):
+            try:
+                self.ray_seam.wait([stream], num_returns=1, timeout=0)
+            except self.ray_seam.gone as err:
+                if stream in self.streams:
+                    self._engine_lost(self.streams[stream][0], err)
+
+    def _engine_lost(self, e: int, err: BaseException) -> None:
+        """An engine died mid-generation (its pod or node is gone): the step goes on with the others.
+
+        Every chunk it had is generated again, including the finished ones: their tokens lived in the
+        lost node's object store. With no engine left the step fails, and so does the attempt, which
+        the operator restarts from the last checkpoint.
+        """
+        for stream in [s for s, (se, _) in self.streams.items() if se == e]:
+            del self.streams[stream]  # nothing more is read from a lost engine's streams
+        if e in self.lost:
+            return
+        self.lost.add(e)
+        self.on_lost(self.engines[e], err)
+        redo = self.assigned.pop(e, [])
+        alive = [i for i in range(len(self.engines)) if i not in self.lost]
+        if not alive:
+            raise RuntimeError(
+                f"step {self.step}: every rollout engine was lost (last: {type(err).__name__}: {err})"
+            )
+        for b in redo:
+            self.packed[b["chunk"]] = self.metas[b["chunk"]] = self.reward_calls[b["chunk"]] = None
+        moved: dict[int, list[ChunkJob]] = {}
+        for k, b in enumerate(redo):
+            moved.setdefault(alive[k % len(alive)], []).append(b)
+        for target, batch in moved.items():
+            self.assigned.setdefault(target, []).extend(batch)
+            self._launch(target, batch)
+        self.log(
+            f"step {self.step}: rollout engine {self.engines[e].index} lost ({type(err).__name__}); "
+            f"{len(redo)} chunk(s) generated again on engine(s) {sorted(self.engines[t].index for t in moved)}"
+        )

@@ -1,0 +1,149 @@
+"""The driver's side of weight sync: which backend, the channel around the ready engines, and each sync.
+
+Owns `choose_backend` (the one place weightSync.backend "auto" is decided), the engine refresh between
+steps (a membership change reopens the channel) and the bucketed sync itself. Must not move weights
+through the driver: actor rank 0 sends each bucket straight to the engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import ray
+from rlhf_api.spec import RLHFJobSpec
+
+from rlhf_trainer.device import DeviceInfo
+from rlhf_trainer.groups import RayGroup
+from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
+from rlhf_trainer.rollout.pool import EnginePool
+
+GPU_ONLY = ("nccl", "cuda_ipc")
+
+
+def choose_backend(
+    requested: str,
+    info: DeviceInfo,
+    *,
+    colocate_all: bool = False,
+    sender_node: str | None = None,
+    engine_nodes: Sequence[str] = (),
+) -> str:
+    """weightSync.backend (auto|nccl|gloo|cuda_ipc|shm) -> the transport to open.
+
+    An explicit backend is kept (a GPU-only one on a CPU process is an error). auto: on GPU, cuda_ipc when
+    every model shares the engines' devices (colocateAll), else nccl; on CPU, shm when every engine is on
+    the sender's Ray node (one pod, one /dev/shm; benchmarks/weight_sync.py: 2-3x gloo's loopback TCP),
+    else gloo.
+    """
+    if requested not in ("", "auto"):
+        if requested in GPU_ONLY and info.is_cpu:
+            raise ValueError(
+                f"weightSync.backend={requested} needs CUDA; this process sees no GPU (use gloo or shm)"
+            )
+        return requested
+    if not info.is_cpu:
+        return "cuda_ipc" if colocate_all else "nccl"
+    same_node = bool(engine_nodes) and all(n == sender_node for n in engine_nodes)
+    return "shm" if same_node else "gloo"
+
+
+class WeightSyncManager:
+    """Keeps the engines' weights equal to the actor's: refresh between steps, sync after training."""
+
+    def __init__(
+        self,
+        spec: RLHFJobSpec,
+        job: str,
+        info: DeviceInfo,
+        actor_group: RayGroup,
+        pool: EnginePool,
+        metrics: TrainerExporter,
+        log: Callable[[str], None],
+        *,
+        resumed: bool,
+    ) -> None:
+        self.spec = spec
+        self.job = job
+        self.info = info
+        self.actor_group = actor_group
+        self.pool = pool
+        self.metrics = metrics
+        self.log = log
+        self.resumed = resumed  # the engines loaded the actor's files, not the checkpoint's weights
+        self.channel_version = -1  # the pool membership the open channel was built for (-1: none yet)
+
+    def refresh(self, timer: PhaseTimer) -> int:
+        """Between steps: follow the cluster's rollout slots, let engines that finished starting join.
+
+        Engines start in the background (training goes on with the ready ones); a membership change
+        rebuilds the sync group and sends the current weights, since a new engine loaded the files.
+        Returns the bytes sent.
+        """
+        sent = 0
+        self.pool.resize(self.pool.desired_from_cluster(self.spec.rollout.engines))
+        self.pool.poll()
+        if not self.pool.ready():
+            self.pool.wait_ready()
+        if self.channel_version != self.pool.membership_version:
+            with timer.phase("weight_sync"):
+                if self.channel_version >= 0 or self.resumed:
+                    sent = self.sync()
+                else:  # first step, fresh start: the engines loaded the actor's own files
+                    self.open_channel()
+        self.metrics.set_engines(self.pool.counts())
+        return sent
+
+    def open_channel(self) -> None:
+        """A new sync group: actor rank 0 (its store on a free port of its node) and every ready engine."""
+        rank0 = self.actor_group.handles[0]
+        addr, port = ray.get(rank0.address.remote())
+        requested = self.spec.weight_sync.backend
+        engine_nodes = [str(s.info.get("node_id", "")) for s in self.pool.ready()]
+        auto_on_cpu = self.info.is_cpu and requested == "auto"
+        sender = str(ray.get(rank0.node_id.remote())) if auto_on_cpu else None
+        backend = choose_backend(
+            requested,
+            self.info,
+            colocate_all=self.spec.trainer.colocate_all,
+            sender_node=sender,
+            engine_nodes=engine_nodes,
+        )
+        if auto_on_cpu:
+            self.log(f"weight sync: auto -> {backend} for {len(engine_nodes)} engine(s)")
+        rdzv = self.pool.rendezvous(backend, addr, port, self.job)
+        refs = self.actor_group.call("open_weight_channel", rdzv.to_wire()) + self.pool.open_channel_refs(
+            rdzv
+        )
+        ray.get(refs)
+        self.channel_version = self.pool.membership_version
+
+    def sync(self) -> int:
+        """Bucketed gather on every actor rank; rank 0 sends each bucket once to all engines."""
+        for slot in self.pool.prune_lost():
+            self.log(f"rollout engine {slot.index} lost before the weight sync ({slot.info.get('error')})")
+        if not self.pool.ready():
+            raise RuntimeError("every rollout engine was lost before the weight sync")
+        if self.channel_version != self.pool.membership_version:
+            self.open_channel()
+        plan = ray.get(
+            self.actor_group.handles[0].weight_plan.remote(self.spec.weight_sync.bucket_size_mib << 20)
+        )
+        sends = self.actor_group.call("send_weights")
+        recvs = self.pool.receive_refs(plan)
+        send_stats = ray.get(sends)
+        ray.get(recvs)
+        sent = int(send_stats[0]["bytes"]) * max(1, len(recvs))
+        self.metrics.weight_sync_bytes.labels(self.job).inc(sent)
+        return sent
+
+    def engines_sleep(self, asleep: bool) -> None:
+        """Put the engines to sleep / wake them (only with rollout.enableSleep; a no-op on CPU)."""
+        if self.spec.rollout.enable_sleep:
+            ray.get([getattr(s.handle, "sleep" if asleep else "wake_up").remote() for s in self.pool.ready()])
+
+    def close(self) -> None:
+        """Close the channel before the groups go: the shm backend's buffer file is removed by its owner."""
+        if self.channel_version >= 0:
+            with contextlib.suppress(Exception):
+                ray.get(self.actor_group.call("open_weight_channel", None), timeout=30)
