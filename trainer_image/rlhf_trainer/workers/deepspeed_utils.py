@@ -8,6 +8,7 @@ padded micro-batch. No Ray here.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,26 @@ def build_engine(
     return BuiltEngine(engine, optimizer, scheduler)
 
 
+class ResponseScorer:
+    """Log-probs of the response tokens under a causal LM role (actor, reference), in micro-batches."""
+
+    engine: Any
+    pad_id: int
+    temperature: float  # the engines' sampling temperature (1 for greedy)
+    sp: SequenceParallel | None
+
+    @torch.no_grad()
+    def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
+        return over_micro_batches(
+            self.engine,
+            rollout,
+            micro_batch,
+            lambda s, e: response_logprobs(
+                self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp
+            ),
+        )
+
+
 class TrainedRole:
     """Checkpoint and resume-check methods of a trained role (actor, critic) over its `BuiltEngine`."""
 
@@ -227,6 +248,15 @@ def response_logprobs(
         logits = logits / temperature
     lp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return TokenOutputs(lp, act[:, cols], act, cols, sp if sp is not None and sp.size > 1 else None)
+
+
+def over_micro_batches(
+    engine: Any, rollout: PackedRollout, micro_batch: int, forward: Callable[[int, int], TokenOutputs]
+) -> torch.Tensor:
+    """Inference over a rollout in micro-batches: `forward(start, end)`'s packed outputs, concatenated."""
+    engine.eval()
+    out = [forward(s, e).packed() for s, e in rollout.micro_batches(micro_batch)]
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def token_values(

@@ -16,10 +16,16 @@ from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import Bucket, pack_bucket, plan_buckets
 from rlhf_trainer.weight_sync.channels import WeightChannel
-from rlhf_trainer.workers.deepspeed_utils import TrainedRole, build_engine, full_shape, response_logprobs
+from rlhf_trainer.workers.deepspeed_utils import (
+    ResponseScorer,
+    TrainedRole,
+    build_engine,
+    full_shape,
+    response_logprobs,
+)
 
 
-class PolicyModel(TrainedRole):
+class PolicyModel(ResponseScorer, TrainedRole):
     """The actor role's model (the policy being trained)."""
 
     def __init__(self, path: str, settings: dict[str, Any], sp: SequenceParallel | None = None) -> None:
@@ -32,14 +38,6 @@ class PolicyModel(TrainedRole):
         self.temperature = float(settings.get("temperature", 1.0))
 
     # ---- experience ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
-        self.engine.eval()
-        out = [
-            response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp).packed()
-            for s, e in rollout.micro_batches(micro_batch)
-        ]
-        return torch.cat(out) if out else torch.zeros(0)
 
     # ---- training -------------------------------------------------------------------------------
     def train(

@@ -7,25 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from rlhf_trainer.sequence_parallel import SequenceParallel
-from rlhf_trainer.transfer import PackedRollout
-from rlhf_trainer.workers.deepspeed_utils import build_engine, response_logprobs
+from rlhf_trainer.workers.deepspeed_utils import ResponseScorer, build_engine
 
 
-class ReferenceModel:
+class ReferenceModel(ResponseScorer):
     def __init__(self, path: str, settings: dict[str, Any], sp: SequenceParallel | None = None) -> None:
         self.sp = sp
         self.engine = build_engine(path, settings, sp, head="causal_lm", train=False).engine
         self.pad_id = int(settings["pad_id"])
         self.temperature = float(settings.get("temperature", 1.0))
-
-    @torch.no_grad()
-    def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
-        self.engine.eval()
-        out = [
-            response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp).packed()
-            for s, e in rollout.micro_batches(micro_batch)
-        ]
-        return torch.cat(out) if out else torch.zeros(0)

@@ -14,7 +14,7 @@ import torch
 from rlhf_trainer import algorithms
 from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
-from rlhf_trainer.workers.deepspeed_utils import TrainedRole, build_engine, token_values
+from rlhf_trainer.workers.deepspeed_utils import TrainedRole, build_engine, over_micro_batches, token_values
 
 
 class ValueModel(TrainedRole):
@@ -29,12 +29,12 @@ class ValueModel(TrainedRole):
 
     @torch.no_grad()
     def values(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
-        self.engine.eval()
-        out = [
-            token_values(self.engine, rollout, s, e, self.pad_id, self.sp).packed()
-            for s, e in rollout.micro_batches(micro_batch)
-        ]
-        return torch.cat(out) if out else torch.zeros(0)
+        return over_micro_batches(
+            self.engine,
+            rollout,
+            micro_batch,
+            lambda s, e: token_values(self.engine, rollout, s, e, self.pad_id, self.sp),
+        )
 
     def train(
         self,
