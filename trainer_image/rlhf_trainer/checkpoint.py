@@ -15,6 +15,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,32 +112,25 @@ def resume_point(spec: RLHFJobSpec) -> int:
     return found[-1][0] if found else 0
 
 
+@dataclass
 class Checkpointer:
     """Saves the run (every trained rank's shards, data position, digests) when due, and resumes it.
 
     `on_written(step)` runs once every rank has written its shard, before the commit (fault injection).
     """
 
-    def __init__(
-        self,
-        spec: RLHFJobSpec,
-        job: str,
-        data: PromptDataset,
-        groups: Sequence[RayGroup],
-        metrics: TrainerExporter,
-        log: Callable[[str], None],
-        on_written: Callable[[int], None] | None = None,
-    ) -> None:
-        self.spec = spec
-        self.job = job
-        self.data = data
-        self.groups = groups
-        self.metrics = metrics
-        self.log = log
-        self.on_written = on_written
-        self.store = CheckpointStore(spec.checkpoint.path) if spec.checkpoint.path else None
-        self.written: list[str] = []  # paths of the checkpoints this run wrote
-        self.resume_info: dict[str, Any] = {}  # what `resume` loaded ({} on a fresh start)
+    spec: RLHFJobSpec
+    job: str
+    data: PromptDataset
+    groups: Sequence[RayGroup]
+    metrics: TrainerExporter
+    log: Callable[[str], None]
+    on_written: Callable[[int], None] | None = None
+    written: list[str] = field(default_factory=list)  # paths of the checkpoints this run wrote
+    resume_info: dict[str, Any] = field(default_factory=dict)  # what `resume` loaded ({}: a fresh start)
+
+    def __post_init__(self) -> None:
+        self.store = CheckpointStore(self.spec.checkpoint.path) if self.spec.checkpoint.path else None
 
     def due(self, step: int) -> bool:
         return self.store is not None and (
