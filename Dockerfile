@@ -15,9 +15,11 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/venv
 
 WORKDIR /src
-# Only what the package build reads: the project file, the README it names, the operator package.
+# Only what the package build reads: the project file, the README it names, the API package, the
+# `rlhf` command and the operator package.
 COPY pyproject.toml README.md ./
 COPY api/ api/
+COPY cli/ cli/
 COPY operator/ operator/
 # A regular (not editable) install: the source tree stays in this stage. pip byte-compiles the
 # modules here, since the running container cannot write .pyc files.

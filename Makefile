@@ -28,8 +28,8 @@ cluster-status:
 	@$(DEVCLUSTER) status
 
 lint: setup ## ruff and mypy
-	@$(VENV)/bin/ruff check api operator trainer_image tests benchmarks scripts
-	@$(VENV)/bin/ruff format --check api operator trainer_image tests benchmarks scripts
+	@$(VENV)/bin/ruff check api cli operator trainer_image tests benchmarks scripts
+	@$(VENV)/bin/ruff format --check api cli operator trainer_image tests benchmarks scripts
 	@$(VENV)/bin/mypy
 
 crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model

@@ -185,7 +185,7 @@ def dockerignore() -> tuple[list[str], set[str]]:
 def test_dockerignore_is_an_allowlist() -> None:
     patterns, allowed = dockerignore()
     assert patterns[0] == "*", ".dockerignore should be an allowlist starting with `*`"
-    assert allowed == {"pyproject.toml", "README.md", "api", "operator", "trainer_image"}
+    assert allowed == {"pyproject.toml", "README.md", "api", "cli", "operator", "trainer_image"}
     for junk in ("**/__pycache__", "**/*.pyc", "**/*.egg-info"):
         assert junk in patterns, f".dockerignore does not exclude {junk}"
 
@@ -230,7 +230,9 @@ def test_operator_image() -> None:
     assert "trainer" not in installs and "vllm" not in installs and "torch" not in installs
     assert values(OPERATOR, "ENTRYPOINT") == ['["rlhf", "operator"]']
     copied = {s.rstrip("/") for sources, _ in copies(OPERATOR) for s in sources}
-    assert copied == {"pyproject.toml", "README.md", "api", "operator"}, "only the operator's sources go in"
+    assert copied == {"pyproject.toml", "README.md", "api", "cli", "operator"}, (
+        "only the operator's sources go in"
+    )
     # The final stage takes the venv from the build stage, not the sources.
     assert values(OPERATOR, "COPY", stage=-1) == ["--from=build /opt/venv /opt/venv"]
 
@@ -341,13 +343,14 @@ def build_context_wheel(dockerfile: Path, stage: int, tmp_path: Path) -> zipfile
 def test_operator_sources_build_the_operator(tmp_path: Path) -> None:
     wheel = build_context_wheel(OPERATOR, 0, tmp_path)
     names = set(wheel.namelist())
-    for module in ("main", "handlers", "metrics", "cli"):
+    for module in ("main", "handlers", "metrics"):
         assert f"rlhf_operator/{module}.py" in names, module
+    assert "rlhf_cli/main.py" in names
     for module in ("spec", "rules", "validate", "crd", "constants"):
         assert f"rlhf_api/{module}.py" in names, module
     assert not any(n.startswith("rlhf_trainer/") for n in names), "trainer code in the operator image"
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    assert "rlhf = rlhf_operator.cli:main" in wheel.read(entry_points).decode()
+    assert "rlhf = rlhf_cli.main:main" in wheel.read(entry_points).decode()
 
 
 def test_trainer_sources_build_the_entrypoint_the_operator_submits(tmp_path: Path) -> None:
@@ -366,5 +369,7 @@ def test_trainer_sources_build_the_entrypoint_the_operator_submits(tmp_path: Pat
     assert module.replace(".", "/") + ".py" in names, f"{module} is not in the trainer image's package"
     # The driver validates its spec with the shared API package, which must be in the image too.
     assert "rlhf_api/spec.py" in names
+    assert "rlhf_cli/main.py" in names, "the trainer image has the `rlhf` command (rlhf run)"
+    assert not any(n.startswith("rlhf_operator/") for n in names), "operator code in the trainer image"
     metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "Provides-Extra: trainer" in metadata

@@ -15,7 +15,7 @@ import yaml
 from rlhf_api import crd
 from rlhf_api.rules import RULES
 from rlhf_api.spec import PHASES, RLHFJobSpec
-from rlhf_operator.cli import main as cli_main
+from rlhf_cli.main import main as cli_main
 
 pytestmark = pytest.mark.unit
 

@@ -185,7 +185,7 @@ def test_heads_not_divisible_is_rejected_by_rlhf_validate_naming_the_field(
 ) -> None:
     import yaml
     from rlhf_api.validate import validate_manifest
-    from rlhf_operator.cli import main as cli_main
+    from rlhf_cli.main import main as cli_main
 
     model = str(tiny_model / "model")  # 2 heads, 2 key-value heads
     assert validate_manifest(_manifest(model, 2, 2)) == []

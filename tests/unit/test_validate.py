@@ -22,7 +22,7 @@ from rlhf_api.validate import (
     validate_manifest,
     validate_text,
 )
-from rlhf_operator.cli import main as cli_main
+from rlhf_cli.main import main as cli_main
 
 pytestmark = pytest.mark.unit
 
@@ -234,9 +234,9 @@ def test_cli_validate_reports_malformed_yaml_with_file_and_line(
 def test_cli_validate_does_not_import_heavy_packages() -> None:
     code = (
         "import sys\n"
-        "from rlhf_operator.cli import main\n"
+        "from rlhf_cli.main import main\n"
         f"rc = main(['validate', {str(EXAMPLES[0])!r}])\n"
-        "heavy = sorted(m for m in ('kopf', 'kubernetes', 'torch', 'ray', 'vllm', 'rlhf_trainer') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('kopf', 'kubernetes', 'torch', 'ray', 'vllm', 'rlhf_trainer', 'rlhf_operator') if m in sys.modules)\n"
         "print('HEAVY', heavy)\n"
         "sys.exit(rc)\n"
     )
