@@ -22,7 +22,8 @@ from pydantic import ValidationError
 from rlhf_api.spec import GROUP, PLURAL, TERMINAL_PHASES, VERSION, RLHFJob
 
 from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape
-from rlhf_operator.status import Decision, Observed, decide, parse_time, status_patch
+from rlhf_operator.conditions import parse_time
+from rlhf_operator.status import Decision, Observed, decide, status_patch
 
 log = logging.getLogger("rlhf_operator")
 

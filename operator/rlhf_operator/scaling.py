@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from rlhf_api.spec import AutoscalingSpec, RLHFJobSpec
 
-from rlhf_operator.status import iso, parse_time, set_condition
+from rlhf_operator.conditions import iso, parse_time, set_condition
 
 Direction = Literal["up", "down", "hold"]
 # (step, generation share of that step): one entry per completed step the operator observed.

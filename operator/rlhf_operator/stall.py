@@ -12,6 +12,7 @@ from typing import Any
 
 from rlhf_api.spec import MonitoringSpec
 
+from rlhf_operator.conditions import iso, set_condition
 from rlhf_operator.scrape import TrainerMetrics
 
 CONDITION_TYPE = "Stalled"
@@ -51,8 +52,6 @@ class Stall:
     @property
     def message(self) -> str:
         """Human-readable, with the numbers: how long since progress and how long the phase has run."""
-        from rlhf_operator.status import iso  # not at the top: status.py may import this module
-
         idle, since = _duration(self.seconds_since_progress), iso(self.last_progress)
         head = f"no step completed for {idle} (since {since}; stallTimeoutSeconds={self.timeout_seconds})"
         if not self.scraped:
@@ -113,9 +112,6 @@ def set_stalled_condition(
     because the durations in the message grew. No stall sets Stalled=False (reason `Progressing`) if
     the condition exists, and adds nothing to a job that never stalled.
     """
-    # Imported here, not at the top: status.py may import this module to call detect_stall.
-    from rlhf_operator.status import set_condition
-
     current = next((c for c in conditions if c.get("type") == CONDITION_TYPE), None)
     if stall is None:
         if current is None:

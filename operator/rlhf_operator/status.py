@@ -15,6 +15,7 @@ from typing import Any, Literal
 from rlhf_api.spec import RLHFJob
 
 from rlhf_operator import rayjobs
+from rlhf_operator.conditions import iso, parse_time, set_condition
 from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines
 from rlhf_operator.scrape import TrainerMetrics
 from rlhf_operator.stall import detect_stall, set_stalled_condition
@@ -56,54 +57,6 @@ class Decision:
         self.events.append(("Warning" if warning else "Normal", reason, message))
         if "emit_event" not in self.actions:
             self.actions.append("emit_event")
-
-
-def iso(ts: datetime) -> str:
-    return ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(value: Any) -> datetime | None:
-    if not value:
-        return None
-    if isinstance(value, datetime):
-        return value
-    try:
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
-def set_condition(
-    conditions: list[dict[str, Any]],
-    ctype: str,
-    status: bool,
-    reason: str,
-    message: str,
-    now: datetime,
-    generation: int | None = None,
-) -> list[dict[str, Any]]:
-    """Upsert a metav1.Condition; lastTransitionTime changes only when status flips."""
-    value = "True" if status else "False"
-    out = [dict(c) for c in conditions]
-    for c in out:
-        if c.get("type") == ctype:
-            if c.get("status") != value:
-                c["lastTransitionTime"] = iso(now)
-            c.update(status=value, reason=reason, message=message)
-            if generation is not None:
-                c["observedGeneration"] = generation
-            return out
-    new: dict[str, Any] = {
-        "type": ctype,
-        "status": value,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": iso(now),
-    }
-    if generation is not None:
-        new["observedGeneration"] = generation
-    out.append(new)
-    return out
 
 
 def cluster_ready(raycluster: dict[str, Any] | None) -> bool:

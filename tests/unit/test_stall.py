@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 from rlhf_api.spec import MonitoringSpec
+from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import TrainerMetrics
 from rlhf_operator.stall import STEP_STALLED, detect_stall, set_stalled_condition
-from rlhf_operator.status import decide, iso
+from rlhf_operator.status import decide
 from test_status import NOW, SID, job, obs, ray
 
 pytestmark = pytest.mark.unit

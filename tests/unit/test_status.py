@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import yaml
 from rlhf_api.spec import RLHFJob
+from rlhf_operator.conditions import iso
 from rlhf_operator.rayjobs import RayJobInfo
 from rlhf_operator.scrape import TrainerMetrics
-from rlhf_operator.status import Observed, decide, iso, status_patch
+from rlhf_operator.status import Observed, decide, status_patch
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
