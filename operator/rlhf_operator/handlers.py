@@ -198,26 +198,17 @@ def ensure_cluster(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         patch.status["message"] = "RayCluster created; waiting for it to be ready"
 
 
-def dashboard_url(cluster: dict[str, Any]) -> str:
-    """The Ray dashboard of a RayCluster, from KubeRay's head Service (or the dev override)."""
-    name = cluster["metadata"]["name"]
-    namespace = cluster["metadata"]["namespace"]
-    svc = cluster.get("status", {}).get("head", {}).get("serviceName") or f"{name}-head-svc"
-    host = DEV_HEAD_HOST or f"{svc}.{namespace}.svc"
-    port = (
-        os.environ.get("RLHF_DEV_DASHBOARD_PORT", str(manifests.DASHBOARD_PORT))
-        if DEV_HEAD_HOST
-        else str(manifests.DASHBOARD_PORT)
-    )
-    return f"http://{host}:{port}"
+def dashboard_url(cluster: dict[str, Any] | None) -> str:
+    """The Ray dashboard (Jobs API) of a RayCluster's head, or of the development head."""
+    port = manifests.DASHBOARD_PORT
+    if DEV_HEAD_HOST:
+        port = int(os.environ.get("RLHF_DEV_DASHBOARD_PORT") or port)
+    return manifests.head_url(cluster, port, DEV_HEAD_HOST)
 
 
 def metrics_url(cluster: dict[str, Any], job: RLHFJob) -> str:
-    name = cluster["metadata"]["name"]
-    namespace = cluster["metadata"]["namespace"]
-    svc = cluster.get("status", {}).get("head", {}).get("serviceName") or f"{name}-head-svc"
-    host = DEV_HEAD_HOST or f"{svc}.{namespace}.svc"
-    return f"http://{host}:{job.spec.monitoring.metrics_port}/metrics"
+    """The trainer's /metrics, served by the driver on the head."""
+    return manifests.head_url(cluster, job.spec.monitoring.metrics_port, DEV_HEAD_HOST) + "/metrics"
 
 
 def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
@@ -428,9 +419,7 @@ def stop_trainer(body: kopf.Body, **_: Any) -> None:
     if not sid or not DEV_HEAD_HOST:
         return  # in a real cluster the RayCluster's deletion ends the job with it
     try:
-        with rayjobs.RayJobsClient(
-            f"http://{DEV_HEAD_HOST}:{os.environ.get('RLHF_DEV_DASHBOARD_PORT', '8265')}"
-        ) as rj:
+        with rayjobs.RayJobsClient(dashboard_url(None)) as rj:
             rj.stop(sid)
     except rayjobs.RayJobsError as e:
         log.warning("could not stop %s: %s", sid, e)

@@ -35,6 +35,21 @@ def raycluster_name(job_name: str) -> str:
     return f"{job_name[:33].rstrip('-')}-{digest}"
 
 
+def head_url(raycluster: dict[str, Any] | None, port: int, dev_host: str = "") -> str:
+    """`http://HOST:PORT` on a RayCluster's head: KubeRay's head Service (`status.head.serviceName`, else
+    `<name>-head-svc`) in the cluster's namespace, or `dev_host` when set (the development override,
+    docs/development.md), which needs no cluster object."""
+    if dev_host:
+        return f"http://{dev_host}:{port}"
+    if raycluster is None:
+        raise ValueError("head_url: no RayCluster and no development head host")
+    meta = raycluster["metadata"]
+    service = (raycluster.get("status") or {}).get("head", {}).get(
+        "serviceName"
+    ) or f"{meta['name']}-head-svc"
+    return f"http://{service}.{meta['namespace']}.svc:{port}"
+
+
 def child_labels(job: RLHFJob) -> dict[str, str]:
     labels = {
         k: str(v)

@@ -155,3 +155,14 @@ def test_runtime_env_carries_literal_pod_env_but_never_overrides_the_spec() -> N
     assert env["HF_HUB_OFFLINE"] == "1"
     assert "TOKEN" not in env  # a secret reference exists only in the pods
     assert env["RLHF_JOB_NAME"] == "tiny"
+
+
+def test_head_url_is_the_kuberay_head_service_or_the_development_host() -> None:
+    cluster = {"metadata": {"name": "ppo", "namespace": "team-a"}}
+    assert manifests.head_url(cluster, 8265) == "http://ppo-head-svc.team-a.svc:8265"
+    named = {**cluster, "status": {"head": {"serviceName": "ppo-head-x"}}}  # KubeRay's own report wins
+    assert manifests.head_url(named, 9400) == "http://ppo-head-x.team-a.svc:9400"
+    assert manifests.head_url(named, 18265, dev_host="127.0.0.1") == "http://127.0.0.1:18265"
+    assert manifests.head_url(None, 8265, dev_host="127.0.0.1") == "http://127.0.0.1:8265"
+    with pytest.raises(ValueError, match="no RayCluster"):
+        manifests.head_url(None, 8265)
