@@ -308,9 +308,8 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
         kopf.event(body, type=etype, reason=reason, message=message)
         if reason == "Restarting":
             metrics.RESTARTS.labels(namespace, job.name).inc()
-        elif reason == "Stalled":
-            stuck = message.split(":", 2)[1].strip() if message.startswith("PhaseStuck:") else "unknown"
-            metrics.STALLS.labels(namespace, job.name, stuck.split()[0] if stuck else "unknown").inc()
+    if decision.new_stall is not None:
+        metrics.STALLS.labels(namespace, job.name, decision.new_stall.phase_label).inc()
 
 
 def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:

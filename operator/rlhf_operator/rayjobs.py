@@ -140,10 +140,3 @@ class RayJobsClient:
         if resp.status_code != 200:
             raise RayJobsError(f"stop {submission_id}: HTTP {resp.status_code}: {resp.text[:300]}")
         return bool(resp.json().get("stopped", False))
-
-    def logs(self, submission_id: str, tail_chars: int = 4000) -> str:
-        resp = self._request("GET", f"/api/jobs/{submission_id}/logs")
-        if resp.status_code != 200:
-            return ""
-        text = str(resp.json().get("logs", ""))
-        return text[-tail_chars:]

@@ -45,9 +45,12 @@ class Stall:
         Any character of the phase name other than a letter, digit or `_` becomes `_`, so the reason
         stays valid for a metav1.Condition.
         """
-        if not self.phase:
-            return STEP_STALLED
-        return f"{PHASE_STUCK}:{re.sub(r'[^A-Za-z0-9_]', '_', self.phase[:200])}"
+        return f"{PHASE_STUCK}:{self.phase_label}" if self.phase else STEP_STALLED
+
+    @property
+    def phase_label(self) -> str:
+        """The stuck training phase as a label value (`unknown` when not known), sanitised as in `reason`."""
+        return re.sub(r"[^A-Za-z0-9_]", "_", self.phase[:200]) if self.phase else "unknown"
 
     @property
     def message(self) -> str:

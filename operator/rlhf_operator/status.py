@@ -18,7 +18,7 @@ from rlhf_operator import rayjobs
 from rlhf_operator.conditions import iso, parse_time, set_condition
 from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines
 from rlhf_operator.scrape import TrainerMetrics
-from rlhf_operator.stall import detect_stall, set_stalled_condition
+from rlhf_operator.stall import Stall, detect_stall, set_stalled_condition
 
 Action = Literal[
     "create_cluster",  # the RayCluster is missing
@@ -27,7 +27,6 @@ Action = Literal[
     "suspend_cluster",  # set RayCluster spec.suspend to the job's runPolicy.suspend
     "delete_cluster",  # the job finished: release the RayCluster's GPUs
     "delete_job",  # ttlSecondsAfterFinished elapsed
-    "emit_event",  # an Event (reason, message) for a transition
 ]
 
 
@@ -42,7 +41,6 @@ class Observed:
     ray_job_error: str | None = None
     metrics: TrainerMetrics | None = None
     metrics_error: str | None = None
-    cluster_deleted_by_hand: bool = False
 
 
 @dataclass
@@ -52,11 +50,10 @@ class Decision:
     submission_id: str | None = None
     stop_submission_id: str | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    new_stall: Stall | None = None  # a stall first seen (or first attributed to a phase) this round
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.events.append(("Warning" if warning else "Normal", reason, message))
-        if "emit_event" not in self.actions:
-            self.actions.append("emit_event")
 
 
 def cluster_ready(raycluster: dict[str, Any] | None) -> bool:
@@ -272,6 +269,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         return d
     if before is None or before.get("reason") != stall.reason:  # a new stall, or now the phase is known
         d.event("Stalled", f"{stall.reason}: {stall.message}", warning=True)
+        d.new_stall = stall
     if spec.monitoring.on_stall == "Restart":
         d.actions.append("stop")
         d.stop_submission_id = job_info.submission_id

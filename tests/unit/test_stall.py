@@ -9,7 +9,7 @@ import pytest
 from rlhf_api.spec import MonitoringSpec
 from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import TrainerMetrics
-from rlhf_operator.stall import STEP_STALLED, detect_stall, set_stalled_condition
+from rlhf_operator.stall import STEP_STALLED, Stall, detect_stall, set_stalled_condition
 from rlhf_operator.status import decide
 from test_status import NOW, SID, job, obs, ray
 
@@ -95,6 +95,16 @@ def test_alert_policy_sets_phase_stalled_with_an_event_naming_the_phase() -> Non
     assert "stop" not in d.actions
     cond = next(c for c in d.status["conditions"] if c["type"] == "Stalled")
     assert cond["status"] == "True" and cond["reason"] == "PhaseStuck:reward"
+    # The handler counts the stall by its phase from this typed verdict, not from the Event's text.
+    assert d.new_stall is not None and d.new_stall.phase_label == "reward"
+
+
+def test_a_stall_of_unknown_phase_is_labelled_unknown() -> None:
+    d = decide(running("Alert"), obs(ray_job=ray("RUNNING"), metrics_error="connection refused"), SID)
+    assert d.new_stall is not None and d.new_stall.phase is None
+    assert (d.new_stall.reason, d.new_stall.phase_label) == (STEP_STALLED, "unknown")
+    weird = Stall("re ward/x", 700.0, 5.0, 600, NOW, True)
+    assert weird.reason == "PhaseStuck:re_ward_x" and weird.phase_label == "re_ward_x"
 
 
 def test_restart_policy_stops_the_stuck_attempt_and_restarts() -> None:
@@ -140,4 +150,4 @@ def test_a_lasting_stall_does_not_rewrite_the_status() -> None:
     )
     assert later.status["message"] == first["message"]
     assert later.status["conditions"] == first["conditions"]
-    assert not later.events
+    assert not later.events and later.new_stall is None
