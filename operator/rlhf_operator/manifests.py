@@ -15,6 +15,8 @@ from typing import Any
 from rlhf_api.constants import ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from rlhf_api.spec import GROUP, RLHFJob, RLHFJobSpec
 
+from rlhf_operator.scaling import clamp_request
+
 JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlhf-operator"}
@@ -70,11 +72,10 @@ def trainer_pods(spec: RLHFJobSpec) -> tuple[int, int]:
 
 
 def effective_engines(spec: RLHFJobSpec) -> int:
-    """Engines to run: spec.rollout.engines clamped to the autoscaling range when autoscaling is on."""
-    r = spec.rollout
-    if r.autoscaling.enabled:
-        return max(r.autoscaling.min_engines, min(r.autoscaling.max_engines, r.engines))
-    return r.engines
+    """Engines to run: spec.rollout.engines clamped to the autoscaling range when autoscaling is on
+    (scaling.clamp_request, the one definition of that clamp)."""
+    engines, _ = clamp_request(spec.rollout.engines, spec.rollout.autoscaling)
+    return engines
 
 
 def rollout_replicas(spec: RLHFJobSpec, engines: int | None = None) -> int:

@@ -166,3 +166,14 @@ def test_head_url_is_the_kuberay_head_service_or_the_development_host() -> None:
     assert manifests.head_url(None, 8265, dev_host="127.0.0.1") == "http://127.0.0.1:8265"
     with pytest.raises(ValueError, match="no RayCluster"):
         manifests.head_url(None, 8265)
+
+
+def test_effective_engines_clamp_a_request_outside_the_range_only_under_autoscaling() -> None:
+    autoscaling = {"enabled": True, "minEngines": 2, "maxEngines": 3}
+    for requested, expected in ((1, 2), (3, 3), (9, 3)):
+        job = load(
+            "rlhfjob-tiny.yaml",
+            **{"spec.rollout.autoscaling": autoscaling, "spec.rollout.engines": requested},
+        )
+        assert manifests.effective_engines(job.spec) == expected, requested
+    assert manifests.effective_engines(load("rlhfjob-tiny.yaml", **{"spec.rollout.engines": 9}).spec) == 9
