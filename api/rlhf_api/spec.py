@@ -710,7 +710,10 @@ class RLHFJobStatus(_Status):
     )
     last_restart_time: datetime | None = Field(default=None, description="When the job last restarted.")
     last_checkpoint_step: int | None = Field(
-        default=None, ge=0, description="Step of the newest complete checkpoint."
+        default=None,
+        ge=0,
+        description="Step of the newest complete checkpoint, as the trainer reports it "
+        "(rlhf_last_checkpoint_step: written or resumed from); unset until it reports one.",
     )
     start_time: datetime | None = Field(default=None, description="When the job started running.")
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")

@@ -1,4 +1,4 @@
-"""Reads the trainer's Prometheus `/metrics` into a typed snapshot (DESIGN.md §4 names).
+"""Reads the trainer's Prometheus `/metrics` into a typed snapshot (the metric names of docs/monitoring.md).
 
 `parse_metrics` is pure and tolerant: malformed text raises `MalformedMetrics` (the caller logs and
 ignores it), unknown series are ignored, and series of other jobs (another `rlhfjob` label) are skipped.
@@ -38,6 +38,9 @@ class TrainerMetrics:
     reward_errors_total: float = 0.0
     weight_sync_bytes_total: float = 0.0
     engines: dict[str, int] = field(default_factory=dict)
+    # rlhf_last_checkpoint_step: None when the series is absent (a trainer that predates it, or one
+    # that has neither written nor resumed from a checkpoint yet).
+    last_checkpoint_step: int | None = None
 
     @property
     def step_seconds(self) -> float:
@@ -92,6 +95,8 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> TrainerMetrics:
                 out.reward_errors_total = value
             elif name == "rlhf_weight_sync_bytes_total":
                 out.weight_sync_bytes_total = value
+            elif name == "rlhf_last_checkpoint_step":
+                out.last_checkpoint_step = int(value)
             elif name == "rlhf_rollout_engines" and "state" in labels:
                 out.engines[labels["state"]] = int(value)
     if in_progress:

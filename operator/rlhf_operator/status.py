@@ -323,6 +323,8 @@ def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
         st["rewardMean"] = round(m.reward_mean, 4)
     if m.kl is not None and math.isfinite(m.kl):
         st["kl"] = round(m.kl, 6)
+    if m.last_checkpoint_step is not None:  # absent: keep the last known (checkpoints outlive attempts)
+        st["lastCheckpointStep"] = m.last_checkpoint_step
     if m.engines:
         rollout = dict(st.get("rollout") or {})
         rollout["readyEngines"] = int(m.engines.get("ready", 0))

@@ -107,3 +107,25 @@ def test_fetch_of_a_closed_port_is_unavailable() -> None:
         port = s.getsockname()[1]  # bound, never listening: connections are refused
         with pytest.raises(MetricsUnavailable, match=str(port)):
             fetch_metrics(f"http://127.0.0.1:{port}/metrics", "job-a", timeout=2)
+
+
+LITERAL = """# HELP rlhf_steps_completed_total Steps completed.
+# TYPE rlhf_steps_completed_total counter
+rlhf_steps_completed_total{rlhfjob="job-a"} 7.0
+# HELP rlhf_last_checkpoint_step Step of the last checkpoint written or resumed from.
+# TYPE rlhf_last_checkpoint_step gauge
+rlhf_last_checkpoint_step{rlhfjob="job-a"} 6.0
+rlhf_last_checkpoint_step{rlhfjob="other"} 40.0
+"""
+
+
+def test_the_last_checkpoint_step_is_read_for_this_job_only() -> None:
+    assert parse_metrics(LITERAL, "job-a").last_checkpoint_step == 6
+    assert parse_metrics(LITERAL, "other").last_checkpoint_step == 40
+
+
+def test_no_checkpoint_series_means_unknown_not_zero() -> None:
+    """An older trainer, or one before its first checkpoint, exports no such series."""
+    without = "\n".join(line for line in LITERAL.splitlines() if "checkpoint" not in line) + "\n"
+    got = parse_metrics(without, "job-a")
+    assert got.steps_completed == 7 and got.last_checkpoint_step is None

@@ -11,7 +11,7 @@ import yaml
 from rlhf_api.spec import RLHFJob
 from rlhf_operator.conditions import iso
 from rlhf_operator.rayjobs import RayJobInfo
-from rlhf_operator.scrape import TrainerMetrics
+from rlhf_operator.scrape import TrainerMetrics, parse_metrics
 from rlhf_operator.status import Observed, decide, status_patch
 
 pytestmark = pytest.mark.unit
@@ -212,3 +212,17 @@ def test_ttl_deletes_a_finished_job_only_after_it_elapses() -> None:
 def test_status_patch_holds_only_changes() -> None:
     assert status_patch({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == {"b": 3, "c": 4}
     assert status_patch({"a": 1}, {"a": 1}) == {}
+
+
+def test_last_checkpoint_step_follows_the_trainer_and_survives_its_absence() -> None:
+    text = 'rlhf_steps_completed_total{rlhfjob="tiny"} 5\nrlhf_last_checkpoint_step{rlhfjob="tiny"} 4\n'
+    running = {"phase": "Running", "startTime": iso(NOW)}
+    d = decide(job(running), obs(ray_job=ray("RUNNING"), metrics=parse_metrics(text, "tiny")), SID)
+    assert d.status["lastCheckpointStep"] == 4
+    # A restarted trainer exports nothing until it resumes: the last known checkpoint stays.
+    restarted = parse_metrics('rlhf_steps_completed_total{rlhfjob="tiny"} 0\n', "tiny")
+    d = decide(job({**running, "lastCheckpointStep": 4}), obs(ray_job=ray("RUNNING"), metrics=restarted), SID)
+    assert d.status["lastCheckpointStep"] == 4
+    # A trainer that never checkpointed leaves the field unset.
+    d = decide(job(running), obs(ray_job=ray("RUNNING"), metrics=restarted), SID)
+    assert "lastCheckpointStep" not in d.status
