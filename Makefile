@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEVCLUSTER := python3 tests/controlplane/devcluster.py
+DEVCLUSTER := python3 devcluster/devcluster.py
 
 .PHONY: setup test demo cluster-build cluster-up cluster-down cluster-status lint crd bench clean
 
@@ -28,8 +28,8 @@ cluster-status:
 	@$(DEVCLUSTER) status
 
 lint: setup ## ruff and mypy
-	@$(VENV)/bin/ruff check api cli operator trainer_image tests benchmarks scripts
-	@$(VENV)/bin/ruff format --check api cli operator trainer_image tests benchmarks scripts
+	@$(VENV)/bin/ruff check api cli operator trainer_image devcluster tests benchmarks scripts
+	@$(VENV)/bin/ruff format --check api cli operator trainer_image devcluster tests benchmarks scripts
 	@$(VENV)/bin/mypy
 
 crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model

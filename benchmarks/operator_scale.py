@@ -38,7 +38,7 @@ ROOT = common.ROOT
 # Our own control plane, never the one the tests use (.cluster, default ports).
 os.environ.setdefault("RLHF_CLUSTER_DIR", "/tmp/bench-cluster")
 os.environ.setdefault("RLHF_CLUSTER_PORT_OFFSET", "200")
-sys.path.insert(0, str(ROOT / "tests" / "controlplane"))
+sys.path.insert(0, str(ROOT / "devcluster"))
 import devcluster  # noqa: E402  (reads RLHF_CLUSTER_DIR at import)
 
 WORK = Path("/tmp/rlhf-bench-opscale")

@@ -128,7 +128,7 @@ def cleanup(quiet: bool = False) -> None:
                 console.print(f"stopped {name}")
         PIDS.unlink()
     subprocess.run(
-        [sys.executable, "tests/controlplane/devcluster.py", "down"],
+        [sys.executable, "devcluster/devcluster.py", "down"],
         env=ENV,
         capture_output=True,
         timeout=120,
@@ -252,8 +252,8 @@ def main() -> int:
     t_all = time.monotonic()
     try:
         t0 = step("1/5 local control plane (built once from the Go module proxy, then cached)")
-        run(sys.executable, "tests/controlplane/devcluster.py", "build", quiet=True, timeout=3600)
-        run(sys.executable, "tests/controlplane/devcluster.py", "up")
+        run(sys.executable, "devcluster/devcluster.py", "build", quiet=True, timeout=3600)
+        run(sys.executable, "devcluster/devcluster.py", "up")
         done(t0, "etcd, kube-apiserver, controller-manager, scheduler, KWOK (2 fake 8-GPU nodes), KubeRay")
 
         t0 = step("2/5 helm install charts/rlhf-operator")

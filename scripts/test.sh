@@ -41,9 +41,9 @@ PY
 
 stage setup scripts/setup.sh || { summary; exit 1; }
 started_cluster=0
-if ! python3 tests/controlplane/devcluster.py status >/dev/null 2>&1; then started_cluster=1; fi
-stage cluster-build python3 tests/controlplane/devcluster.py build || { summary; exit 1; }
-stage cluster-up python3 tests/controlplane/devcluster.py up || { summary; exit 1; }
+if ! python3 devcluster/devcluster.py status >/dev/null 2>&1; then started_cluster=1; fi
+stage cluster-build python3 devcluster/devcluster.py build || { summary; exit 1; }
+stage cluster-up python3 devcluster/devcluster.py up || { summary; exit 1; }
 
 stage lint make -s lint || status=1
 pytest_stage unit tests -m unit || status=1
@@ -53,7 +53,7 @@ pytest_stage trainer tests -m trainer || status=1
 pytest_stage reliability tests -m reliability || status=1
 
 if [ $started_cluster = 1 ] && [ "${KEEP_CLUSTER:-0}" != 1 ]; then
-  python3 tests/controlplane/devcluster.py down >/dev/null 2>&1 || true
+  python3 devcluster/devcluster.py down >/dev/null 2>&1 || true
 fi
 summary
 exit $status

@@ -30,7 +30,7 @@ from support import (
     wait_for,
 )
 
-sys.path.insert(0, str(ROOT / "tests" / "controlplane"))
+sys.path.insert(0, str(ROOT / "devcluster"))
 
 import devcluster
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rlhf-operator"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlhf-operator"
 
-# Render as Helm would against the local control plane (tests/controlplane/devcluster.py), so a
+# Render as Helm would against the local control plane (devcluster/devcluster.py), so a
 # Helm binary built without its Kubernetes-version link flags (which then assumes 1.20) still
 # satisfies the chart's kubeVersion.
 KUBE_VERSION = "v1.36.3"

@@ -338,7 +338,7 @@ def permission_errors(log: Path) -> list[str]:
 
 def audit_log(cluster: Cluster) -> Path:
     audit = Path(cluster.kubeconfig).parent / "logs" / "audit.log"
-    assert audit.is_file(), f"no audit log at {audit} (tests/controlplane/devcluster.py configures it)"
+    assert audit.is_file(), f"no audit log at {audit} (devcluster/devcluster.py configures it)"
     return audit
 
 

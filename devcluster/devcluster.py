@@ -5,7 +5,7 @@ Builds each component from the Go module proxy (cached under the user's cache di
 as background processes on loopback, and tears them down. Standard library only, so it runs before
 the project's virtualenv exists. It never downloads a release binary.
 
-    python3 tests/controlplane/devcluster.py build|up|down|status|env
+    python3 devcluster/devcluster.py build|up|down|status|env
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 GO_DIR = Path(__file__).resolve().parent / "go"
 STATE = Path(os.environ.get("RLHF_CLUSTER_DIR", ROOT / ".cluster"))
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlhf-operator"
@@ -41,7 +41,7 @@ TOKEN_USER = "rlhf-admin"
 
 @dataclass(frozen=True)
 class Binary:
-    """One Go command built from a wrapper module under tests/controlplane/go/."""
+    """One Go command built from a wrapper module under devcluster/go/."""
 
     name: str
     module_dir: str
