@@ -27,10 +27,11 @@ cluster-down: ## Stop the control plane and remove its state
 cluster-status:
 	@$(DEVCLUSTER) status
 
-lint: setup ## ruff and mypy
+lint: setup ## ruff, mypy and the import-layer contracts (lint-imports)
 	@$(VENV)/bin/ruff check api cli operator trainer_image devcluster tests benchmarks scripts
 	@$(VENV)/bin/ruff format --check api cli operator trainer_image devcluster tests benchmarks scripts
 	@$(VENV)/bin/mypy
+	@$(VENV)/bin/lint-imports --no-logo
 
 crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model
 	@$(PY) -m rlhf_api.crd --write
