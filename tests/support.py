@@ -184,6 +184,14 @@ def terminate(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
         proc.wait(10)
 
 
+def rollout_group_replicas(raycluster: dict[str, Any]) -> int | None:
+    """The replicas of a RayCluster's `rollout` worker group (None when it has none)."""
+    for group in raycluster.get("spec", {}).get("workerGroupSpecs", []):
+        if group.get("groupName") == "rollout":
+            return int(group.get("replicas", 0))
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlhf_api.rules import violated
-from rlhf_api.spec import API_VERSION, KIND, RLHFJob, RLHFJobSpec
+from rlhf_api.spec import API_VERSION, KIND, RLHFJobSpec
 
 # metadata.name of a namespaced custom resource: a DNS-1123 subdomain.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -32,15 +32,6 @@ class Issue:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}" if self.path else self.message
-
-
-class ManifestError(ValueError):
-    """A manifest that is not a valid RLHFJob; `issues` lists every problem found."""
-
-    def __init__(self, source: str, issues: list[Issue]) -> None:
-        self.source = source
-        self.issues = issues
-        super().__init__("\n".join(f"{source}: {issue}" for issue in issues))
 
 
 def _path(loc: tuple[int | str, ...], data: Any, error_type: str) -> str:
@@ -255,25 +246,6 @@ def validate_file(path: str | Path) -> list[Issue]:
     except OSError as error:
         return [Issue("", f"cannot read: {error.strerror or error}")]
     return validate_text(text)
-
-
-def load_job(path: str | Path) -> RLHFJob:
-    """The RLHFJob in a one-document YAML file; raises ManifestError naming the file and every issue."""
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise ManifestError(source, [Issue("", f"cannot read: {error.strerror or error}")]) from error
-    documents, parse_error = _documents(text)
-    if parse_error:
-        raise ManifestError(source, [parse_error])
-    if len(documents) != 1:
-        raise ManifestError(source, [Issue("", f"expected one RLHFJob document, found {len(documents)}")])
-    issues = validate_manifest(documents[0])
-    if issues:
-        raise ManifestError(source, issues)
-    manifest = {key: value for key, value in documents[0].items() if key != "status"}
-    return RLHFJob.model_validate(manifest, by_alias=True, by_name=False)
 
 
 def format_issues(source: str, issues: Iterable[Issue]) -> list[str]:

@@ -220,13 +220,6 @@ def build_raycluster(job: RLHFJob, engines: int | None = None) -> dict[str, Any]
     }
 
 
-def rollout_group_replicas(raycluster: dict[str, Any]) -> int | None:
-    for group in raycluster.get("spec", {}).get("workerGroupSpecs", []):
-        if group.get("groupName") == "rollout":
-            return int(group.get("replicas", 0))
-    return None
-
-
 def scale_patch(raycluster: dict[str, Any], replicas: int) -> list[dict[str, Any]] | None:
     """JSON patch setting the rollout group's replicas (and raising maxReplicas if needed), or None."""
     for i, group in enumerate(raycluster.get("spec", {}).get("workerGroupSpecs", [])):

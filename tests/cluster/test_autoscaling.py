@@ -22,7 +22,7 @@ from prometheus_client import start_http_server
 from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests, rayjobs
 from rlhf_trainer.metrics import TrainerExporter
-from support import Cluster, OperatorProcess, RayHead, free_port, wait_for
+from support import Cluster, OperatorProcess, RayHead, free_port, rollout_group_replicas, wait_for
 from test_operator_lifecycle import events, job_status, tiny_job
 
 pytestmark = pytest.mark.cluster
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.cluster
 
 def rollout_replicas(cluster: Cluster, ns: str, name: str) -> int | None:
     rc = cluster.get("raycluster", name, ns)
-    return manifests.rollout_group_replicas(rc) if rc else None
+    return rollout_group_replicas(rc) if rc else None
 
 
 def event_with(cluster: Cluster, ns: str, name: str, reason: str, text: str = "") -> dict[str, Any] | None:

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rlhf_operator import manifests
 from support import (
     Cluster,
     OperatorProcess,
     RayHead,
     RolloutNodes,
     ray_job_logs,
+    rollout_group_replicas,
     step_reports,
     tiny_job,
     wait_for,
@@ -51,7 +51,7 @@ def test_kubectl_scale_gives_the_trainer_a_second_engine_from_the_next_step(
 
         def group_replicas() -> int | None:
             rc = cluster.get("raycluster", "elastic", namespace)
-            n = manifests.rollout_group_replicas(rc) if rc else None
+            n = rollout_group_replicas(rc) if rc else None
             return n if n == 2 else None
 
         wait_for(group_replicas, 60, "the RayCluster's rollout group at 2 replicas")
