@@ -26,10 +26,10 @@ MAX_WINDOW_STEPS: Final = 50
 AdvantageEstimator = Literal["gae", "grpo", "reinforce_pp"]
 RewardType = Literal["function", "model", "http"]
 WeightSyncBackend = Literal["auto", "nccl", "gloo", "cuda_ipc", "shm"]
-Phase = Literal[
+JobPhase = Literal[
     "Pending", "Provisioning", "Running", "Stalled", "Restarting", "Succeeded", "Failed", "Suspended"
 ]
-PHASES: tuple[Phase, ...] = (
+JOB_PHASES: tuple[JobPhase, ...] = (
     "Pending",
     "Provisioning",
     "Running",
@@ -39,7 +39,7 @@ PHASES: tuple[Phase, ...] = (
     "Failed",
     "Suspended",
 )
-TERMINAL_PHASES: frozenset[Phase] = frozenset({"Succeeded", "Failed"})
+TERMINAL_JOB_PHASES: frozenset[JobPhase] = frozenset({"Succeeded", "Failed"})
 Role = Literal["actor", "critic", "reference", "reward"]
 
 # A Kubernetes resource.Quantity written as in a Pod spec: an integer or a string such as "500m" or "16Gi".
@@ -657,7 +657,7 @@ class RolloutStatus(_Status):
 class RLHFJobStatus(_Status):
     """Observed state, written by the operator."""
 
-    phase: Phase | None = Field(default=None, description="Lifecycle phase of the job.")
+    phase: JobPhase | None = Field(default=None, description="Lifecycle phase of the job.")
     conditions: list[Condition] | None = Field(
         default=None,
         description="Standard conditions, one per type.",

@@ -19,7 +19,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
-from rlhf_api.spec import GROUP, PLURAL, TERMINAL_PHASES, VERSION, RLHFJob
+from rlhf_api.spec import GROUP, PLURAL, TERMINAL_JOB_PHASES, VERSION, RLHFJob
 
 from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape
 from rlhf_operator.conditions import parse_time
@@ -309,7 +309,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
         if reason == "Restarting":
             metrics.RESTARTS.labels(namespace, job.name).inc()
     if decision.new_stall is not None:
-        metrics.STALLS.labels(namespace, job.name, decision.new_stall.phase_label).inc()
+        metrics.STALLS.labels(namespace, job.name, decision.new_stall.step_phase_label).inc()
 
 
 def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:
@@ -322,7 +322,7 @@ def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decisio
     cluster = observed.raycluster
     if (
         cluster is None
-        or decision.status.get("phase") in TERMINAL_PHASES
+        or decision.status.get("phase") in TERMINAL_JOB_PHASES
         or "delete_cluster" in decision.actions
     ):
         return
@@ -404,14 +404,14 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     for key, value in changes.items():
         patch.status[key] = value
     _remember_write(body.metadata.uid or "", changes)
-    metrics.record_phase(namespace, job.name, decision.status.get("phase"))
+    metrics.record_job_phase(namespace, job.name, decision.status.get("phase"))
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def stop_trainer(body: kopf.Body, **_: Any) -> None:
     """Best effort: stop the Ray job (the RayCluster itself goes by owner-reference garbage collection)."""
-    metrics.record_phase(body.metadata.namespace or "default", body.metadata.name or "", None)
+    metrics.record_job_phase(body.metadata.namespace or "default", body.metadata.name or "", None)
     _last_scrape.pop(body.metadata.uid or "", None)
     _unseen_writes.pop(body.metadata.uid or "", None)
     sid = body.status.get("submissionId")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
-from rlhf_api.spec import PHASES
+from rlhf_api.spec import JOB_PHASES
 
 JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase, as last reconciled.", ["namespace", "phase"])
 JOB_PHASE = Gauge(
@@ -37,7 +37,7 @@ CLUSTERS_CREATED = Counter("rlhf_operator_rayclusters_created_total", "RayCluste
 _phase_by_job: dict[tuple[str, str], str] = {}
 
 
-def record_phase(namespace: str, name: str, phase: str | None) -> None:
+def record_job_phase(namespace: str, name: str, phase: str | None) -> None:
     """Keep the per-phase job counts and the per-job 0/1 series consistent."""
     key = (namespace, name)
     old = _phase_by_job.get(key)
@@ -45,19 +45,19 @@ def record_phase(namespace: str, name: str, phase: str | None) -> None:
         return
     if phase is None:
         _phase_by_job.pop(key, None)
-        for p in PHASES:
+        for p in JOB_PHASES:
             with contextlib.suppress(KeyError):
                 JOB_PHASE.remove(namespace, name, p)
     else:
         _phase_by_job[key] = phase
-        for p in PHASES:
+        for p in JOB_PHASES:
             JOB_PHASE.labels(namespace, name, p).set(1 if p == phase else 0)
     counts: dict[tuple[str, str], int] = {}
     for (ns, _), ph in _phase_by_job.items():
         counts[(ns, ph)] = counts.get((ns, ph), 0) + 1
     namespaces = {ns for ns, _ in _phase_by_job} | {namespace}
     for ns in namespaces:
-        for p in PHASES:
+        for p in JOB_PHASES:
             JOBS.labels(ns, p).set(counts.get((ns, p), 0))
 
 

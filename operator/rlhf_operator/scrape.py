@@ -23,13 +23,13 @@ class MetricsUnavailable(RuntimeError):
 
 
 @dataclass
-class TrainerMetrics:
+class ScrapedMetrics:
     steps_completed: int = 0
     total_steps: int | None = None
     last_step_completed_ts: float | None = None
     stall_timeout_seconds: float | None = None
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    in_progress_phase: str | None = None
+    step_phase_seconds: dict[str, float] = field(default_factory=dict)
+    in_progress_step_phase: str | None = None
     in_progress_since: float | None = None
     generated_tokens_total: float = 0.0
     trained_tokens_total: float = 0.0
@@ -44,18 +44,18 @@ class TrainerMetrics:
 
     @property
     def step_seconds(self) -> float:
-        return sum(self.phase_seconds.values())
+        return sum(self.step_phase_seconds.values())
 
     @property
     def generation_share(self) -> float | None:
         total = self.step_seconds
-        if total <= 0 or "generation" not in self.phase_seconds:
+        if total <= 0 or "generation" not in self.step_phase_seconds:
             return None
-        return self.phase_seconds["generation"] / total
+        return self.step_phase_seconds["generation"] / total
 
 
-def parse_metrics(text: str, rlhfjob: str | None = None) -> TrainerMetrics:
-    out = TrainerMetrics()
+def parse_metrics(text: str, rlhfjob: str | None = None) -> ScrapedMetrics:
+    out = ScrapedMetrics()
     started: dict[str, float] = {}
     in_progress: list[str] = []
     try:
@@ -68,13 +68,13 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> TrainerMetrics:
             if rlhfjob is not None and labels.get("rlhfjob", rlhfjob) != rlhfjob:
                 continue
             name, value = s.name, float(s.value)
-            phase = labels.get("phase", "")
-            if name == "rlhf_step_phase_seconds" and phase:
-                out.phase_seconds[phase] = value
-            elif name == "rlhf_phase_in_progress" and phase and value >= 1:
-                in_progress.append(phase)
-            elif name == "rlhf_phase_started_timestamp_seconds" and phase:
-                started[phase] = value
+            step_phase = labels.get("phase", "")  # the label keeps its contract name
+            if name == "rlhf_step_phase_seconds" and step_phase:
+                out.step_phase_seconds[step_phase] = value
+            elif name == "rlhf_phase_in_progress" and step_phase and value >= 1:
+                in_progress.append(step_phase)
+            elif name == "rlhf_phase_started_timestamp_seconds" and step_phase:
+                started[step_phase] = value
             elif name == "rlhf_steps_completed_total":
                 out.steps_completed = int(value)
             elif name == "rlhf_total_steps":
@@ -101,12 +101,12 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> TrainerMetrics:
                 out.engines[labels["state"]] = int(value)
     if in_progress:
         # The most recently started phase is the one the step is waiting on.
-        out.in_progress_phase = max(in_progress, key=lambda p: started.get(p, 0.0))
-        out.in_progress_since = started.get(out.in_progress_phase)
+        out.in_progress_step_phase = max(in_progress, key=lambda p: started.get(p, 0.0))
+        out.in_progress_since = started.get(out.in_progress_step_phase)
     return out
 
 
-def fetch_metrics(url: str, rlhfjob: str | None = None, timeout: float = 5.0) -> TrainerMetrics:
+def fetch_metrics(url: str, rlhfjob: str | None = None, timeout: float = 5.0) -> ScrapedMetrics:
     try:
         resp = httpx.get(url, timeout=timeout, verify=tls_context())
     except httpx.HTTPError as e:

@@ -13,7 +13,7 @@ from typing import Any
 from rlhf_api.spec import MonitoringSpec
 
 from rlhf_operator.conditions import iso, set_condition
-from rlhf_operator.scrape import TrainerMetrics
+from rlhf_operator.scrape import ScrapedMetrics
 
 CONDITION_TYPE = "Stalled"
 # Reason when the phase in progress is unknown: metrics unavailable, or no phase running (between phases).
@@ -26,14 +26,14 @@ NOT_STALLED = "Progressing"
 class Stall:
     """A stall verdict: no step completed for `seconds_since_progress` (more than `timeout_seconds`).
 
-    `phase` is the training phase in progress (None when unknown) and `phase_running_seconds` how long
+    `step_phase` is the training step's phase in progress (None when unknown) and `step_phase_running_seconds` how long
     it has been running (None when unknown). `scraped` is False when the trainer could not be scraped,
     so the verdict rests on the last progress the operator knew of.
     """
 
-    phase: str | None
+    step_phase: str | None
     seconds_since_progress: float
-    phase_running_seconds: float | None
+    step_phase_running_seconds: float | None
     timeout_seconds: int
     last_progress: datetime
     scraped: bool
@@ -45,12 +45,12 @@ class Stall:
         Any character of the phase name other than a letter, digit or `_` becomes `_`, so the reason
         stays valid for a metav1.Condition.
         """
-        return f"{PHASE_STUCK}:{self.phase_label}" if self.phase else STEP_STALLED
+        return f"{PHASE_STUCK}:{self.step_phase_label}" if self.step_phase else STEP_STALLED
 
     @property
-    def phase_label(self) -> str:
+    def step_phase_label(self) -> str:
         """The stuck training phase as a label value (`unknown` when not known), sanitised as in `reason`."""
-        return re.sub(r"[^A-Za-z0-9_]", "_", self.phase[:200]) if self.phase else "unknown"
+        return re.sub(r"[^A-Za-z0-9_]", "_", self.step_phase[:200]) if self.step_phase else "unknown"
 
     @property
     def message(self) -> str:
@@ -59,16 +59,16 @@ class Stall:
         head = f"no step completed for {idle} (since {since}; stallTimeoutSeconds={self.timeout_seconds})"
         if not self.scraped:
             return f"{head}; trainer metrics unavailable, phase in progress unknown"
-        if self.phase is None:
+        if self.step_phase is None:
             return f"{head}; no phase in progress (the driver is between phases)"
-        if self.phase_running_seconds is None:
-            return f"{head}; phase {self.phase} in progress"
-        return f"{head}; phase {self.phase} running for {_duration(self.phase_running_seconds)}"
+        if self.step_phase_running_seconds is None:
+            return f"{head}; phase {self.step_phase} in progress"
+        return f"{head}; phase {self.step_phase} running for {_duration(self.step_phase_running_seconds)}"
 
 
 def detect_stall(
     monitoring: MonitoringSpec,
-    metrics: TrainerMetrics | None,
+    metrics: ScrapedMetrics | None,
     attempt_started: datetime,
     last_step_time: datetime | None,
     now: datetime,
@@ -91,14 +91,14 @@ def detect_stall(
     idle = (now - progress).total_seconds()
     if idle <= monitoring.stall_timeout_seconds:
         return None
-    phase = metrics.in_progress_phase if metrics is not None else None
+    step_phase = metrics.in_progress_step_phase if metrics is not None else None
     running: float | None = None
-    if metrics is not None and phase is not None and metrics.in_progress_since:
+    if metrics is not None and step_phase is not None and metrics.in_progress_since:
         running = max(0.0, now.timestamp() - metrics.in_progress_since)
     return Stall(
-        phase=phase,
+        step_phase=step_phase,
         seconds_since_progress=idle,
-        phase_running_seconds=running,
+        step_phase_running_seconds=running,
         timeout_seconds=monitoring.stall_timeout_seconds,
         last_progress=progress,
         scraped=metrics is not None,

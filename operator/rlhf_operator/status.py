@@ -17,7 +17,7 @@ from rlhf_api.spec import RLHFJob
 from rlhf_operator import rayjobs
 from rlhf_operator.conditions import iso, parse_time, set_condition
 from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines
-from rlhf_operator.scrape import TrainerMetrics
+from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import Stall, detect_stall, set_stalled_condition
 
 Action = Literal[
@@ -39,7 +39,7 @@ class Observed:
     raycluster: dict[str, Any] | None
     ray_job: rayjobs.RayJobInfo | None = None
     ray_job_error: str | None = None
-    metrics: TrainerMetrics | None = None
+    metrics: ScrapedMetrics | None = None
     metrics_error: str | None = None
 
 
@@ -50,7 +50,7 @@ class Decision:
     submission_id: str | None = None
     stop_submission_id: str | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
-    new_stall: Stall | None = None  # a stall first seen (or first attributed to a phase) this round
+    new_stall: Stall | None = None  # a stall first seen (or first attributed to a step phase) this round
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.events.append(("Warning" if warning else "Normal", reason, message))
@@ -80,7 +80,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
     )
     now = observed.now
-    phase = cur.get("phase") or "Pending"
+    job_phase = cur.get("phase") or "Pending"
     st: dict[str, Any] = dict(cur)
     conds: list[dict[str, Any]] = list(cur.get("conditions", []))
     d = Decision(status=st)
@@ -96,14 +96,14 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     rollout["selector"] = f"{JOB_LABEL}={job.name},{ROLE_LABEL}=rollout"
     st["rollout"] = rollout
 
-    def go(new_phase: str, message: str, reason: str | None = None, warning: bool = False) -> None:
-        if new_phase != phase:
-            d.event(reason or new_phase, message, warning=warning)
-        st["phase"] = new_phase
+    def go(new_job_phase: str, message: str, reason: str | None = None, warning: bool = False) -> None:
+        if new_job_phase != job_phase:
+            d.event(reason or new_job_phase, message, warning=warning)
+        st["phase"] = new_job_phase
         st["message"] = message
 
     # Finished jobs stay finished; only the TTL clock and the cluster's release remain.
-    if phase in ("Succeeded", "Failed"):
+    if job_phase in ("Succeeded", "Failed"):
         if observed.raycluster:
             d.actions.append("delete_cluster")
         ttl = spec.run_policy.ttl_seconds_after_finished
@@ -113,12 +113,12 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         st["conditions"] = conds
         return d
 
-    def finish(new_phase: str, reason: str, message: str) -> Decision:
-        go(new_phase, message, reason, warning=new_phase == "Failed")
+    def finish(new_job_phase: str, reason: str, message: str) -> Decision:
+        go(new_job_phase, message, reason, warning=new_job_phase == "Failed")
         st["completionTime"] = iso(now)
         nonlocal conds
         conds = set_condition(
-            conds, "Succeeded" if new_phase == "Succeeded" else "Failed", True, reason, message, now
+            conds, "Succeeded" if new_job_phase == "Succeeded" else "Failed", True, reason, message, now
         )
         conds = set_condition(conds, "Running", False, reason, message, now)
         st["conditions"] = conds
@@ -159,7 +159,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
 
     if observed.raycluster is None:
         d.actions.append("create_cluster")
-        if phase not in ("Pending", "Restarting"):
+        if job_phase not in ("Pending", "Restarting"):
             go(
                 "Provisioning",
                 "RayCluster missing: recreating it; the trainer resumes from its checkpoint",
@@ -167,7 +167,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
                 warning=True,
             )
         else:
-            go("Pending" if phase == "Pending" else phase, "creating the RayCluster")
+            go("Pending" if job_phase == "Pending" else job_phase, "creating the RayCluster")
         st["conditions"] = conds
         return d
 
@@ -178,8 +178,8 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             msg = f"RayCluster {st['rayClusterName']} is not ready: {problem}"
         conds = set_condition(conds, "ClusterReady", False, "ClusterNotReady", msg, now)
         st["conditions"] = conds
-        if phase in ("Pending", "Provisioning", "Restarting"):
-            go("Provisioning" if phase != "Restarting" else "Restarting", msg)
+        if job_phase in ("Pending", "Provisioning", "Restarting"):
+            go("Provisioning" if job_phase != "Restarting" else "Restarting", msg)
         return d
     conds = set_condition(conds, "ClusterReady", True, "ClusterReady", "RayCluster is ready", now)
 
@@ -189,7 +189,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             conds, "JobSubmitted", False, "RayDashboardUnavailable", observed.ray_job_error, now
         )
         st["conditions"] = conds
-        if phase in ("Pending", "Provisioning"):
+        if job_phase in ("Pending", "Provisioning"):
             go("Provisioning", f"cannot reach the Ray dashboard: {observed.ray_job_error}")
         return d
 
@@ -199,7 +199,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         st["submissionId"] = submission_id
         conds = set_condition(conds, "JobSubmitted", True, "Submitted", f"submitted {submission_id}", now)
         st["conditions"] = conds
-        if phase in ("Pending", "Provisioning"):
+        if job_phase in ("Pending", "Provisioning"):
             go("Provisioning", f"submitting trainer job {submission_id}")
         return d
 
@@ -238,14 +238,14 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
 
     if job_info.status == rayjobs.PENDING:
         st["conditions"] = conds
-        if phase in ("Pending", "Provisioning"):
+        if job_phase in ("Pending", "Provisioning"):
             go("Provisioning", f"trainer job {job_info.submission_id} is pending on the Ray cluster")
         return d
 
     # RUNNING.
     if not started:
         st["startTime"] = iso(now)
-    if phase in ("Pending", "Provisioning", "Restarting", "Suspended"):
+    if job_phase in ("Pending", "Provisioning", "Restarting", "Suspended"):
         go("Running", f"trainer job {job_info.submission_id} is running", "Running")
     conds = set_condition(conds, "Running", True, "Running", f"Ray job {job_info.submission_id} running", now)
     st["conditions"] = conds
@@ -264,17 +264,17 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     )
     st["conditions"] = set_stalled_condition(st["conditions"], stall, now, generation)
     if stall is None:
-        if phase == "Stalled":
+        if job_phase == "Stalled":
             go("Running", f"step {st.get('step', 0)} completed: no longer stalled", "StallCleared")
         return d
-    if before is None or before.get("reason") != stall.reason:  # a new stall, or now the phase is known
+    if before is None or before.get("reason") != stall.reason:  # a new stall, or now the step phase is known
         d.event("Stalled", f"{stall.reason}: {stall.message}", warning=True)
         d.new_stall = stall
     if spec.monitoring.on_stall == "Restart":
         d.actions.append("stop")
         d.stop_submission_id = job_info.submission_id
         return restart_or_fail(f"stalled ({stall.reason}): {stall.message}", "StalledBackoffLimitExceeded")
-    # The condition keeps its message while the same stall lasts; so does the phase message (no patch
+    # The condition keeps its message while the same stall lasts; so does the status message (no patch
     # every reconcile just because the durations in it grew).
     cond = next(c for c in st["conditions"] if c.get("type") == "Stalled")
     st["phase"] = "Stalled"
@@ -313,12 +313,12 @@ def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
     # covers step 1); that is not a step completion, so lastStepTime only moves when the step count does.
     if m.last_step_completed_ts and (m.steps_completed > prev_step or (m.steps_completed and not prev_time)):
         st["lastStepTime"] = iso(datetime.fromtimestamp(m.last_step_completed_ts, UTC))
-    if m.phase_seconds:
-        st["phaseSeconds"] = {k: round(v, 3) for k, v in sorted(m.phase_seconds.items())}
+    if m.step_phase_seconds:
+        st["phaseSeconds"] = {k: round(v, 3) for k, v in sorted(m.step_phase_seconds.items())}
     share = m.generation_share
     if share is not None:
         st["generationShare"] = round(share, 3)
-    st["currentPhase"] = m.in_progress_phase  # None (removed) between phases
+    st["currentPhase"] = m.in_progress_step_phase  # None (removed) between phases
     if m.reward_mean is not None and math.isfinite(m.reward_mean):
         st["rewardMean"] = round(m.reward_mean, 4)
     if m.kl is not None and math.isfinite(m.kl):

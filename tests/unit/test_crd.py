@@ -14,7 +14,7 @@ import pytest
 import yaml
 from rlhf_api import crd
 from rlhf_api.rules import RULES
-from rlhf_api.spec import PHASES, RLHFJobSpec
+from rlhf_api.spec import JOB_PHASES, RLHFJobSpec
 from rlhf_cli.main import main as cli_main
 
 pytestmark = pytest.mark.unit
@@ -130,7 +130,7 @@ def test_printer_columns(definition: dict[str, Any], root_schema: dict[str, Any]
 
 def test_status_schema(root_schema: dict[str, Any]) -> None:
     status = root_schema["properties"]["status"]
-    assert status["properties"]["phase"]["enum"] == list(PHASES)
+    assert status["properties"]["phase"]["enum"] == list(JOB_PHASES)
     conditions = status["properties"]["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"
     assert conditions["x-kubernetes-list-map-keys"] == ["type"]

@@ -26,7 +26,7 @@ def test_a_fresh_trainer_exposition_parses_with_no_step_and_no_phase() -> None:
     m.total_steps.labels("job-a").set(20)
     got = parse_metrics(exported(m), "job-a")
     assert got.steps_completed == 0 and got.total_steps == 20
-    assert got.in_progress_phase is None and got.generation_share is None
+    assert got.in_progress_step_phase is None and got.generation_share is None
 
 
 def test_a_completed_step_and_a_running_phase_are_read_back() -> None:
@@ -42,10 +42,10 @@ def test_a_completed_step_and_a_running_phase_are_read_back() -> None:
     )  # rewards start while generation still runs: the later one is what the step waits on
     got = parse_metrics(exported(m), "job-a")
     assert got.steps_completed == 1
-    assert got.phase_seconds["generation"] == 3.0 and got.generation_share == pytest.approx(3.0 / 5.0)
+    assert got.step_phase_seconds["generation"] == 3.0 and got.generation_share == pytest.approx(3.0 / 5.0)
     assert got.generated_tokens_total == 1234 and got.reward_mean == 0.25
     assert got.engines == {"starting": 1, "ready": 2, "failed": 0, "stopping": 0}
-    assert got.in_progress_phase == "reward" and got.in_progress_since is not None
+    assert got.in_progress_step_phase == "reward" and got.in_progress_since is not None
     assert got.last_step_completed_ts is not None
 
 
@@ -53,7 +53,7 @@ def test_series_of_another_job_are_ignored() -> None:
     m = TrainerExporter("other")
     m.step_done({"generation": 9.0})
     got = parse_metrics(exported(m), "job-a")
-    assert got.steps_completed == 0 and got.phase_seconds == {}
+    assert got.steps_completed == 0 and got.step_phase_seconds == {}
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from rlhf_api import spec as spec_module
 from rlhf_api.rules import RULES, violated
 from rlhf_api.spec import (
-    PHASES,
+    JOB_PHASES,
     Placement,
     RLHFJob,
     RLHFJobSpec,
@@ -229,7 +229,7 @@ def test_status_rejects_unknown_phase_and_bad_reason() -> None:
                 ]
             }
         )
-    assert len(PHASES) == 8
+    assert len(JOB_PHASES) == 8
 
 
 def test_spec_module_imports_only_pydantic_and_stdlib() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from rlhf_api.spec import MonitoringSpec
 from rlhf_operator.conditions import iso
-from rlhf_operator.scrape import TrainerMetrics
+from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import STEP_STALLED, Stall, detect_stall, set_stalled_condition
 from rlhf_operator.status import decide
 from test_status import NOW, SID, job, obs, ray
@@ -18,14 +18,14 @@ pytestmark = pytest.mark.unit
 MON = MonitoringSpec(stallTimeoutSeconds=600)
 
 
-def stuck_in(phase: str, since: datetime, last_step: datetime | None, steps: int = 4) -> TrainerMetrics:
-    return TrainerMetrics(
+def stuck_in(phase: str, since: datetime, last_step: datetime | None, steps: int = 4) -> ScrapedMetrics:
+    return ScrapedMetrics(
         steps_completed=steps,
         total_steps=20,
         last_step_completed_ts=last_step.timestamp() if last_step else None,
-        in_progress_phase=phase,
+        in_progress_step_phase=phase,
         in_progress_since=since.timestamp(),
-        phase_seconds={"generation": 3.0, "reward": 1.0},
+        step_phase_seconds={"generation": 3.0, "reward": 1.0},
     )
 
 
@@ -39,7 +39,7 @@ def test_stall_names_the_phase_and_how_long_it_ran() -> None:
     stall = detect_stall(MON, m, NOW - timedelta(hours=8), None, NOW)
     assert stall is not None
     assert stall.reason == "PhaseStuck:reward"
-    assert stall.phase_running_seconds == pytest.approx(7 * 3600)
+    assert stall.step_phase_running_seconds == pytest.approx(7 * 3600)
     assert "phase reward running for 7h00m" in stall.message
     assert "stallTimeoutSeconds=600" in stall.message
 
@@ -83,7 +83,7 @@ def running(on_stall: str, restarts: int = 0, phase: str = "Running") -> Any:
     return type(j).model_validate(doc)
 
 
-def stuck_metrics() -> TrainerMetrics:
+def stuck_metrics() -> ScrapedMetrics:
     return stuck_in("reward", NOW - timedelta(hours=7), NOW - timedelta(hours=7))
 
 
@@ -96,15 +96,15 @@ def test_alert_policy_sets_phase_stalled_with_an_event_naming_the_phase() -> Non
     cond = next(c for c in d.status["conditions"] if c["type"] == "Stalled")
     assert cond["status"] == "True" and cond["reason"] == "PhaseStuck:reward"
     # The handler counts the stall by its phase from this typed verdict, not from the Event's text.
-    assert d.new_stall is not None and d.new_stall.phase_label == "reward"
+    assert d.new_stall is not None and d.new_stall.step_phase_label == "reward"
 
 
 def test_a_stall_of_unknown_phase_is_labelled_unknown() -> None:
     d = decide(running("Alert"), obs(ray_job=ray("RUNNING"), metrics_error="connection refused"), SID)
-    assert d.new_stall is not None and d.new_stall.phase is None
-    assert (d.new_stall.reason, d.new_stall.phase_label) == (STEP_STALLED, "unknown")
+    assert d.new_stall is not None and d.new_stall.step_phase is None
+    assert (d.new_stall.reason, d.new_stall.step_phase_label) == (STEP_STALLED, "unknown")
     weird = Stall("re ward/x", 700.0, 5.0, 600, NOW, True)
-    assert weird.reason == "PhaseStuck:re_ward_x" and weird.phase_label == "re_ward_x"
+    assert weird.reason == "PhaseStuck:re_ward_x" and weird.step_phase_label == "re_ward_x"
 
 
 def test_restart_policy_stops_the_stuck_attempt_and_restarts() -> None:

@@ -11,7 +11,7 @@ import yaml
 from rlhf_api.spec import RLHFJob
 from rlhf_operator.conditions import iso
 from rlhf_operator.rayjobs import RayJobInfo
-from rlhf_operator.scrape import TrainerMetrics, parse_metrics
+from rlhf_operator.scrape import ScrapedMetrics, parse_metrics
 from rlhf_operator.status import Observed, decide, status_patch
 
 pytestmark = pytest.mark.unit
@@ -78,11 +78,11 @@ def test_running_job_sets_start_time_and_an_event() -> None:
 
 
 def test_metrics_fill_the_status() -> None:
-    m = TrainerMetrics(
+    m = ScrapedMetrics(
         steps_completed=2,
         total_steps=3,
         last_step_completed_ts=NOW.timestamp(),
-        phase_seconds={"generation": 6.0, "reward": 1.0, "actor_train": 3.0},
+        step_phase_seconds={"generation": 6.0, "reward": 1.0, "actor_train": 3.0},
         engines={"ready": 1},
     )
     d = decide(job({"phase": "Running", "startTime": iso(NOW)}), obs(ray_job=ray("RUNNING"), metrics=m), SID)
@@ -96,7 +96,7 @@ def test_metrics_fill_the_status() -> None:
 
 def test_driver_start_before_the_first_step_is_not_a_last_step_time() -> None:
     """Before step 1 the trainer's last-step timestamp holds its start time (for the stall alert)."""
-    m = TrainerMetrics(steps_completed=0, total_steps=3, last_step_completed_ts=NOW.timestamp())
+    m = ScrapedMetrics(steps_completed=0, total_steps=3, last_step_completed_ts=NOW.timestamp())
     d = decide(job({"phase": "Running", "startTime": iso(NOW)}), obs(ray_job=ray("RUNNING"), metrics=m), SID)
     assert "lastStepTime" not in d.status and d.status["step"] == 0
 
@@ -104,7 +104,7 @@ def test_driver_start_before_the_first_step_is_not_a_last_step_time() -> None:
 def test_a_resumed_attempt_keeps_the_last_real_step_time() -> None:
     """A resumed trainer reports step N (from its checkpoint) with its own start as the timestamp."""
     earlier = iso(NOW - timedelta(minutes=5))
-    m = TrainerMetrics(steps_completed=2, total_steps=3, last_step_completed_ts=NOW.timestamp())
+    m = ScrapedMetrics(steps_completed=2, total_steps=3, last_step_completed_ts=NOW.timestamp())
     current = {"phase": "Running", "startTime": earlier, "step": 2, "lastStepTime": earlier}
     d = decide(job(current), obs(ray_job=ray("RUNNING"), metrics=m), SID)
     assert d.status["lastStepTime"] == earlier
@@ -118,14 +118,14 @@ def test_reward_kl_and_throughput_between_two_observed_steps() -> None:
         "generatedTokens": 1000,
         "lastStepTime": iso(NOW - timedelta(seconds=20)),
     }
-    m = TrainerMetrics(
+    m = ScrapedMetrics(
         steps_completed=3,
         total_steps=5,
         last_step_completed_ts=NOW.timestamp(),
         generated_tokens_total=1500.0,
         reward_mean=0.61234,
         kl=float("nan"),
-        phase_seconds={"generation": 4.0},
+        step_phase_seconds={"generation": 4.0},
     )
     st = decide(job(before), obs(ray_job=ray("RUNNING"), metrics=m), SID).status
     assert st["tokensPerSecond"] == 25.0  # 500 tokens over 20 s
@@ -133,12 +133,12 @@ def test_reward_kl_and_throughput_between_two_observed_steps() -> None:
     assert st["rewardMean"] == 0.6123
     assert "kl" not in st  # NaN is not written
     # The same step scraped again later (tokens of the next step already counting): nothing moves.
-    m2 = TrainerMetrics(
+    m2 = ScrapedMetrics(
         steps_completed=3,
         total_steps=5,
         last_step_completed_ts=NOW.timestamp(),
         generated_tokens_total=1700.0,
-        phase_seconds={"generation": 4.0},
+        step_phase_seconds={"generation": 4.0},
     )
     st2 = decide(job(st), obs(ray_job=ray("RUNNING"), metrics=m2), SID).status
     assert (st2["tokensPerSecond"], st2["generatedTokens"]) == (25.0, 1500)
