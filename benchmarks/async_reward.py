@@ -1,4 +1,4 @@
-"""Asynchronous vs blocking reward, with a 50 ms-per-sample reward function (DESIGN §7, issue 8).
+"""Asynchronous vs blocking reward, with a 50 ms-per-sample reward function (docs/benchmarks.md, issue 8).
 
 Ours is the trainer's real path: `Trainer.generate_and_score` streams chunks out of a real vLLM engine
 actor and hands each finished chunk to the real `RewardScorer` actor at once; the reward on the step's

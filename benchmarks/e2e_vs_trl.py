@@ -1,4 +1,4 @@
-"""End to end: our GRPO step vs TRL's GRPOTrainer, tokens per second (DESIGN §7, issue 8).
+"""End to end: our GRPO step vs TRL's GRPOTrainer, tokens per second (docs/benchmarks.md, issue 8).
 
 Same model, reward (the tiny task's vowel share), prompt set, batch (prompts x samples per prompt), max
 new tokens, temperature 1, one epoch (one optimizer update) per step, fp32, no KL term (TRL's default

@@ -1,4 +1,4 @@
-"""Micro-batched vs all-at-once experience: peak memory of the experience phases (DESIGN §7, issue 8).
+"""Micro-batched vs all-at-once experience: peak memory of the experience phases (docs/benchmarks.md, issue 8).
 
 Both ways run the trainer's real rank code: a `ModelRank` hosting actor + reference (DeepSpeed ZeRO-3,
 gloo, one rank, the offline tiny Llama) computes `ref_logprobs` and `old_logprobs` over a packed rollout.

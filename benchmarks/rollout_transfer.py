@@ -1,4 +1,4 @@
-"""Per-rank packed chunks vs one padded batch through the driver (DESIGN §7, issue 8).
+"""Per-rank packed chunks vs one padded batch through the driver (docs/benchmarks.md, issue 8).
 
 Scaled-down batch 256 prompts x 16 samples x up to 8k tokens: 1x = 32 prompts x 16 samples, 4x = 128
 prompts x 16, sequences up to 8192 tokens with a long-tailed length spread. Ours is the trainer's real

@@ -1,4 +1,4 @@
-"""Bucketed weight sync vs one RPC and one broadcast per parameter (OpenRLHF's way) (DESIGN §7, issue 8).
+"""Bucketed weight sync vs one RPC and one broadcast per parameter (OpenRLHF's way) (docs/benchmarks.md, issue 8).
 
 The model: the parameter shapes of SmolLM-135M (a Llama: hidden 576, 30 layers, 9 heads, 3 KV heads,
 MLP 1536, vocabulary 49,152, tied embeddings), built on the meta device with transformers, then

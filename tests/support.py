@@ -117,7 +117,7 @@ def _dashboard_up(port: int = RAY_DASHBOARD_PORT) -> bool:
 
 @dataclass
 class RayHead:
-    """The local Ray head that stands in for a RayCluster's head pod (DESIGN.md §6)."""
+    """The local Ray head that stands in for a RayCluster's head pod (docs/development.md)."""
 
     address: str
     dashboard_url: str
@@ -235,7 +235,7 @@ def step_reports(logs: str) -> list[dict[str, Any]]:
     return reports
 
 
-# Every series name of the trainer's metrics contract (DESIGN.md §4), written out independently of the code.
+# Every series name of the trainer's metrics contract (docs/monitoring.md), written out independently of the code.
 METRICS_CONTRACT = [
     "rlhf_step_phase_seconds",
     "rlhf_phase_duration_seconds_bucket",

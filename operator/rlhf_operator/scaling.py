@@ -1,4 +1,4 @@
-"""The built-in rollout-engine autoscaler (DESIGN.md §5): recent generation shares -> the next engine
+"""The built-in rollout-engine autoscaler (docs/autoscaling.md): recent generation shares -> the next engine
 count, with a dead band, a step window, a cooldown and the [minEngines, maxEngines] range; and the plan
 of one reconcile (clamp, policy, change bookkeeping, the EnginesPending condition).
 Pure: no clock, no I/O, no kopf or Kubernetes client; the handler applies the plan and emits its Events.
