@@ -23,7 +23,7 @@ import httpx
 import yaml
 from support import free_port, terminate
 
-# The dev-override stand-in (DESIGN.md §6): pods here are KWOK fakes, so a discovered pod IP serves
+# The dev-override stand-in (docs/development.md): pods here are KWOK fakes, so a discovered pod IP serves
 # nothing. The trainer of every RLHFJob runs on the local Ray head and the operator is a host process,
 # both on loopback; this one relabel step sends the scrape of a discovered target to 127.0.0.1 on the
 # target's own port. Discovery, selector, port name and path stay the monitors'. The real-node issue

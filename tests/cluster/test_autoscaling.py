@@ -5,7 +5,7 @@ EnginesPending, and the built-in policy scales on the generation share.
 No real trainer runs here (that is the trainer suite's job). Before the operator starts, each test
 submits a stand-in Ray job under the submission id the operator would use, so the operator adopts it as
 the running trainer; where metrics matter, a STAND-IN FOR THE TRAINER'S /metrics (the trainer's own
-`rlhf_trainer.metrics.TrainerExporter`, DESIGN.md §4, served by prometheus_client from this process)
+`rlhf_trainer.metrics.TrainerExporter`, the docs/monitoring.md contract, served by prometheus_client from this process)
 reports the steps and phase timings the test dictates.
 """
 

@@ -1,5 +1,5 @@
 """The operator's reader of the trainer's /metrics (rlhf_operator.scrape), fed by the trainer's own exporter
-(rlhf_trainer.metrics): the two sides of the DESIGN §4 contract are checked against each other."""
+(rlhf_trainer.metrics): the two sides of the docs/monitoring.md contract are checked against each other."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Phase timer and the trainer's metric names (rlhf_trainer.metrics): the DESIGN §4 contract."""
+"""Phase timer and the trainer's metric names (rlhf_trainer.metrics): the docs/monitoring.md contract."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The trainer's Prometheus metrics (the DESIGN §4 contract, label `rlhfjob`) and the training-phase timer.
+"""The trainer's Prometheus metrics (the docs/monitoring.md contract, label `rlhfjob`) and the training-phase timer.
 
 Owns the metric names (`TrainerExporter`, served on /metrics) and the `PhaseTimer` that marks a phase of
 a step in progress, times it and exports it. Never uses a label named `job` (Prometheus would rename it
@@ -30,7 +30,7 @@ L = "rlhfjob"
 
 
 class TrainerExporter:
-    """Every series of DESIGN §4, in its own registry (so tests can build several), served on /metrics.
+    """Every series of the docs/monitoring.md contract, in its own registry (so tests can build several), served on /metrics.
 
     (The operator's `rlhf_operator.scrape.TrainerMetrics` is the other side: values parsed from a scrape.)
     """
