@@ -1,7 +1,8 @@
 """The elastic pool of rollout engines: start, stop, count by state, and the weight-sync group around them.
 
 Owns engine lifecycle between steps (the desired count comes from the cluster's rollout slots or the
-spec) and the rendezvous of the weight-sync group. Must not hold rollout data: it hands out actor handles.
+spec) and opening the weight-sync channel on each ready engine. Must not hold rollout data: it hands out
+actor handles. Must not import weight_sync: the rendezvous record is weight_sync.manager's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from rlhf_api.constants import ROLLOUT_RESOURCE
 
 from rlhf_trainer.groups import Resources
 from rlhf_trainer.rollout.engine import RolloutEngine
-from rlhf_trainer.weight_sync.channels import Rendezvous
 
 
 @dataclass
@@ -153,19 +153,13 @@ class EnginePool:
         return out
 
     # ---- weight-sync group ----------------------------------------------------------------------
-    def rendezvous(self, backend: str, master_addr: str, master_port: int, job: str) -> Rendezvous:
-        world = 1 + len(self.ready()) * self.tp
-        return Rendezvous(
-            backend=backend,
-            master_addr=master_addr,
-            master_port=master_port,
-            world_size=world,
-            group_name=f"{job}-ws{self.membership_version}",
-        )
+    def channel_world_size(self) -> int:
+        """Ranks in the weight-sync group: the trainer's rank 0 plus every ready engine's TP ranks."""
+        return 1 + len(self.ready()) * self.tp
 
-    def open_channel_refs(self, rdzv: Rendezvous) -> list[Any]:
+    def open_channel_refs(self, rdzv_wire: dict[str, Any]) -> list[Any]:
         return [
-            s.handle.open_weight_channel.remote(rdzv.to_wire(), 1 + i * self.tp)
+            s.handle.open_weight_channel.remote(rdzv_wire, 1 + i * self.tp)
             for i, s in enumerate(self.ready())
         ]
 

@@ -17,6 +17,7 @@ from rlhf_trainer.device import DeviceInfo
 from rlhf_trainer.groups import RayGroup
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 from rlhf_trainer.rollout.pool import EnginePool
+from rlhf_trainer.weight_sync.channels import Rendezvous
 
 GPU_ONLY = ("nccl", "cuda_ipc")
 
@@ -111,10 +112,14 @@ class WeightSyncManager:
         )
         if auto_on_cpu:
             self.log(f"weight sync: auto -> {backend} for {len(engine_nodes)} engine(s)")
-        rdzv = self.pool.rendezvous(backend, addr, port, self.job)
-        refs = self.actor_group.call("open_weight_channel", rdzv.to_wire()) + self.pool.open_channel_refs(
-            rdzv
-        )
+        rdzv = Rendezvous(
+            backend=backend,
+            master_addr=addr,
+            master_port=port,
+            world_size=self.pool.channel_world_size(),
+            group_name=f"{self.job}-ws{self.pool.membership_version}",
+        ).to_wire()
+        refs = self.actor_group.call("open_weight_channel", rdzv) + self.pool.open_channel_refs(rdzv)
         ray.get(refs)
         self.channel_version = self.pool.membership_version
 
