@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -215,6 +216,39 @@ def tiny_job(name: str, model: Path, ckpt: Path, steps: int, **spec: Any) -> dic
     return doc
 
 
+def audited_creates(resource: str, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The successful creates of `resource` `namespace/name` in the API server's audit log, in order.
+
+    The dev cluster's kube-apiserver audits every write at Metadata level (devcluster.py); a create that
+    the API server refused (409 AlreadyExists) is not a create. The log is the API server's own record,
+    so a count from it cannot miss an object that existed between two polls.
+    """
+    import devcluster
+
+    logs = devcluster.STATE / "logs"
+    parts = sorted(logs.glob("audit*.log"))
+    if not parts:
+        raise AssertionError(f"no audit log in {logs}: is this the dev cluster's kube-apiserver?")
+    out = []
+    for path in parts:  # a rotated part (audit-<time>.log) too
+        with path.open(errors="replace") as f:
+            for line in f:
+                if f'"{resource}"' not in line or '"create"' not in line:
+                    continue
+                ev = json.loads(line)
+                ref = ev.get("objectRef", {})
+                if (
+                    ev.get("verb") == "create"
+                    and ev.get("stage") == "ResponseComplete"
+                    and (ref.get("resource"), ref.get("namespace"), ref.get("name"))
+                    == (resource, namespace, name)
+                    and not ref.get("subresource")
+                    and 200 <= int(ev.get("responseStatus", {}).get("code", 0)) < 300
+                ):
+                    out.append(ev)
+    return sorted(out, key=lambda ev: str(ev.get("stageTimestamp")))
+
+
 def ray_job_logs(submission_id: str) -> str:
     resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/{submission_id}/logs", timeout=10)
     resp.raise_for_status()
@@ -233,6 +267,47 @@ def step_reports(logs: str) -> list[dict[str, Any]]:
         if at >= 0:
             reports.append(json.loads(line[at:]))
     return reports
+
+
+class MetricsWatcher:
+    """Scrapes a /metrics URL every `interval` seconds in a thread; keeps every scrape's text."""
+
+    def __init__(self, url: str, interval: float = 1.0) -> None:
+        self.url = url
+        self.interval = interval
+        self.scrapes: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    self.scrapes.append(r.read().decode())
+            except OSError:
+                pass
+            self._stop.wait(self.interval)
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.scrapes
+
+
+def metric_samples(text: str) -> list[Any]:
+    """Every sample of a /metrics text, parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of the first sample named `name` whose labels include `labels`; KeyError if none."""
+    for s in metric_samples(text):
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return float(s.value)
+    raise KeyError(name)
 
 
 # Every series name of the trainer's metrics contract (docs/monitoring.md), written out independently of the code.

@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 from statistics import mean
-from typing import Any
 
 import pytest
 from support import METRICS_CONTRACT as CONTRACT
+from support import metric_samples as _samples
+from support import metric_value as _value
 from trainer_runs import EXAMPLE, GRPO, REINFORCE_PP, cli_cmd, free_port, run_cli, run_env, tiny_sets
 
 pytestmark = pytest.mark.trainer
@@ -28,19 +29,6 @@ pytestmark = pytest.mark.trainer
 # ~0.01 (128 samples a step), so +0.10 is ten times the noise and a quarter of the way to all vowels.
 MIN_GAIN = 0.10
 SP_STEPS = 20  # steps of the sequence-parallel PPO run
-
-
-def _samples(text: str) -> list[Any]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
-
-
-def _value(text: str, name: str, **labels: str) -> float:
-    for s in _samples(text):
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-            return float(s.value)
-    raise KeyError(name)
 
 
 def _learning_gain(rewards: list[float]) -> float:

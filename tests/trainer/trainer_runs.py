@@ -1,4 +1,4 @@
-"""Helpers of the trainer tests: `rlhf run` as a subprocess, its environment, and a /metrics watcher.
+"""Helpers of the trainer tests: `rlhf run` as a subprocess and its environment (/metrics watched while it runs).
 
 Every run is a real subprocess (Ray driver + DeepSpeed ranks + vLLM engine) on its own embedded Ray
 (`RAY_ADDRESS=local`, a private temp dir), so it never joins a Ray head another test suite runs.
@@ -11,12 +11,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from support import MetricsWatcher
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rlhfjob-tiny.yaml"
@@ -79,31 +79,6 @@ class Run:
     scrapes: list[str] = field(default_factory=list)
 
 
-class MetricsWatcher:
-    """Scrapes http://127.0.0.1:port/metrics every second while a run is alive; keeps every scrape."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.scrapes: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
-                    self.scrapes.append(r.read().decode())
-            except OSError:
-                pass
-            self._stop.wait(1.0)
-
-    def stop(self) -> list[str]:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        return self.scrapes
-
-
 def run_cli(
     spec: Path,
     sets: list[str],
@@ -113,15 +88,16 @@ def run_cli(
     steps: int | None = None,
     port: int | None = None,
     timeout: float = 900,
+    env: dict[str, str] | None = None,
 ) -> Run:
     summary = tmp / f"summary-{time.monotonic_ns()}.json"
-    watcher = MetricsWatcher(port) if port else None
+    watcher = MetricsWatcher(f"http://127.0.0.1:{port}/metrics") if port else None
     t0 = time.monotonic()
     proc = subprocess.run(
         cli_cmd(spec, sets, summary, steps, port),
         capture_output=True,
         text=True,
-        env=run_env(ray_tmp),
+        env={**run_env(ray_tmp), **(env or {})},
         timeout=timeout,
         start_new_session=True,
     )
