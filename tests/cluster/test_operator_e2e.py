@@ -8,6 +8,7 @@ they are few and short: one run to Succeeded, one stopped by its active deadline
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime
 from pathlib import Path
@@ -15,7 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
-from support import RAY_DASHBOARD_PORT, Cluster, OperatorProcess, tiny_job, wait_for
+from support import (
+    RAY_DASHBOARD_PORT,
+    Cluster,
+    OperatorProcess,
+    ray_job_logs,
+    step_reports,
+    tiny_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +73,11 @@ def test_tiny_job_runs_to_succeeded_with_phase_timings_in_status(
 
     st = wait_for(finished, 600, "the job to finish")
     assert st["phase"] == "Succeeded", st
-    assert st["step"] == 3 and st["progress"] == "3/3"
+    # The steps the trainer itself reported, not status.step (which the operator sets to totalSteps on
+    # success): the driver prints one JSON line per completed step.
+    reported = [r["step"] for r in step_reports(ray_job_logs(st["submissionId"]))]
+    assert reported == [1, 2, 3], reported
+    assert st["step"] == reported[-1] and st["progress"] == f"{reported[-1]}/3"
     running = [r for r in rows if r.get("PHASE") == "Running"]
     assert running and running[0]["STEP"] in ("1/3", "2/3") and rows[-1]["STEP"] == "3/3", rows
     assert all(0 < float(r["GENSHARE"]) < 1 for r in rows if r.get("PHASE") == "Running"), rows
@@ -256,12 +269,17 @@ def test_on_stall_restart_resumes_from_the_checkpoint_and_completes(
             "reward" in e["message"] for e in stall_events(cluster, namespace, "flaky-reward")
         ), seen_stall
         assert stall_events(cluster, namespace, "flaky-reward"), "no Stalled event"
-        # The second attempt resumed from a checkpoint instead of starting over.
-        logs = httpx.get(
-            f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/{st['submissionId']}/logs", timeout=10
-        ).json()["logs"]
+        # The second attempt resumed from the last checkpoint the first wrote (one a step), so no
+        # completed step was run again and none was skipped.
         assert st["submissionId"].endswith("-1"), st["submissionId"]  # attempt 1, the restart
-        assert "resumed from" in logs, logs[-3000:]
+        first = ray_job_logs(st["submissionId"][: -len("1")] + "0")
+        logs = ray_job_logs(st["submissionId"])
+        before = [r["step"] for r in step_reports(first)]
+        resumed = re.search(r"resumed from \S+ \(step (\d+)\)", logs)
+        assert resumed, logs[-3000:]
+        after = [r["step"] for r in step_reports(logs)]
+        assert before and int(resumed.group(1)) == before[-1], (before, resumed.group(0))
+        assert before + after == [1, 2, 3], (before, after)
     finally:
         cluster.kubectl("delete", "rlhfjob", "flaky-reward", "-n", namespace, "--wait=false", check=False)
         reward.close()
