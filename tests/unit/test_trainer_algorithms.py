@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from rlhf_trainer import algorithms as A
@@ -31,7 +33,8 @@ def test_grpo_normalises_within_groups_and_skips_invalid() -> None:
     valid = torch.tensor([True, True, True, True, False])
     out = A.grpo(scores, groups, [2, 3, 1, 1, 4], valid)
     a = [float(x[0]) for x in out.advantages]
-    assert a[0] == pytest.approx(1.0, abs=1e-4) and a[1] == pytest.approx(-1.0, abs=1e-4)
+    # group {1, 0}: mean 0.5, unbiased std sqrt(0.5) -> +-0.5 / sqrt(0.5) = +-1/sqrt(2)
+    assert a[0] == pytest.approx(2**-0.5, abs=1e-4) and a[1] == pytest.approx(-(2**-0.5), abs=1e-4)
     assert a[2] == 0.0 and a[3] == 0.0  # equal scores: no signal
     assert torch.equal(out.advantages[4], torch.zeros(4))  # invalid sample never trained on
     assert [x.numel() for x in out.advantages] == [2, 3, 1, 1, 4]
@@ -48,6 +51,37 @@ def test_reinforce_pp_returns_to_go_whitened() -> None:
     assert bool((out.advantages[0] > 0).all()) and bool((out.advantages[1] < 0).all())
 
 
+def test_grpo_std_is_unbiased_with_verl_epsilon() -> None:
+    # {0, 1, 2}: unbiased std 1 -> advantages -1, 0, 1 (the population std 0.816 would give +-1.22)
+    out = A.grpo(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([7, 7, 7]), [1, 1, 1])
+    a = torch.cat(out.advantages)
+    assert torch.allclose(a, torch.tensor([-1.0, 0.0, 1.0]) / (1.0 + A.GRPO_STD_EPS), atol=1e-7)
+
+
+def test_whitening_with_summed_moments_equals_whitening_the_whole_batch() -> None:
+    g = torch.Generator().manual_seed(3)
+    values = [torch.randn(n, generator=g) * 3 + 1 for n in (4, 7, 2, 5, 3)]
+    valid = torch.tensor([True, False, True, True, True])
+    whole = A.whiten(values, valid)
+    # two "ranks" hold samples 0-1 and 2-4; their moments add up (the all-reduce)
+    moments = A.whitening_moments(values[:2], valid[:2]) + A.whitening_moments(values[2:], valid[2:])
+    split = A.whiten_with(values[:2], moments, valid[:2]) + A.whiten_with(values[2:], moments, valid[2:])
+    for w, s in zip(whole, split, strict=True):
+        assert torch.allclose(w, s, atol=1e-6)
+    shard_only = A.whiten(values[2:], valid[2:])  # per-shard whitening differs: the point of the moments
+    assert not torch.allclose(shard_only[0], split[2], atol=1e-3)
+    assert torch.equal(split[1], torch.zeros(7))
+
+
+def test_reinforce_pp_is_whitened_returns() -> None:
+    scores, groups = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 0, 0])
+    kls = [torch.full((3,), 0.1), torch.zeros(2), torch.zeros(4)]
+    rets = A.reinforce_pp_returns(scores, groups, kls, 0.1, 1.0)
+    out = A.reinforce_pp(scores, groups, kls, 0.1, 1.0)
+    for a, b in zip(out.advantages, A.whiten(rets), strict=True):
+        assert torch.allclose(a, b)
+
+
 def test_token_rewards_put_score_on_last_token() -> None:
     r = A.token_rewards(2.0, torch.tensor([0.1, 0.2]), kl_coef=0.5)
     assert torch.allclose(r, torch.tensor([-0.05, 2.0 - 0.1]))
@@ -58,6 +92,30 @@ def test_kl_estimators() -> None:
     assert torch.allclose(A.kl_per_token(lp, ref, "k1"), torch.tensor([0.0, -1.0]))
     k3 = A.kl_per_token(lp, ref, "k3")
     assert float(k3[0]) == 0.0 and float(k3[1]) > 0
+    assert torch.allclose(A.kl_per_token(lp, ref, "k2"), torch.tensor([0.0, 0.5]))
+    with pytest.raises(ValueError, match="k4"):
+        A.kl_per_token(lp, ref, "k4")
+
+
+def test_k3_kl_is_clamped_to_ten() -> None:
+    # log(pi/ref) = -5: r = ref/pi = e^5, k3 = e^5 - 1 - 5 = 142.4 unclamped
+    k3 = A.kl_per_token(torch.tensor([-6.0, -1.0]), torch.tensor([-1.0, -1.0]), "k3")
+    assert float(k3[0]) == A.K3_CLAMP == 10.0
+    huge = A.kl_per_token(torch.tensor([-200.0]), torch.tensor([0.0]), "k3")
+    assert float(huge[0]) == 10.0
+
+
+def test_policy_loss_clamps_the_log_ratio_before_exp() -> None:
+    # a token whose log-prob rose by 100 nats since sampling: exp(100) overflows fp32 to inf
+    lp = torch.tensor([[100.0, 0.0]], requires_grad=True)
+    old, adv, mask = torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2)
+    loss, clipped = A.policy_loss(lp, old, adv, mask, clip=0.2)
+    assert float(loss.detach()) == pytest.approx(
+        math.exp(20.0) - 1.0, rel=1e-6
+    )  # ratio e^20 on the first token
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert bool(torch.isfinite(grad).all())
+    assert float(clipped) == 1.0
 
 
 def test_policy_loss_clips() -> None:
@@ -68,6 +126,45 @@ def test_policy_loss_clips() -> None:
     loss, clipped = A.policy_loss(lp, old, adv, mask, clip=0.2)
     assert float(loss) == pytest.approx(-(1.2 + 0.5))
     assert float(clipped) == 2.0
+
+
+def test_aggregation_modes_on_a_hand_example() -> None:
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # padded; 3rd invalid
+    assert float(A.aggregate_loss(loss, mask, "token-mean")) == pytest.approx(10.0 / 4)
+    assert float(A.aggregate_loss(loss, mask, "seq-mean-token-mean")) == pytest.approx((2.0 + 4.0) / 2)
+    assert float(A.aggregate_loss(loss, mask, "seq-mean-token-sum")) == pytest.approx((6.0 + 4.0) / 2)
+    assert A.loss_normaliser(mask, "token-mean") == 4.0
+    assert A.loss_normaliser(mask, "seq-mean-token-sum") == 2.0
+    with pytest.raises(ValueError, match="token-sum"):
+        A.aggregate_loss(loss, mask, "token-sum")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_global_normaliser_makes_shards_add_up_to_the_batch(mode: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    loss = torch.rand(6, 5, generator=g)
+    lens = torch.tensor([5, 1, 3, 0, 2, 4])  # one sample with no token (invalid)
+    mask = (torch.arange(5).unsqueeze(0) < lens.unsqueeze(1)).float()
+    whole = A.aggregate_loss(loss, mask, mode)
+    shards = [slice(0, 1), slice(1, 4), slice(4, 6)]  # uneven "ranks"
+    total = sum(A.loss_normaliser(mask[s], mode) for s in shards)  # the all-reduce
+    summed = sum(float(A.aggregate_loss(loss[s], mask[s], mode, total)) for s in shards)
+    assert summed == pytest.approx(float(whole), rel=1e-6)
+    per_shard_mean = sum(float(A.aggregate_loss(loss[s], mask[s], mode)) for s in shards) / len(shards)
+    assert per_shard_mean != pytest.approx(float(whole), rel=1e-3)  # what a per-rank mean would give
+
+
+def test_seq_tokens_give_sequence_means_over_column_slices() -> None:
+    loss = torch.tensor([[1.0, 2.0, 3.0, 6.0]])
+    mask = torch.ones(1, 4)
+    whole = A.aggregate_loss(loss, mask, "seq-mean-token-mean")
+    full = torch.tensor([4.0])  # each SP rank holds 2 of the 4 columns
+    halves = [
+        A.aggregate_loss(loss[:, c], mask[:, c], "seq-mean-token-mean", 1.0, full)
+        for c in (slice(0, 2), slice(2, 4))
+    ]
+    assert float(sum(halves)) == pytest.approx(float(whole)) == 3.0
 
 
 def test_value_loss_clipped() -> None:

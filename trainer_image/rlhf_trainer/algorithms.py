@@ -1,7 +1,9 @@
-"""Advantage estimators (gae, grpo, reinforce_pp), KL estimators, PPO losses and the LR schedule.
+"""Advantage estimators (gae, grpo, reinforce_pp), KL estimators, PPO losses, loss aggregation, LR schedule.
 
 Pure torch on per-sample lists of response-token tensors (packed, no padding). Knows nothing of Ray,
-DeepSpeed or vLLM; every function here is unit-tested in tests/unit/test_trainer_algorithms.py.
+DeepSpeed or vLLM: where a number must cover every data-parallel rank (a token count, whitening moments)
+the function takes it as an argument and the workers all-reduce it. Unit-tested in
+tests/unit/test_trainer_algorithms.py and, against the papers' equations, test_objectives_reference.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ from dataclasses import dataclass
 import torch
 
 EPS = 1e-6
+# GRPO: (score - group mean) / (unbiased group std + GRPO_STD_EPS), verl's estimator and epsilon
+# (TRL: unbiased std + 1e-4; OpenRLHF: unbiased std + 1e-9).
+GRPO_STD_EPS = 1e-6
+# exp() of a log-ratio is taken after clamping it to +-LOG_RATIO_CLAMP (OpenRLHF and verl use 20): a stale
+# or diverged token then gives a large finite ratio instead of inf (and NaN gradients).
+LOG_RATIO_CLAMP = 20.0
+# The k3 KL estimate is clamped to +-K3_CLAMP, as verl's "low_var_kl" does.
+K3_CLAMP = 10.0
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 @dataclass
@@ -24,13 +35,17 @@ class Advantages:
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
-    """KL(pi || ref) estimate per token: k1 = log(pi/ref); k3 = ratio - 1 - log ratio (>= 0, low variance)."""
+    """KL(pi || ref) estimate per token (Schulman's estimators, x sampled from pi, r = ref(x) / pi(x)):
+    k1 = -log r (unbiased); k2 = (log r)^2 / 2; k3 = r - 1 - log r (unbiased, >= 0, low variance), with
+    log r clamped to +-LOG_RATIO_CLAMP before exp and the result clamped to +-K3_CLAMP."""
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
     if kind == "k3":
-        neg = -log_ratio.clamp(-20.0, 20.0)
-        return neg.exp() - 1.0 - neg
+        log_r = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (log_r.exp() - 1.0 - log_r).clamp(-K3_CLAMP, K3_CLAMP)
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
@@ -65,7 +80,8 @@ def gae(
 def group_normalised_scores(
     scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor | None = None, scale: bool = True
 ) -> torch.Tensor:
-    """(score - group mean) / (group std + eps) per sample; invalid samples get 0 and don't count."""
+    """(score - group mean) / (unbiased group std + GRPO_STD_EPS) per sample, over the group's valid samples;
+    invalid samples get 0 and don't count, and a group with a single valid sample gets 0 (no baseline)."""
     valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
     out = torch.zeros_like(scores, dtype=torch.float32)
     for g in torch.unique(groups):
@@ -75,8 +91,8 @@ def group_normalised_scores(
         s = scores[idx].float()
         centred = s - s.mean()
         if scale:
-            std = s.std(unbiased=False) if s.numel() > 1 else torch.tensor(0.0)
-            centred = centred / (std + EPS)
+            std = s.std(unbiased=True) if s.numel() > 1 else torch.tensor(0.0)
+            centred = centred / (std + GRPO_STD_EPS)
         out[idx] = centred
     return out
 
@@ -102,9 +118,24 @@ def reinforce_pp(
     valid: torch.Tensor | None = None,
 ) -> Advantages:
     """REINFORCE++ (group-baseline variant): returns-to-go of (score - group mean) with a per-token KL
-    penalty, then whitened over every valid token of the batch."""
-    baseline = group_normalised_scores(scores, groups, valid, scale=False)
+    penalty, then whitened over every valid token given (one rank's shard: for the whole batch, whiten
+    reinforce_pp_returns with all-reduced whitening_moments)."""
     valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
+    advs = whiten(reinforce_pp_returns(scores, groups, kls, kl_coef, gamma, valid), valid)
+    return Advantages(advs, [torch.zeros_like(x) for x in advs])
+
+
+def reinforce_pp_returns(
+    scores: torch.Tensor,
+    groups: torch.Tensor,
+    kls: Sequence[torch.Tensor],
+    kl_coef: float,
+    gamma: float,
+    valid: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """REINFORCE++ returns-to-go per token, before whitening: sum_l gamma^l r_(t+l), where r_t is
+    -kl_coef * kl_t plus (score - group mean) on the last token."""
+    baseline = group_normalised_scores(scores, groups, valid, scale=False)
     rets = []
     for i, kl in enumerate(kls):
         r = token_rewards(float(baseline[i]), kl, kl_coef)
@@ -114,21 +145,54 @@ def reinforce_pp(
             running = float(r[t]) + gamma * running
             g[t] = running
         rets.append(g)
-    advs = whiten(rets, valid)
-    return Advantages(advs, [torch.zeros_like(x) for x in advs])
+    return rets
+
+
+def whitening_moments(values: Sequence[torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
+    """[sum, sum of squares, count] over all tokens of valid samples, float64: add these up over the
+    data-parallel ranks (all-reduce SUM) and pass the total to whiten_with for batch-wide whitening."""
+    out = torch.zeros(3, dtype=torch.float64)
+    for i, v in enumerate(values):
+        if valid is None or bool(valid[i]):
+            x = v.detach().to(torch.float64)
+            out += torch.stack(
+                [x.sum(), x.square().sum(), torch.tensor(float(x.numel()), dtype=torch.float64)]
+            )
+    return out
+
+
+def whiten_with(
+    values: Sequence[torch.Tensor], moments: torch.Tensor, valid: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """(v - mean) / (std + EPS) with mean and std from `moments` (whitening_moments, possibly summed over
+    ranks); population (biased) std, as OpenRLHF (verl uses the unbiased one: a factor n/(n-1) in the
+    variance, negligible at batch sizes of thousands of tokens). Invalid samples become zeros."""
+    total, total_sq, count = (float(x) for x in moments)
+    if count <= 0:
+        return [torch.zeros_like(v) for v in values]
+    mean = total / count
+    std = math.sqrt(max(total_sq / count - mean * mean, 0.0))
+    return [
+        ((v - mean) / (std + EPS)).to(v.dtype) if valid is None or bool(valid[i]) else torch.zeros_like(v)
+        for i, v in enumerate(values)
+    ]
 
 
 def whiten(values: Sequence[torch.Tensor], valid: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Normalise to mean 0 / std 1 over all tokens of valid samples; invalid samples become zeros."""
-    keep = [v for i, v in enumerate(values) if valid is None or bool(valid[i])]
-    if not keep or sum(v.numel() for v in keep) == 0:
-        return [torch.zeros_like(v) for v in values]
-    cat = torch.cat(keep)
-    mean, std = cat.mean(), cat.std(unbiased=False)
-    return [
-        ((v - mean) / (std + EPS)) if valid is None or bool(valid[i]) else torch.zeros_like(v)
-        for i, v in enumerate(values)
-    ]
+    """Normalise to mean 0 / std 1 over all tokens of valid samples given; invalid samples become zeros."""
+    return whiten_with(values, whitening_moments(values, valid), valid)
+
+
+def policy_loss_tokens(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token, -min(r A, clip(r, 1 - clip, 1 + clip) A) with r = exp(log-ratio
+    clamped to +-LOG_RATIO_CLAMP); also 1.0 where the ratio is outside the clip range, else 0.0."""
+    ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip, 1.0 + clip) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, ((ratio - 1.0).abs() > clip).float()
 
 
 def policy_loss(
@@ -139,21 +203,69 @@ def policy_loss(
     clip: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate summed over masked tokens (caller normalises); also the clip fraction sum."""
-    ratio = (logprobs - old_logprobs).exp()
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip, 1.0 + clip) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    clipped_frac = ((ratio - 1.0).abs() > clip).float()
-    return (loss * mask).sum(), (clipped_frac * mask).sum()
+    loss, clipped = policy_loss_tokens(logprobs, old_logprobs, advantages, clip)
+    return (loss * mask).sum(), (clipped * mask).sum()
+
+
+def value_loss_tokens(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """Clipped value loss per token: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2)."""
+    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
 
 
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
 ) -> torch.Tensor:
     """Clipped value loss (0.5 * max of squared errors), summed over masked tokens."""
-    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
-    loss = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
-    return (loss * mask).sum()
+    return (value_loss_tokens(values, old_values, returns, clip) * mask).sum()
+
+
+def _check_aggregation(mode: str) -> None:
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def loss_normaliser(mask: torch.Tensor, mode: str, seq_tokens: torch.Tensor | None = None) -> float:
+    """This micro-batch's share of the denominator of `mode`: its masked tokens (token-mean) or its
+    sequences with at least one masked token (seq-mean-*). Add it up over micro-batches and ranks (an
+    all-reduce) and pass the total to aggregate_loss. `seq_tokens`: see aggregate_loss."""
+    _check_aggregation(mode)
+    if mode == "token-mean":
+        return float(mask.sum())
+    counts = mask.sum(dim=-1) if seq_tokens is None else seq_tokens
+    return float((counts > 0).sum())
+
+
+def aggregate_loss(
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    normaliser: float | None = None,
+    seq_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a (sequences x tokens) loss to a scalar, verl's modes:
+    - token-mean: sum of masked token losses / number of masked tokens;
+    - seq-mean-token-mean: mean over sequences of each sequence's masked-token mean;
+    - seq-mean-token-sum: mean over sequences of each sequence's masked-token sum.
+    Sequences without a masked token (invalid, or all padding) count in no denominator. `normaliser`
+    replaces this call's own count (loss_normaliser) by the total over every micro-batch and rank of the
+    optimizer step, so the contributions add up to the global mean: no rank or micro-batch weighs more
+    for having fewer tokens. `seq_tokens` gives each sequence's masked-token count when `mask` holds only
+    a slice of its columns (sequence parallelism); default mask.sum(-1)."""
+    _check_aggregation(mode)
+    masked = token_loss * mask
+    denom = loss_normaliser(mask, mode, seq_tokens) if normaliser is None else float(normaliser)
+    if mode == "token-mean":
+        total = masked.sum()
+    else:
+        per_seq = masked.sum(dim=-1)
+        if mode == "seq-mean-token-mean":
+            counts = (mask.sum(dim=-1) if seq_tokens is None else seq_tokens).to(per_seq.dtype)
+            per_seq = torch.where(counts > 0, per_seq / counts.clamp(min=1.0), torch.zeros_like(per_seq))
+        total = per_seq.sum()
+    return total / max(denom, 1.0)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
