@@ -3,16 +3,24 @@
 # Build from the repository root:  docker build -t rlhf-operator:dev .
 # The chart runs it as uid 10001 with a read-only root file system and an emptyDir at /tmp.
 
-# Exact Python patch release on Debian 12; the same tag in both stages, so the venv's interpreter
-# link (/usr/local/bin/python3.11) exists in the final image.
-FROM python:3.11.14-slim-bookworm AS build
+# The base: an exact Python patch release on Debian 12 by default. `make images` passes a Debian 12
+# root file system made here (mmdebstrap, with Debian's python3 3.11 and python3-venv) instead, since
+# no registry is reachable there. The same base in both stages, so the venv's interpreter link
+# exists in the final image.
+ARG PYTHON_BASE=python:3.11.14-slim-bookworm
+
+FROM ${PYTHON_BASE} AS build
+
+# pip's configuration: none by default (PyPI). `make images` mounts a wheelhouse made from the pip
+# cache and points this at its pip.conf (no index, find-links there), so the build downloads nothing.
+ARG PIP_CONFIG_FILE=/dev/null
 
 # No pip cache in the layer, no version-check request.
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # A venv, so the final stage copies one directory with everything the operator needs.
-RUN python -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 
 WORKDIR /src
 # Only what the package build reads: the project file, the README it names, the API package, the
@@ -25,7 +33,7 @@ COPY operator/ operator/
 # modules here, since the running container cannot write .pyc files.
 RUN /opt/venv/bin/pip install ".[operator]"
 
-FROM python:3.11.14-slim-bookworm
+FROM ${PYTHON_BASE}
 
 # The non-root user the chart's securityContext names (runAsUser/runAsGroup 10001).
 RUN groupadd --system --gid 10001 rlhf \

