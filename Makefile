@@ -4,13 +4,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEVCLUSTER := python3 devcluster/devcluster.py
 
-.PHONY: setup test demo cluster-build cluster-up cluster-down cluster-status lint crd bench clean
+.PHONY: setup test images test-images demo cluster-build cluster-up cluster-down cluster-status lint crd bench clean
 
 setup: ## Create .venv with everything (idempotent; fast when done)
 	@scripts/setup.sh
 
 test: ## The full suite: lint, unit, cluster, chart/alerts and trainer tests (prints stage times)
 	@scripts/test.sh
+
+images: ## Build the operator and CPU trainer images here (no registry) and load them into containerd
+	@python3 images/build_images.py all
+
+test-images: setup ## Run the built images with containerd: uid, read-only root, imports, tiny model
+	@$(PY) -m pytest tests/images -m images
 
 demo: setup ## The first command: control plane + Helm chart + a tiny RLHFJob run to Succeeded
 	@scripts/demo.sh
@@ -28,9 +34,10 @@ cluster-status:
 	@$(DEVCLUSTER) status
 
 lint: setup ## ruff, mypy and the import-layer contracts (lint-imports)
-	@$(VENV)/bin/ruff check api cli operator trainer_image devcluster tests benchmarks scripts
-	@$(VENV)/bin/ruff format --check api cli operator trainer_image devcluster tests benchmarks scripts
+	@$(VENV)/bin/ruff check api cli operator trainer_image devcluster tests benchmarks scripts images
+	@$(VENV)/bin/ruff format --check api cli operator trainer_image devcluster tests benchmarks scripts images
 	@$(VENV)/bin/mypy
+	@$(VENV)/bin/mypy --strict images/build_images.py images/containerd_runtime.py images/image_recipe.py
 	@$(VENV)/bin/lint-imports --no-logo
 
 crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model

