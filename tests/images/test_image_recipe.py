@@ -34,7 +34,7 @@ def repo(tmp_path: Path) -> Path:
     ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, tmp_path / rel)
-    for package in ("operator", "trainer_image/rlhf_trainer"):
+    for package in ("api", "cli", "operator", "trainer_image/rlhf_trainer"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
@@ -53,16 +53,19 @@ def test_hash_is_stable_and_independent_of_the_checkout_path(repo: Path) -> None
     assert hashes(repo) == hashes(ROOT)
 
 
-def test_operator_code_changes_the_operator_image_only_when_it_is_copied(repo: Path) -> None:
+def test_each_image_hash_follows_only_the_code_it_copies(repo: Path) -> None:
     before = hashes(repo)
-    (repo / "operator" / "rlhf_operator" / "cli.py").write_text("# changed\n", "utf-8")
+    (repo / "operator" / "rlhf_operator" / "handlers.py").write_text("# changed\n", "utf-8")
     after = hashes(repo)
     assert after["operator"] != before["operator"]
-    assert after["trainer"] != before["trainer"]  # the trainer image copies operator/ too
+    assert after["trainer"] == before["trainer"], "the trainer image copies no operator code"
     (repo / "trainer_image" / "rlhf_trainer" / "loop.py").write_text("# changed\n", "utf-8")
     again = hashes(repo)
     assert again["operator"] == after["operator"], "the operator image does not copy trainer_image/"
     assert again["trainer"] != after["trainer"]
+    (repo / "api" / "rlhf_api" / "spec.py").write_text("# changed\n", "utf-8")
+    shared = hashes(repo)
+    assert shared["operator"] != again["operator"] and shared["trainer"] != again["trainer"], "both copy api/"
 
 
 def test_bytecode_and_caches_do_not_change_the_hash(repo: Path) -> None:
@@ -70,7 +73,9 @@ def test_bytecode_and_caches_do_not_change_the_hash(repo: Path) -> None:
     cache = repo / "operator" / "rlhf_operator" / "__pycache__"
     cache.mkdir()
     (cache / "cli.cpython-311.pyc").write_bytes(b"\0")
-    (repo / "operator" / "rlhf_operator" / "stale.pyc").write_bytes(b"\0")  # Python 2 style, beside the source
+    (repo / "operator" / "rlhf_operator" / "stale.pyc").write_bytes(
+        b"\0"
+    )  # Python 2 style, beside the source
     (repo / "operator" / "rlhf_operator.egg-info").mkdir()
     (repo / "operator" / "rlhf_operator.egg-info" / "PKG-INFO").write_text("x")
     assert hashes(repo) == before
@@ -110,6 +115,8 @@ def test_copied_sources_reads_copy_lines_but_not_stage_copies() -> None:
     assert recipe.copied_sources((ROOT / "Dockerfile").read_text()) == [
         "pyproject.toml",
         "README.md",
+        "api",
+        "cli",
         "operator",
     ]
 
