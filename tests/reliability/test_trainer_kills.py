@@ -60,13 +60,14 @@ def test_actor_killed_in_each_phase_restarts_from_the_last_checkpoint_and_comple
     fired = sorted(p.name for p in marks.iterdir())
     assert st["phase"] == "Succeeded", (st, fired)
     assert fired == sorted(f"{phase}@{step}" for step, phase in FAULTS.items()), fired
-    assert st["restarts"] == len(FAULTS) and st["step"] == STEPS
+    assert st["restarts"] == len(FAULTS)
 
     # Each attempt's story from its own Ray job log: where it resumed, which steps it completed.
     uid = st["submissionId"].rsplit("-", 1)[0]  # rlhf-<ns>-<job>-<uid8>
-    rows = []
+    rows, logs = [], []
     for attempt in range(len(FAULTS) + 1):
-        resumed, done = attempt_steps(ray_job_logs(f"{uid}-{attempt}"))
+        logs.append(ray_job_logs(f"{uid}-{attempt}"))
+        resumed, done = attempt_steps(logs[-1])
         rows.append((attempt, resumed, done))
     print("\nattempt  resumed-from  completed-steps")
     for attempt, resumed, done in rows:
@@ -77,6 +78,12 @@ def test_actor_killed_in_each_phase_restarts_from_the_last_checkpoint_and_comple
     after_first = seen[next((i for i, v in enumerate(seen) if v > 0), len(seen)) :]
     assert 0 not in after_first, f"status.step fell back to 0 during a restart: {seen}"
 
+    # status.step is the last step the trainer itself reported (the operator writes totalSteps on success).
+    assert st["step"] == rows[-1][2][-1] == STEPS, (st["step"], rows)
+    # One engine (the tiny job's): losing it in generation leaves none, so the step fails with the
+    # driver's own message and the attempt is restarted (attempt 1 resumes from step 1's checkpoint).
+    assert "step 2: every rollout engine was lost" in logs[0], logs[0][-3000:]
+    assert "chunk(s) generated again" not in logs[0]
     completed = [s for _, _, done in rows for s in done]
     assert sorted(set(completed)) == list(range(1, STEPS + 1)), rows  # every step done, none skipped
     assert rows[0][1] is None  # the first attempt starts fresh
@@ -93,9 +100,10 @@ def test_actor_killed_in_each_phase_restarts_from_the_last_checkpoint_and_comple
     assert not list(ckpt.glob(".tmp-*")), sorted(p.name for p in ckpt.iterdir())
     assert (ckpt / "step-00000007" / "trainer_state.json").exists()
 
-    reasons = [
-        e["reason"]
+    # One Restarting Event per restart (the API server folds repeats into one Event's count).
+    restarting = [
+        e.get("count") or 1
         for e in cluster.list("events", namespace)
-        if e.get("involvedObject", {}).get("name") == "faulty"
+        if e.get("involvedObject", {}).get("name") == "faulty" and e["reason"] == "Restarting"
     ]
-    assert reasons.count("Restarting") >= 1, reasons
+    assert sum(restarting) == st["restarts"], restarting
