@@ -96,6 +96,37 @@ class Cluster:
         return items
 
 
+class PhaseWatch:
+    """Every `status.phase` an object's versions carried, in order, from a `kubectl get --watch` stream.
+
+    A watch delivers each version the API server stored, so a phase held for a moment between two polls
+    is still seen (a poll can miss it).
+    """
+
+    def __init__(self, cluster: Cluster, kind: str, name: str, namespace: str) -> None:
+        self.phases: list[str] = []
+        self._proc = subprocess.Popen(
+            [str(cluster.bin_dir / "kubectl"), "get", kind, name, "-n", namespace, "--watch",
+             "-o", "jsonpath={.status.phase}{\"\\n\"}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cluster.env,
+        )  # fmt: skip
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            phase = line.strip()
+            if phase and (not self.phases or self.phases[-1] != phase):
+                self.phases.append(phase)
+
+    def stop(self) -> list[str]:
+        self._proc.terminate()
+        self._proc.wait(10)
+        self._thread.join(10)
+        return self.phases
+
+
 def wait_for(fn: Callable[[], T | None], timeout: float, what: str, interval: float = 0.5) -> T:
     """Poll fn until it returns something truthy; fail naming what we waited for and the last value."""
     deadline = time.monotonic() + timeout

@@ -226,3 +226,21 @@ def test_last_checkpoint_step_follows_the_trainer_and_survives_its_absence() -> 
     # A trainer that never checkpointed leaves the field unset.
     d = decide(job(running), obs(ray_job=ray("RUNNING"), metrics=restarted), SID)
     assert "lastCheckpointStep" not in d.status
+
+
+def test_a_running_jobs_lost_cluster_is_recreated_then_the_same_attempt_resubmitted() -> None:
+    """docs/reliability.md: a RayCluster gone under a running job is recreated (Warning ClusterRecreated,
+    phase Provisioning); the new head has no trainer job, so the same attempt's id is submitted again
+    (the trainer resumes from its checkpoint) and no restart is counted."""
+    running = {"phase": "Running", "submissionId": SID, "restarts": 0, "startTime": iso(NOW)}
+    gone = decide(job(running), obs(raycluster=None), SID)
+    assert gone.actions == ["create_cluster"]
+    assert gone.status["phase"] == "Provisioning"
+    assert [(t, r) for t, r, _ in gone.events] == [("Warning", "ClusterRecreated")]
+    unready = decide(job(gone.status), obs(raycluster=cluster(None)), SID)
+    assert unready.status["phase"] == "Provisioning" and unready.actions == []
+    ready = decide(job(unready.status), obs(), SID)
+    assert ready.actions == ["submit"] and ready.submission_id == SID
+    assert ready.status.get("restarts", 0) == 0
+    back = decide(job(ready.status), obs(ray_job=ray("RUNNING"), metrics_error="refused"), SID)
+    assert back.status["phase"] == "Running" and back.status.get("restarts", 0) == 0

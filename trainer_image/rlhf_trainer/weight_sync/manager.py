@@ -136,9 +136,9 @@ class WeightSyncManager:
         )
         sends = self.actor_group.call("send_weights")
         recvs = self.pool.receive_refs(plan)
-        send_stats = ray.get(sends)
-        ray.get(recvs)
-        sent = int(send_stats[0]["bytes"]) * max(1, len(recvs))
+        ray.get(sends)
+        # The bytes each engine measured arriving, summed: a bucket lost or cut short shows here.
+        sent = sum(int(r["bytes"]) for r in ray.get(recvs))
         self.metrics.weight_sync_bytes.labels(self.job).inc(sent)
         return sent
 

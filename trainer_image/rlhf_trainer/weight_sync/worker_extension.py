@@ -48,7 +48,7 @@ class RLHFWorkerExtension:
             model.load_weights(unpack_bucket(bucket, flat))  # type: ignore[operator]
             self._rlhf_channel.done_with(index)
             loaded += len(bucket.slots)
-            nbytes += bucket.nbytes
+            nbytes += flat.numel() * flat.element_size()  # what arrived, not what the plan says
         t_load = time.perf_counter() - t0
         repacked = repack_cpu_linears(model)
         return {
