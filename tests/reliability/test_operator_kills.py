@@ -83,6 +83,13 @@ class ClusterWatch:
 def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
     cluster: Cluster, rlhf_crd: str, namespace: str, ray_head: RayHead, tiny_model: Path, tmp_path: Path
 ) -> None:
+    import devcluster
+
+    # Each tiny job's pods ask for 5 (fake) GPUs; the dev cluster's 2 nodes hold 16. Six more KWOK nodes
+    # for this test (removed at the end) let all 10 jobs run at once.
+    extra = [devcluster.node_manifest(i) for i in range(devcluster.NODES, devcluster.NODES + 6)]
+    for node in extra:
+        cluster.apply(node)
     names = [f"job-{i}" for i in range(JOBS)]
     sids: dict[str, str] = {}
     for name in names:
@@ -140,6 +147,10 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
         with rayjobs.RayJobsClient(ray_head.dashboard_url) as rj:
             for sid in sids.values():
                 rj.stop(sid)
+        for name in names:
+            cluster.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=false", check=False)
+        for node in extra:
+            cluster.kubectl("delete", "node", str(node["metadata"]["name"]), "--wait=false", check=False)  # type: ignore[index]
     print(
         f"\n{JOBS} jobs, operator SIGKILLed {kills} times: all Running {converged:.0f}s after its first start"
     )
