@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -798,9 +798,15 @@ def _install_kuberay_crds() -> None:
 
 
 def _register_nodes() -> None:
-    for i in range(NODES):
+    register_nodes(range(NODES))
+
+
+def register_nodes(indices: Iterable[int]) -> None:
+    """Add (or re-add) KWOK GPU nodes kwok-gpu-<i>, Ready and schedulable (tests add more, or a lost one)."""
+    indices = list(indices)
+    for i in indices:
         kubectl("apply", "-f", "-", input=json.dumps(node_manifest(i)))
-    names = [f"node/kwok-gpu-{i}" for i in range(NODES)]
+    names = [f"node/kwok-gpu-{i}" for i in indices]
     kubectl("wait", "--for=condition=Ready", "--timeout=60s", *names)
     # The TaintNodesByCondition admission plugin gives every new node the not-ready taint, and the node
     # lifecycle controller (off here: KWOK's leases are the only heartbeat) is what would lift it.

@@ -87,9 +87,8 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
 
     # Each tiny job's pods ask for 5 (fake) GPUs; the dev cluster's 2 nodes hold 16. Six more KWOK nodes
     # for this test (removed at the end) let all 10 jobs run at once.
-    extra = [devcluster.node_manifest(i) for i in range(devcluster.NODES, devcluster.NODES + 6)]
-    for node in extra:
-        cluster.apply(node)
+    extra = range(devcluster.NODES, devcluster.NODES + 6)
+    devcluster.register_nodes(extra)
     names = [f"job-{i}" for i in range(JOBS)]
     sids: dict[str, str] = {}
     for name in names:
@@ -149,8 +148,8 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
                 rj.stop(sid)
         for name in names:
             cluster.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=false", check=False)
-        for node in extra:
-            cluster.kubectl("delete", "node", str(node["metadata"]["name"]), "--wait=false", check=False)  # type: ignore[index]
+        for i in extra:
+            cluster.kubectl("delete", "node", f"kwok-gpu-{i}", "--wait=false", check=False)
     print(
         f"\n{JOBS} jobs, operator SIGKILLed {kills} times: all Running {converged:.0f}s after its first start"
     )

@@ -208,5 +208,5 @@ def test_rollout_node_lost_job_goes_on_with_the_engines_left_regains_one_and_fol
         cluster.kubectl("delete", "rlhfjob", "nodeloss", "-n", namespace, "--wait=false", check=False)
         if deleted_node is not None:  # later tests expect the cluster's nodes back
             index = int(deleted_node.rsplit("-", 1)[1])
-            cluster.apply(devcluster.node_manifest(index))
+            devcluster.register_nodes([index])  # Ready and without the new node's not-ready taint
         nodes.stop()
