@@ -443,9 +443,11 @@ class CheckpointSpec(_Spec):
     )
     interval_steps: int = Field(default=50, ge=1, description="Write a checkpoint every this many steps.")
     keep_last: int = Field(default=2, ge=1, description="Checkpoints kept; older ones are deleted.")
-    resume: Literal["auto", "never"] = Field(
+    resume: Literal["auto", "never", "force"] = Field(
         default="auto",
-        description="`auto` resumes from the newest complete checkpoint in path; `never` starts fresh.",
+        description="`auto` resumes from the newest complete checkpoint in path if it is this job's, with "
+        "the same model, algorithm and data settings (totalSteps may grow), and fails naming the "
+        "difference otherwise; `never` starts fresh; `force` resumes from it whatever changed.",
     )
 
 

@@ -8,6 +8,7 @@ removes. What goes inside (DeepSpeed shards) is the workers' business.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from typing import Any
 import ray
 from rlhf_api.spec import RLHFJobSpec
 
+from rlhf_trainer.config import InputError
 from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.groups import RayGroup
 from rlhf_trainer.metrics import TrainerExporter
@@ -104,12 +106,76 @@ class CheckpointStore:
         return removed
 
 
-def resume_point(spec: RLHFJobSpec) -> int:
-    """The step of the checkpoint `Checkpointer.resume` will load (0: a fresh start); reads no weights."""
-    if not spec.checkpoint.path or spec.checkpoint.resume != "auto":
+# What a checkpoint's weights and data position depend on. Resuming with any of these changed would
+# silently train another job on this one's state. totalSteps is left out: extending a run is a resume.
+_IDENTITY_SECTIONS = {"model", "algorithm", "data"}
+
+
+def training_identity(spec: RLHFJobSpec) -> dict[str, Any]:
+    """The spec's training-relevant fields, flattened: {"model.actor": ..., "algorithm.kind": ...}."""
+    dumped = spec.model_dump(mode="json", by_alias=True, include=_IDENTITY_SECTIONS)
+    dumped.get("algorithm", {}).pop("totalSteps", None)
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            flat[prefix] = value
+
+    walk("", dumped)
+    return flat
+
+
+def identity_digest(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_resumable(state: dict[str, Any], path: Path, spec: RLHFJobSpec, job: str) -> None:
+    """Refuse to resume another run's checkpoint (another job, or a changed training spec).
+
+    Raises InputError naming both sides and the ways out; `checkpoint.resume: force` skips the check.
+    A checkpoint written before identities were recorded is accepted as it is.
+    """
+    if spec.checkpoint.resume == "force":
+        return
+    diffs = []
+    if state.get("job") not in (None, job):
+        diffs.append(f"job {state['job']!r} (this run: {job!r})")
+    saved = state.get("identity")
+    if isinstance(saved, dict) and identity_digest(saved) != identity_digest(now := training_identity(spec)):
+        for key in sorted(set(saved) | set(now)):
+            if saved.get(key) != now.get(key):
+                diffs.append(f"{key}: {_short(saved.get(key))} (this run: {_short(now.get(key))})")
+    if diffs:
+        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        raise InputError(
+            f"checkpoint.path {path.parent}: the newest checkpoint ({path.name}) is another run's: {shown}. "
+            "Use another checkpoint.path, or set checkpoint.resume: never to start fresh there "
+            "(`rlhf run --resume never`; its checkpoints are then replaced), or checkpoint.resume: force "
+            "to resume from it anyway (`--resume force`)"
+        )
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def resume_point(spec: RLHFJobSpec, job: str) -> int:
+    """The step of the checkpoint `Checkpointer.resume` will load (0: a fresh start); reads no weights.
+
+    Raises InputError if that checkpoint is another run's (`check_resumable`), before anything starts.
+    """
+    if not spec.checkpoint.path or spec.checkpoint.resume == "never":
         return 0
-    found = CheckpointStore(spec.checkpoint.path).complete()
-    return found[-1][0] if found else 0
+    latest = CheckpointStore(spec.checkpoint.path).latest()
+    if latest is None:
+        return 0
+    step, path, state = latest
+    check_resumable(state, path, spec, job)
+    return step
 
 
 @dataclass
@@ -149,6 +215,7 @@ class Checkpointer:
                 "data": self.data.position.to_dict(),
                 "state_digests": self.state_digests(),
                 "job": self.job,
+                "identity": training_identity(self.spec),
                 "history": list(history[-50:]),
                 "time": time.time(),
             }
@@ -171,8 +238,8 @@ class Checkpointer:
         return out
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint (resume: auto); returns the next step to run."""
-        if self.store is None or self.spec.checkpoint.resume != "auto":
+        """Load the newest complete checkpoint (resume: auto or force); returns the next step to run."""
+        if self.store is None or self.spec.checkpoint.resume == "never":
             return 1
         for p in self.store.remove_partial():
             self.log(f"removed partial checkpoint {p}")
@@ -180,6 +247,7 @@ class Checkpointer:
         if latest is None:
             return 1
         step, path, state = latest
+        check_resumable(state, path, self.spec, self.job)
         ray.get([ref for g in self.groups for ref in g.call("load", str(path))])
         self.data.restore(state["data"])
         self.resume_info = {

@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH=VALUE",
         help="override a spec field, e.g. --set algorithm.totalSteps=5 (repeatable)",
     )
+    p.add_argument(
+        "--resume",
+        choices=["auto", "never", "force"],
+        help="override checkpoint.resume: auto resumes this job's own checkpoint (the default), never "
+        "starts fresh, force resumes another run's checkpoint anyway",
+    )
     p.add_argument("--summary-json", help="write the run summary (per-step rewards and phase seconds) here")
     p.add_argument("--metrics-port", type=int, help="override monitoring.metricsPort (0 disables /metrics)")
     p.add_argument("--job-name", help="the rlhfjob label (default: metadata.name)")
@@ -82,7 +88,10 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
         if not isinstance(manifest, dict):
             raise InputError(f"{args.file}: not an RLHFJob manifest")
         try:
-            manifest = apply_overrides(manifest, list(getattr(args, "sets", []) or []))
+            sets = list(getattr(args, "sets", []) or [])
+            if getattr(args, "resume", None):
+                sets.append(f"checkpoint.resume={args.resume}")
+            manifest = apply_overrides(manifest, sets)
         except ValueError as e:
             raise InputError(str(e)) from e
         spec = parse_spec(manifest)
@@ -136,6 +145,8 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
         _error(console, f"{type(e).__name__}: {e}")
         return 1
     _stop(progress)
+    if quiet and summary.get("message"):  # else the driver's log has said it
+        console.print(escape(str(summary["message"])), highlight=False, soft_wrap=True)
     if not quiet and rows:
         console.print(_phase_table(rows))
     if args.summary_json:

@@ -89,7 +89,14 @@ def run(
     )
     # Before /metrics is served: a restarted attempt reports the step it will resume from, not 0, for
     # the minute its start-up takes (`kubectl get rlhf` never shows 0/N mid-run).
-    announced = resume_point(spec)
+    announced = resume_point(spec, job)
+    if announced >= spec.algorithm.total_steps:
+        done = (
+            f"nothing to do: {spec.checkpoint.path} already holds step {announced}, the last of "
+            f"algorithm.totalSteps {spec.algorithm.total_steps} (raise totalSteps to train on)"
+        )
+        log(done)
+        return {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced, "message": done}
     metrics.resumed(announced)
     if announced:
         metrics.checkpointed(announced)
