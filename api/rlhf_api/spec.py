@@ -394,7 +394,11 @@ class RolloutSpec(_Spec):
     enable_sleep: bool = Field(
         default=False, description="Put engines to sleep (free KV cache and weights) while the trainer runs."
     )
-    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature.")
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description="Sampling temperature, above 0: the training log-probs are taken at it (logits / T).",
+    )
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="Built-in engine autoscaler."
