@@ -447,12 +447,28 @@ class CheckpointSpec(_Spec):
     )
     interval_steps: int = Field(default=50, ge=1, description="Write a checkpoint every this many steps.")
     keep_last: int = Field(default=2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    export: Literal["onFinish", "everyCheckpoint", "never"] = Field(
+        default="onFinish",
+        description="Export the actor as a Hugging Face model directory (safetensors, config, tokenizer) "
+        "to exportPath: when the run finishes, after every checkpoint, or never. Needs path.",
+    )
+    export_path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Where the exported model goes (replaced at each export); default <path>/model.",
+    )
     resume: Literal["auto", "never", "force"] = Field(
         default="auto",
         description="`auto` resumes from the newest complete checkpoint in path if it is this job's, with "
         "the same model, algorithm and data settings (totalSteps may grow), and fails naming the "
         "difference otherwise; `never` starts fresh; `force` resumes from it whatever changed.",
     )
+
+    def export_dir(self) -> str | None:
+        """Where the actor is exported (None: no export: export is never, or there are no checkpoints)."""
+        if self.export == "never" or not self.path:
+            return None
+        return self.export_path or f"{self.path.rstrip('/')}/model"
 
 
 class MonitoringSpec(_Spec):
@@ -715,6 +731,11 @@ class RLHFJobStatus(_Status):
         default=None, ge=0, description="Restarts so far (counted against backoffLimit)."
     )
     last_restart_time: datetime | None = Field(default=None, description="When the job last restarted.")
+    export_path: str | None = Field(
+        default=None,
+        description="Where the trained actor was exported as a Hugging Face model directory (set when the "
+        "job succeeds with checkpoint.export other than never).",
+    )
     last_checkpoint_step: int | None = Field(
         default=None,
         ge=0,

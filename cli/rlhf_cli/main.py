@@ -63,6 +63,12 @@ class Forwarded:
 # These take the raw remaining arguments: the target owns its options (and its --help).
 FORWARDED: dict[str, Forwarded] = {
     "run": Forwarded("run the trainer (the Ray job entrypoint)", "rlhf_trainer.cli", "run_main", "trainer"),
+    "export": Forwarded(
+        "export a checkpoint's actor as a Hugging Face model directory",
+        "rlhf_trainer.export",
+        "main",
+        "trainer",
+    ),
     "make-tiny-model": Forwarded(
         "build the offline tiny model, tokenizer and prompt dataset",
         "rlhf_trainer.cli",

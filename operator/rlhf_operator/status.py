@@ -210,7 +210,15 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         st["step"] = spec.algorithm.total_steps
         st["progress"] = f"{spec.algorithm.total_steps}/{spec.algorithm.total_steps}"
         st["currentPhase"] = None
-        return finish("Succeeded", "TrainingComplete", f"trained {spec.algorithm.total_steps} steps")
+        exported = spec.checkpoint.export_dir()
+        if exported:  # the driver exits 0 only after its end-of-run export (docs/trainer.md)
+            st["exportPath"] = exported
+        return finish(
+            "Succeeded",
+            "TrainingComplete",
+            f"trained {spec.algorithm.total_steps} steps"
+            + (f"; model exported to {exported}" if exported else ""),
+        )
 
     def restart_or_fail(reason: str, limit_reason: str) -> Decision:
         restarts = int(st.get("restarts") or 0)

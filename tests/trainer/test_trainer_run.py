@@ -68,7 +68,14 @@ def test_ppo_gae_learns_checkpoints_and_serves_metrics(tiny: Path, tmp_path: Pat
     assert [s["step"] for s in run.summary["steps"] if s["checkpoint"]] == [5, 10, 15, 20]
     # checkpoints: every 5 steps, keep the last 2, no temp dirs left; model + optimizer + scheduler inside
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == ["step-00000015", "step-00000020"], names
+    assert names == ["model", "step-00000015", "step-00000020"], names
+    # checkpoint.export: onFinish (the default): the last checkpoint's actor as a Hugging Face model
+    assert run.summary["export"] == str(ckpt / "model")
+    exported = json.loads((ckpt / "model" / "rlhf_export.json").read_text())
+    assert exported["step"] == 20 and exported["checkpoint"] == str(ckpt / "step-00000020"), exported
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {
+        p.name for p in (ckpt / "model").iterdir()
+    }
     last_ckpt = ckpt / "step-00000020"
     state = json.loads((last_ckpt / "trainer_state.json").read_text())
     assert state["step"] == 20 and state["data"] == {"epoch": 0, "offset": 20 * 16}
@@ -134,8 +141,9 @@ def test_grpo_learns_and_every_engine_greedy_equals_hf_from_gathered_weights(
     tiny: Path, tmp_path: Path, ray_tmp: Path
 ) -> None:
     """GRPO on the tiny task (shared-memory weight sync); the pool grows to two engines before the end,
-    and then both engines are checked token for token against the actor's gathered weights."""
-    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *GRPO, "algorithm.totalSteps=15", "checkpoint.path=null",
+    and then both engines are checked token for token against the actor's gathered weights, and the
+    last checkpoint's export against the engines, in transformers and in vLLM."""
+    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *GRPO, "algorithm.totalSteps=15", "checkpoint.intervalSteps=15",
             "weightSync.backend=shm"]  # fmt: skip
     cmd = [sys.executable, str(Path(__file__).with_name("weight_sync_check.py")), str(EXAMPLE), *sets]
     t0 = time.monotonic()
@@ -162,6 +170,13 @@ def test_grpo_learns_and_every_engine_greedy_equals_hf_from_gathered_weights(
     )
     for engine, tokens in zip(result["engines"], result["vllm"], strict=True):
         assert tokens == result["hf"], f"engine {engine} after sync differs from the actor's weights"
+    # `rlhf export` of the step-15 checkpoint: loads in transformers and in vLLM, and both generate
+    # exactly what the actor's engines generate (issue 17)
+    assert result["export_step"] == 15
+    assert result["export_hf"] == result["vllm"][0], (
+        "the exported model (transformers) differs from the engine"
+    )
+    assert result["export_vllm"] == result["vllm"][0], "the exported model (vLLM) differs from the engine"
     assert not list(Path("/dev/shm").glob("rlhf-weights-wscheck-*")), "the shm sync buffer outlived the run"
 
 

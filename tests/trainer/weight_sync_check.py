@@ -23,9 +23,11 @@ from rlhf_trainer.cli import apply_overrides
 from rlhf_trainer.config import parse_spec, preflight
 from rlhf_trainer.device import detect
 from rlhf_trainer.driver import connect_ray
+from rlhf_trainer.export import export_actor
 from rlhf_trainer.loop import StepContext, run_step
 from rlhf_trainer.metrics import TrainerExporter
 from rlhf_trainer.placement import Placed, place, process_count, start
+from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.weight_sync.manager import WeightSyncManager
 
 PROMPTS = ["fer rust dil", "ba ko", "stou plaing tre", "zu", "kreast mol vi", "a"]
@@ -75,6 +77,7 @@ def main() -> int:
         engine_tokens = ray.get([e.handle.greedy.remote(PROMPTS, NEW_TOKENS) for e in engines])
         state = ray.get(placed.actor.call("gathered_state_dict"))[0]
         scrape = generate_latest(metrics.registry).decode()
+        engine_options = dict(placed.pool.options)
     finally:
         if sync is not None:
             sync.close()
@@ -90,6 +93,15 @@ def main() -> int:
     base_tokens = hf_greedy(model, tok, PROMPTS)  # the weights on disk, before training
     result = model.load_state_dict(state, strict=True)
     hf_tokens = hf_greedy(model, tok, PROMPTS)
+    # The last checkpoint (step totalSteps) exported as `rlhf export` does, then loaded back in
+    # transformers and in a vLLM engine of our own (this process; Ray is down).
+    assert spec.checkpoint.path
+    exported = export_actor(Path(spec.checkpoint.path), Path(spec.checkpoint.path) / "exported")
+    export_model = AutoModelForCausalLM.from_pretrained(str(exported.path), dtype=torch.float32).eval()
+    export_model.generation_config.pad_token_id = tok.pad_token_id
+    export_hf = hf_greedy(export_model, AutoTokenizer.from_pretrained(str(exported.path)), PROMPTS)
+    engine = RolloutEngine(99, {**engine_options, "model_path": str(exported.path), "tokenizer_path": None})
+    export_vllm = engine.greedy(PROMPTS, NEW_TOKENS)
     print(
         json.dumps(
             {
@@ -105,6 +117,9 @@ def main() -> int:
                 "vllm": engine_tokens,
                 "hf": hf_tokens,
                 "hf_base": base_tokens,
+                "export_step": exported.step,
+                "export_hf": export_hf,
+                "export_vllm": export_vllm,
                 "tensors": len(state),
                 "param_bytes": sum(t.numel() * t.element_size() for t in state.values()),
                 "missing": list(result.missing_keys),

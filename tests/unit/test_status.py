@@ -152,6 +152,23 @@ def test_success_releases_the_cluster() -> None:
     assert "delete_cluster" in d.actions
 
 
+def test_success_names_where_the_trained_model_was_exported() -> None:
+    spec = job().spec
+    assert spec.checkpoint.path and spec.checkpoint.export == "onFinish"
+    d = decide(job({"phase": "Running"}), obs(ray_job=ray("SUCCEEDED")), SID)
+    assert d.status["exportPath"] == spec.checkpoint.path.rstrip("/") + "/model"
+    assert d.status["message"].endswith(f"; model exported to {d.status['exportPath']}")
+    never = job({"phase": "Running"})
+    never = never.model_copy(
+        update={
+            "spec": never.spec.model_copy(
+                update={"checkpoint": never.spec.checkpoint.model_copy(update={"export": "never"})}
+            )
+        }
+    )
+    assert "exportPath" not in decide(never, obs(ray_job=ray("SUCCEEDED")), SID).status
+
+
 def test_failure_restarts_within_backoff_limit_then_fails() -> None:
     d = decide(
         job({"phase": "Running", "restarts": 0}, backoffLimit=1),

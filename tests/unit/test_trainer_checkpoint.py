@@ -112,7 +112,7 @@ def test_a_run_with_nothing_left_says_so_and_starts_nothing(
 ) -> None:
     from rlhf_trainer import driver
 
-    spec = _spec(tmp_path, **{"algorithm.totalSteps": "20"})
+    spec = _spec(tmp_path, **{"algorithm.totalSteps": "20", "checkpoint.export": "never"})
     _saved_by(spec, "tiny", 20)
     monkeypatch.setattr(driver, "connect_ray", lambda *a: pytest.fail("Ray was started"))
     said: list[str] = []

@@ -25,6 +25,7 @@ from rlhf_trainer import device
 from rlhf_trainer.checkpoint import Checkpointer, resume_point
 from rlhf_trainer.config import InputError, load_spec_arg, preflight
 from rlhf_trainer.data import PromptDataset
+from rlhf_trainer.export import EXPORT_INFO, export_actor
 from rlhf_trainer.faults import FaultInjector
 from rlhf_trainer.loop import StepContext, StepReport, run_step
 from rlhf_trainer.metrics import TrainerExporter
@@ -96,7 +97,9 @@ def run(
             f"algorithm.totalSteps {spec.algorithm.total_steps} (raise totalSteps to train on)"
         )
         log(done)
-        return {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced, "message": done}
+        nothing: dict[str, Any] = {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced}
+        exported = _export_if_stale(spec, announced, log)  # a run killed mid-export finishes it here
+        return {**nothing, "message": done, **({"export": exported} if exported else {})}
     metrics.resumed(announced)
     if announced:
         metrics.checkpointed(announced)
@@ -134,8 +137,12 @@ def run(
         for step in range(first, last + 1):
             report = run_step(ctx, step)
             summary["steps"].append(step_summary(report))
+            if report.checkpoint and spec.checkpoint.export == "everyCheckpoint":
+                summary["export"] = _export(spec, log)
             if on_step is not None:
                 on_step(report)
+        if last == spec.algorithm.total_steps and spec.checkpoint.export == "onFinish":
+            summary["export"] = _export(spec, log)
         summary["data_position"] = data.position.to_dict()
         return summary
     finally:
@@ -145,6 +152,29 @@ def run(
             placed.shutdown()
         if started:
             ray.shutdown()
+
+
+def _export(spec: RLHFJobSpec, log: Callable[[str], None]) -> str | None:
+    """The newest checkpoint's actor to checkpoint.exportDir(), as a Hugging Face model directory."""
+    target, root = spec.checkpoint.export_dir(), spec.checkpoint.path
+    if target is None or root is None:
+        return None
+    out = export_actor(Path(root), Path(target))
+    log(f"exported the actor of step {out.step} to {out.path} ({out.tensors} tensors, {out.dtype})")
+    return str(out.path)
+
+
+def _export_if_stale(spec: RLHFJobSpec, step: int, log: Callable[[str], None]) -> str | None:
+    target = spec.checkpoint.export_dir()
+    if target is None:
+        return None
+    info = Path(target) / EXPORT_INFO
+    try:
+        if json.loads(info.read_text()).get("step") == step:
+            return target
+    except (OSError, ValueError):
+        pass
+    return _export(spec, log)
 
 
 def step_summary(report: StepReport) -> dict[str, Any]:
