@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Final
 
+# The trainer image of a job that names none, when the operator is not told another (the chart passes
+# jobDefaults.trainerImage as RLHF_DEFAULT_TRAINER_IMAGE); its tag follows the project's version.
+DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/rlhf-operator/trainer:0.1.0"
 # Advertised by the trainer worker group's pods (rayStartParams.resources); the driver places model ranks on them.
 TRAINER_RESOURCE: Final = "rlhf_trainer_slot"
 # Advertised by the rollout worker group's pods; the engine pool counts them to size itself.

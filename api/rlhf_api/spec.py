@@ -565,10 +565,11 @@ class PodsSpec(_Spec):
 class RLHFJobSpec(_Spec):
     """Desired state of an RLHF training run."""
 
-    image: str = Field(
-        default="ghcr.io/rlhf-operator/trainer:0.1.0",
+    image: str | None = Field(
+        default=None,
         min_length=1,
-        description="Trainer image for every pod.",
+        description="Trainer image for every pod; unset: the operator's default (the chart value "
+        "jobDefaults.trainerImage, tagged with the chart's appVersion unless it names a tag).",
     )
     ray_version: str = Field(
         default="2.60.0", min_length=1, description="Ray version in the image (for KubeRay)."

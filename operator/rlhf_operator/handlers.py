@@ -19,6 +19,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+from rlhf_api import constants
 from rlhf_api.spec import GROUP, PLURAL, TERMINAL_JOB_PHASES, VERSION, RLHFJob
 
 from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape
@@ -33,6 +34,10 @@ RECONCILE_INTERVAL = float(os.environ.get("RLHF_RECONCILE_INTERVAL", "2"))
 # Development override (docs/development.md): reach every RayCluster head at this host instead of its
 # Service DNS name, because pods never run here and the Ray workload runs on a local Ray head.
 DEV_HEAD_HOST = os.environ.get("RLHF_DEV_HEAD_HOST", "")
+# The trainer image of jobs that name none (the chart's jobDefaults.trainerImage).
+DEFAULT_TRAINER_IMAGE = (
+    os.environ.get("RLHF_DEFAULT_TRAINER_IMAGE", "").strip() or constants.DEFAULT_TRAINER_IMAGE
+)
 
 # kopf's thread pool for sync handlers; the API client keeps a connection for each of them, since a
 # smaller pool drops connections under load and every new one costs a TLS handshake on both sides.
@@ -129,7 +134,7 @@ def _get_cluster(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
-    manifest = manifests.build_raycluster(job)
+    manifest = manifests.build_raycluster(job, default_image=DEFAULT_TRAINER_IMAGE)
     kopf.adopt(manifest, owner=body)  # owner reference: deleting the job deletes the cluster
     namespace = body.metadata.namespace or "default"
     try:

@@ -12,7 +12,7 @@ import json
 import shlex
 from typing import Any
 
-from rlhf_api.constants import ROLLOUT_RESOURCE, TRAINER_RESOURCE
+from rlhf_api.constants import DEFAULT_TRAINER_IMAGE, ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from rlhf_api.spec import GROUP, RLHFJob, RLHFJobSpec
 
 from rlhf_operator.scaling import clamp_request
@@ -99,7 +99,9 @@ def _resources(base: dict[str, Any] | None, gpus: int) -> dict[str, Any]:
     return out
 
 
-def _pod_template(job: RLHFJob, role: str, gpus: int, ports: list[dict[str, Any]]) -> dict[str, Any]:
+def _pod_template(
+    job: RLHFJob, role: str, gpus: int, ports: list[dict[str, Any]], default_image: str
+) -> dict[str, Any]:
     spec = job.spec
     pods = spec.pods
     res_spec = pods.head_resources if role == "head" else pods.worker_resources
@@ -111,7 +113,7 @@ def _pod_template(job: RLHFJob, role: str, gpus: int, ports: list[dict[str, Any]
     ]
     container: dict[str, Any] = {
         "name": "ray-head" if role == "head" else "ray-worker",
-        "image": spec.image,
+        "image": spec.image or default_image,
         "env": env,
     }
     if resources:
@@ -166,8 +168,11 @@ def _ray_resources(name: str, amount: int) -> str:
     return json.dumps({name: amount})
 
 
-def build_raycluster(job: RLHFJob, engines: int | None = None) -> dict[str, Any]:
-    """The RayCluster for a job. `engines` overrides the spec (the operator's clamped/scaled value)."""
+def build_raycluster(
+    job: RLHFJob, engines: int | None = None, default_image: str = DEFAULT_TRAINER_IMAGE
+) -> dict[str, Any]:
+    """The RayCluster for a job. `engines` overrides the spec (the operator's clamped/scaled value);
+    `default_image` is the trainer image of a job that names none (the operator's configured default)."""
     spec = job.spec
     n_trainer, trainer_gpus = trainer_pods(spec)
     n_rollout = rollout_replicas(spec, engines)
@@ -184,7 +189,7 @@ def build_raycluster(job: RLHFJob, engines: int | None = None) -> dict[str, Any]
             "minReplicas": n_trainer,
             "maxReplicas": n_trainer,
             "rayStartParams": {"resources": _ray_resources(TRAINER_RESOURCE, trainer_gpus)},
-            "template": _pod_template(job, "trainer", trainer_gpus, []),
+            "template": _pod_template(job, "trainer", trainer_gpus, [], default_image),
         }
     ]
     if not spec.trainer.colocate_all:
@@ -197,7 +202,7 @@ def build_raycluster(job: RLHFJob, engines: int | None = None) -> dict[str, Any]
                 "minReplicas": 0,
                 "maxReplicas": max(n_rollout, r.replicas(max_engines)),
                 "rayStartParams": {"resources": _ray_resources(ROLLOUT_RESOURCE, r.engines_per_worker)},
-                "template": _pod_template(job, "rollout", r.worker_gpus, []),
+                "template": _pod_template(job, "rollout", r.worker_gpus, [], default_image),
             }
         )
     metadata: dict[str, Any] = {"name": raycluster_name(job.name), "labels": child_labels(job)}
@@ -213,7 +218,7 @@ def build_raycluster(job: RLHFJob, engines: int | None = None) -> dict[str, Any]
             "headGroupSpec": {
                 # The head runs the driver only: no GPUs, no training work scheduled on it.
                 "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
-                "template": _pod_template(job, "head", 0, head_ports),
+                "template": _pod_template(job, "head", 0, head_ports, default_image),
             },
             "workerGroupSpecs": worker_groups,
         },

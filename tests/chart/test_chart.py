@@ -344,6 +344,20 @@ def test_log_format_and_verbose() -> None:
     assert "--verbose" not in container(deployment())["args"]
 
 
+def test_trainer_image_default_follows_the_chart_version_unless_set() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+    def trainer_image(*args: str) -> str:
+        env = {e["name"]: e.get("value") for e in container(deployment(*args))["env"]}
+        return str(env["RLHF_DEFAULT_TRAINER_IMAGE"])
+
+    assert trainer_image() == f"ghcr.io/rlhf-operator/trainer:{chart['appVersion']}"
+    assert trainer_image(
+        "--set", "jobDefaults.trainerImage.repository=registry.example/me/trainer",
+        "--set", "jobDefaults.trainerImage.tag=cpu-1",
+    ) == "registry.example/me/trainer:cpu-1"  # fmt: skip
+
+
 def test_image_reference() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert container(deployment())["image"].endswith(f":{chart['appVersion']}")

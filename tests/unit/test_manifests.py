@@ -50,6 +50,21 @@ def test_llama_8b_sizes_trainer_and_rollout_groups() -> None:
     assert {"name": "rlhf-metrics", "containerPort": spec.monitoring.metrics_port} in head["ports"]
 
 
+def test_a_job_without_an_image_gets_the_operators_default_and_its_own_wins() -> None:
+    def images(rc: dict[str, Any]) -> set[str]:
+        templates = [rc["spec"]["headGroupSpec"]["template"]] + [
+            g["template"] for g in rc["spec"]["workerGroupSpecs"]
+        ]
+        return {c["image"] for t in templates for c in t["spec"]["containers"]}
+
+    unnamed = load("rlhfjob-tiny.yaml")
+    assert unnamed.spec.image is None
+    assert images(manifests.build_raycluster(unnamed)) == {"ghcr.io/rlhf-operator/trainer:0.1.0"}
+    assert images(manifests.build_raycluster(unnamed, default_image="reg.example/t:7")) == {"reg.example/t:7"}
+    named = load("rlhfjob-tiny.yaml", **{"spec.image": "mine/trainer:1"})
+    assert images(manifests.build_raycluster(named, default_image="reg.example/t:7")) == {"mine/trainer:1"}
+
+
 def test_labels_propagate_to_cluster_and_pods() -> None:
     job = load(
         "rlhfjob-tiny.yaml", **{"metadata.labels": {"kueue.x-k8s.io/queue-name": "gpu-queue", "team": "a"}}

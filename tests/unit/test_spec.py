@@ -43,7 +43,7 @@ def example(name: str) -> RLHFJob:
 
 def test_minimal_spec_gets_documented_defaults() -> None:
     spec = RLHFJobSpec.model_validate(minimal())
-    assert spec.image == "ghcr.io/rlhf-operator/trainer:0.1.0"
+    assert spec.image is None  # the operator's default (jobDefaults.trainerImage) applies
     assert spec.ray_version == "2.60.0"
     assert spec.trainer.zero_stage == 3
     assert spec.trainer.packing is True

@@ -57,6 +57,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/* The operator image: repository@digest when a digest is set, else repository:tag. */}}
+{{- define "rlhf-operator.trainerImage" -}}
+{{- $img := .Values.jobDefaults.trainerImage -}}
+{{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) }}
+{{- end }}
+
 {{- define "rlhf-operator.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
