@@ -1,0 +1,233 @@
+"""The chart's alerts, for real: Prometheus scrapes the real operator and the real trainer through the
+chart's own monitors, evaluates the chart's own rules, and Alertmanager notifies a webhook of the test.
+
+Scenarios (DESIGN.md §4, docs/monitoring.md): a healthy job alerts nothing and fills every dashboard
+panel; a hanging reward fires a stall alert naming the phase, which resolves when the step completes;
+reward errors fire RLHFJobRewardErrors; a trainer restart resets no counter into a false alert; the
+operator killed fires RLHFOperatorDown, which resolves when it is back. Two trainer runs in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from monitored import (
+    FOR,
+    REWARD_ERRORS_WINDOW,
+    SCRAPE_INTERVAL_SECONDS,
+    Monitored,
+    seconds,
+)
+from support import RAY_DASHBOARD_PORT, ROOT, Cluster, RayHead, tiny_job, wait_for
+
+pytestmark = pytest.mark.alerting
+
+HERE = Path(__file__).resolve().parent
+DASHBOARDS = sorted((ROOT / "charts" / "rlhf-operator" / "dashboards").glob("*.json"))
+# Grafana's $__rate_interval is max(4 x scrape interval, scrape interval + query step); with a 1 s
+# scrape and a live panel that is a few seconds: 10 s keeps two samples in every window.
+RATE_INTERVAL = "10s"
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(panel title, expr) of every query of the chart's Grafana dashboards."""
+
+    def panels(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [p for x in items for p in [x, *panels(x.get("panels", []))]]
+
+    out = []
+    for path in DASHBOARDS:
+        for p in panels(json.loads(path.read_text())["panels"]):
+            out += [(str(p.get("title")), str(t["expr"])) for t in p.get("targets", []) if t.get("expr")]
+    assert out, f"no PromQL in {DASHBOARDS}"
+    return out
+
+
+def substitute(expr: str, namespace: str, rlhfjob: str) -> str:
+    out = (
+        expr.replace("$namespace", namespace)
+        .replace("$rlhfjob", rlhfjob)
+        .replace("$__rate_interval", RATE_INTERVAL)
+    )
+    assert "$" not in out, f"a template variable is left in {out}"
+    return out
+
+
+def job_status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    st: dict[str, Any] = (cluster.get("rlhfjob", name, namespace) or {}).get("status", {})
+    return st
+
+
+def ours(m: Monitored, alerts: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, dict[str, Any]]]:
+    return [(t, a) for t, a in alerts if a["labels"].get("alertname") in m.alert_names]
+
+
+def test_a_healthy_job_alerts_nothing_and_every_dashboard_panel_has_data(
+    cluster: Cluster, ray_head: RayHead, monitored: Monitored, tiny_model: Path, tmp_path: Path
+) -> None:
+    ns, name = monitored.namespace, "healthy"
+    exprs = dashboard_exprs()
+    cluster.apply(tiny_job(name, tiny_model, tmp_path / "ckpt", steps=6), ns)
+    answered: dict[str, int] = {}  # expr -> most series seen in one query while the job ran
+
+    def finished() -> dict[str, Any] | None:
+        st = job_status(cluster, ns, name)
+        if st.get("phase") == "Running" and (st.get("step") or 0) >= 1:
+            for _, expr in exprs:
+                n = len(monitored.stack.query(substitute(expr, ns, name)))
+                answered[expr] = max(answered.get(expr, 0), n)
+        return st if st.get("phase") in ("Succeeded", "Failed") else None
+
+    st = wait_for(finished, 900, "the healthy job to finish", interval=1)
+    assert st["phase"] == "Succeeded", st
+    time.sleep(3 * SCRAPE_INTERVAL_SECONDS)  # the last scrapes and evaluations of the run
+    empty = [(title, expr) for title, expr in exprs if not answered.get(expr)]
+    assert not empty, f"dashboard panels without a series while the job ran: {empty}"
+    delivered = ours(monitored, monitored.webhook.alerts())
+    assert not delivered, f"a healthy run delivered alerts: {[a for _, a in delivered]}"
+    # The run really was watched: the trainer's target was discovered and scraped (not only the operator).
+    scraped = monitored.stack.query(f'rlhf_steps_completed_total{{namespace="{ns}", rlhfjob="{name}"}}')
+    assert scraped and float(scraped[0]["value"][1]) == 6, scraped
+
+
+def ray_driver_pid(submission_id: str) -> int:
+    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/{submission_id}", timeout=10)
+    resp.raise_for_status()
+    pid = (resp.json().get("driver_info") or {}).get("pid")
+    assert pid, resp.json()
+    return int(pid)
+
+
+def value(m: Monitored, expr: str) -> float | None:
+    res = m.stack.query(expr)
+    return max(float(r["value"][1]) for r in res) if res else None
+
+
+def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
+    cluster: Cluster, ray_head: RayHead, monitored: Monitored, tiny_model: Path, tmp_path: Path
+) -> None:
+    ns, name, m = monitored.namespace, "stuck", monitored
+    sel = f'namespace="{ns}", rlhfjob="{name}"'
+    control = tmp_path / "reward-mode"
+    control.write_text("ok")
+    stall_timeout = 40
+    doc = tiny_job(name, tiny_model, tmp_path / "ckpt", steps=200, runPolicy={"backoffLimit": 2})
+    doc["spec"]["model"]["reward"] = {
+        "type": "function",
+        "function": f"{HERE / 'control_reward.py'}:reward",
+        "onError": "skipSample",
+        "timeoutSeconds": 3600,  # a hang stays a hang, never a timed-out reward error
+    }
+    doc["spec"]["checkpoint"]["intervalSteps"] = 1
+    # onStall: Alert: the operator reports the stall and leaves the trainer in it (docs/monitoring.md
+    # says why the alert is not tested with Restart: the operator restarts at the same threshold).
+    doc["spec"]["monitoring"].update(stallTimeoutSeconds=stall_timeout, onStall="Alert")
+    doc["spec"]["pods"] = {"env": [{"name": "RLHF_TEST_REWARD_CONTROL", "value": str(control)}]}
+    cluster.apply(doc, ns)
+    try:
+        wait_for(lambda: (job_status(cluster, ns, name).get("step") or 0) >= 1 or None, 600, "a first step")
+
+        # 1. Reward errors on some samples: RLHFJobRewardErrors fires with the job's labels.
+        control.write_text("raise")
+        t_raise = time.time()
+        labels = {"alertname": "RLHFJobRewardErrors", "rlhfjob": name, "namespace": ns}
+        fired = wait_for(lambda: m.webhook.alerts("firing", **labels), 180, "RLHFJobRewardErrors delivered")
+        control.write_text("ok")
+        assert fired[0][1]["labels"]["phase"] == "reward", fired
+        assert (value(m, f"rlhf_reward_errors_total{{{sel}}}") or 0) > 0
+        print(
+            f"reward errors: raised at +0 s, RLHFJobRewardErrors delivered at +{fired[0][0] - t_raise:.1f} s"
+        )
+        wait_for(lambda: m.webhook.alerts("resolved", **labels), 120, "RLHFJobRewardErrors resolved")
+
+        # 2. The reward hangs: a stall alert naming the phase reaches the webhook in time.
+        step_before = value(m, f"rlhf_steps_completed_total{{{sel}}}")
+        control.write_text("hang")
+        t_hang = time.time()
+
+        def stall_delivered() -> tuple[float, dict[str, Any]] | None:
+            for alertname in ("RLHFJobPhaseStuck", "RLHFJobStepStalled"):
+                got = [
+                    (t, a)
+                    for t, a in m.webhook.alerts("firing", alertname=alertname, rlhfjob=name, namespace=ns)
+                    if a["labels"].get("phase") == "reward" and t > t_hang
+                ]
+                if got:
+                    return got[0]
+            return None
+
+        t_got, alert = wait_for(stall_delivered, stall_timeout + 180, "a stall alert with phase=reward")
+        assert value(m, f"rlhf_steps_completed_total{{{sel}}}") == step_before, "a step completed: no stall"
+        if alert["labels"]["alertname"] == "RLHFJobPhaseStuck":
+            stalled_since = value(m, f'rlhf_phase_started_timestamp_seconds{{{sel}, phase="reward"}}')
+        else:
+            stalled_since = value(m, f"rlhf_last_step_completed_timestamp_seconds{{{sel}}}")
+        assert stalled_since is not None
+        delay = t_got - stalled_since
+        bound = stall_timeout + seconds(FOR) + 2 * SCRAPE_INTERVAL_SECONDS
+        print(f"stall: {alert['labels']['alertname']} delivered {delay:.1f} s after the stall began "
+              f"(bound {bound} s = stallTimeoutSeconds {stall_timeout} + for {FOR} + 2 scrapes)")  # fmt: skip
+        assert delay <= bound, (delay, bound)
+        # What a user receives: the job, the namespace, the stuck phase and a runbook link.
+        anchor = alert["labels"]["alertname"].lower()
+        assert alert["annotations"]["runbook_url"].endswith(f"docs/monitoring.md#{anchor}"), alert
+        assert (
+            f"{ns}/{name}" in alert["annotations"]["summary"] and "reward" in alert["annotations"]["summary"]
+        )
+        (tmp_path / "stall-alert.json").write_text(json.dumps(alert, indent=2))
+        print(f"--- delivered stall alert ---\n{json.dumps(alert, indent=2)}")
+
+        # 3. The reward recovers: the step completes and the resolved notification follows.
+        control.write_text("ok")
+        t_ok = time.time()
+        resolved = wait_for(
+            lambda: [
+                (t, a)
+                for t, a in m.webhook.alerts("resolved", alertname=alert["labels"]["alertname"], rlhfjob=name)
+                if a["labels"].get("phase") == "reward" and t > t_ok
+            ],
+            180,
+            "the stall alert resolved",
+        )[0]
+        step_done = value(m, f"rlhf_last_step_completed_timestamp_seconds{{{sel}}}")
+        assert step_done is not None and step_done > t_ok
+        print(f"recovery: reward released at +0 s, step completed at +{step_done - t_ok:.1f} s, resolved "
+              f"notification at +{resolved[0] - t_ok:.1f} s ({resolved[0] - step_done:+.1f} s from the step)")  # fmt: skip
+        assert resolved[0] - t_ok <= 60, resolved
+
+        # 4. A trainer restart: counters start again, and neither rate() nor increase() may read that as
+        # new reward errors. The driver is SIGKILLed; the operator restarts the job from its checkpoint.
+        errors_before = value(m, f"rlhf_reward_errors_total{{{sel}}}")
+        assert errors_before and errors_before > 0
+        st = job_status(cluster, ns, name)
+        steps_at_kill = int(st.get("step") or 0)
+        t_kill = time.time()
+        os.kill(ray_driver_pid(st["submissionId"]), signal.SIGKILL)
+        wait_for(
+            lambda: (job_status(cluster, ns, name).get("restarts") or 0) >= 1 or None, 180, "the restart"
+        )
+        wait_for(
+            lambda: (value(m, f"rlhf_steps_completed_total{{{sel}}}") or 0) > steps_at_kill or None,
+            400,
+            "the restarted attempt to complete a step",
+        )
+        time.sleep(seconds(REWARD_ERRORS_WINDOW) + 5)  # the window now spans the restart
+        false_alarm = [a for t, a in m.webhook.alerts("firing", **labels) if t > t_kill]
+        assert not false_alarm, f"reward-errors alert after a restart without errors: {false_alarm}"
+        span = time.time() - t_kill
+        for fn in ("increase", "rate"):
+            q = f"max_over_time(sum({fn}(rlhf_reward_errors_total{{{sel}}}[{REWARD_ERRORS_WINDOW}]))[{span:.0f}s:1s])"
+            assert value(m, q) == 0, (q, value(m, q))
+        after = value(m, f"rlhf_reward_errors_total{{{sel}}}")
+        print(f"restart: rlhf_reward_errors_total {errors_before:.0f} before the kill, {after} after; "
+              f"no reward-errors alert over {span:.0f} s")  # fmt: skip
+    finally:
+        control.write_text("ok")
+        cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false", check=False)
