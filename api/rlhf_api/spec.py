@@ -677,6 +677,14 @@ class RolloutStatus(_Status):
     )
 
 
+class OpenStall(_Status):
+    """A stall not yet over: set when the operator detects it, cleared when a later step completes."""
+
+    phase: str = Field(description="The training phase the step was stuck in (`unknown` if not known).")
+    step: int = Field(ge=0, description="The last step completed when the stall was detected.")
+    since: datetime = Field(description="When the stall began: the last progress before it (step or start).")
+
+
 class RLHFJobStatus(_Status):
     """Observed state, written by the operator."""
 
@@ -732,6 +740,11 @@ class RLHFJobStatus(_Status):
         default=None, ge=0, description="Restarts so far (counted against backoffLimit)."
     )
     last_restart_time: datetime | None = Field(default=None, description="When the job last restarted.")
+    open_stall: OpenStall | None = Field(
+        default=None,
+        description="A stall that is not over: kept through an onStall restart until a later step "
+        "completes (rlhf_operator_job_stalled, and the stall alert, follow it).",
+    )
     export_path: str | None = Field(
         default=None,
         description="Where the trained actor was exported as a Hugging Face model directory (set when the "

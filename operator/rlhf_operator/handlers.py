@@ -410,6 +410,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         patch.status[key] = value
     _remember_write(body.metadata.uid or "", changes)
     metrics.record_job_phase(namespace, job.name, decision.status.get("phase"))
+    metrics.record_open_stall(namespace, job.name, decision.status.get("openStall"))
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
@@ -417,6 +418,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 def stop_trainer(body: kopf.Body, **_: Any) -> None:
     """Best effort: stop the Ray job (the RayCluster itself goes by owner-reference garbage collection)."""
     metrics.record_job_phase(body.metadata.namespace or "default", body.metadata.name or "", None)
+    metrics.record_open_stall(body.metadata.namespace or "default", body.metadata.name or "", None)
     _last_scrape.pop(body.metadata.uid or "", None)
     _unseen_writes.pop(body.metadata.uid or "", None)
     sid = body.status.get("submissionId")

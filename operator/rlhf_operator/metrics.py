@@ -6,6 +6,8 @@ Owns metric definitions only; handlers update them. Never labels anything `job` 
 from __future__ import annotations
 
 import contextlib
+from datetime import datetime
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from rlhf_api.spec import JOB_PHASES
@@ -14,6 +16,12 @@ JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase, as last reconciled.", ["n
 JOB_PHASE = Gauge(
     "rlhf_operator_job_phase",
     "1 for the phase each RLHFJob is in, 0 for the others.",
+    ["namespace", "rlhfjob", "phase"],
+)
+JOB_STALLED = Gauge(
+    "rlhf_operator_job_stalled_since_timestamp_seconds",
+    "While an RLHFJob has a stall that is not over (status.openStall: from its detection until a later "
+    "step completes, through an onStall restart): when it began (the last progress before it).",
     ["namespace", "rlhfjob", "phase"],
 )
 RECONCILE_SECONDS = Histogram(
@@ -59,6 +67,23 @@ def record_job_phase(namespace: str, name: str, phase: str | None) -> None:
     for ns in namespaces:
         for p in JOB_PHASES:
             JOBS.labels(ns, p).set(counts.get((ns, p), 0))
+
+
+_stall_by_job: dict[tuple[str, str], str] = {}
+
+
+def record_open_stall(namespace: str, name: str, open_stall: dict[str, Any] | None) -> None:
+    """One series per job with an open stall (status.openStall), labelled with its phase; none once over."""
+    key = (namespace, name)
+    old = _stall_by_job.pop(key, None)
+    phase = str(open_stall["phase"]) if open_stall else None
+    if old is not None and old != phase:
+        with contextlib.suppress(KeyError):
+            JOB_STALLED.remove(namespace, name, old)
+    if open_stall and phase is not None:
+        since = datetime.fromisoformat(str(open_stall["since"]).replace("Z", "+00:00"))
+        JOB_STALLED.labels(namespace, name, phase).set(since.timestamp())
+        _stall_by_job[key] = phase
 
 
 def serve(port: int) -> None:

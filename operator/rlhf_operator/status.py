@@ -116,6 +116,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     def finish(new_job_phase: str, reason: str, message: str) -> Decision:
         go(new_job_phase, message, reason, warning=new_job_phase == "Failed")
         st["completionTime"] = iso(now)
+        st.pop("openStall", None)  # a finished job has no stall to resolve
         nonlocal conds
         conds = set_condition(
             conds, "Succeeded" if new_job_phase == "Succeeded" else "Failed", True, reason, message, now
@@ -258,6 +259,9 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     conds = set_condition(conds, "Running", True, "Running", f"Ray job {job_info.submission_id} running", now)
     st["conditions"] = conds
     apply_metrics(job, observed, d)
+    open_stall = st.get("openStall")
+    if open_stall and int(st.get("step") or 0) > int(open_stall.get("step") or 0):
+        st.pop("openStall")  # a step completed after the stall: it is over (through a restart, too)
 
     # Stall detection (seed problem 5): no completed step within stallTimeoutSeconds of the latest
     # progress. The clock of an attempt starts when it starts, so a restart gets a full timeout.
@@ -278,6 +282,11 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     if before is None or before.get("reason") != stall.reason:  # a new stall, or now the step phase is known
         d.event("Stalled", f"{stall.reason}: {stall.message}", warning=True)
         d.new_stall = stall
+        st["openStall"] = {
+            "phase": stall.step_phase_label,
+            "step": int(st.get("step") or 0),
+            "since": iso(stall.last_progress),
+        }
     if spec.monitoring.on_stall == "Restart":
         d.actions.append("stop")
         d.stop_submission_id = job_info.submission_id

@@ -10,7 +10,7 @@ from rlhf_api.spec import MonitoringSpec
 from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import STEP_STALLED, Stall, detect_stall, set_stalled_condition
-from rlhf_operator.status import decide
+from rlhf_operator.status import decide, status_patch
 from test_status import NOW, SID, job, obs, ray
 
 pytestmark = pytest.mark.unit
@@ -151,3 +151,30 @@ def test_a_lasting_stall_does_not_rewrite_the_status() -> None:
     assert later.status["message"] == first["message"]
     assert later.status["conditions"] == first["conditions"]
     assert not later.events and later.new_stall is None
+
+
+def test_an_onstall_restart_keeps_the_stall_open_until_a_later_step_completes() -> None:
+    """status.openStall (and rlhf_operator_job_stalled_since_timestamp_seconds, and so the stall alert)
+    outlives the stopped trainer: it is closed by the restarted attempt's first new step, not by the
+    restart."""
+    stalled = decide(
+        running("Restart", restarts=0), obs(ray_job=ray("RUNNING"), metrics=stuck_metrics()), SID
+    )
+    assert stalled.status["phase"] == "Restarting"
+    assert stalled.status["openStall"] == {
+        "phase": "reward",
+        "step": 4,
+        "since": iso(NOW - timedelta(hours=7)),
+    }
+    later = NOW + timedelta(seconds=30)
+    restarting = job({**stalled.status, "step": 4})
+    sid1 = SID[:-1] + "1"
+    # The new attempt runs, announcing the checkpoint's step 4 before its first step: still open.
+    fresh = stuck_in("generation", later - timedelta(seconds=5), later - timedelta(seconds=20), steps=4)
+    again = decide(restarting, obs(now=later, ray_job=ray("RUNNING", sid=sid1), metrics=fresh), sid1)
+    assert again.status["phase"] == "Running" and again.status["openStall"]["phase"] == "reward"
+    # Step 5 completes: the stall is over.
+    done = stuck_in("generation", later - timedelta(seconds=2), later - timedelta(seconds=1), steps=5)
+    over = decide(job(again.status), obs(now=later, ray_job=ray("RUNNING", sid=sid1), metrics=done), sid1)
+    assert "openStall" not in over.status
+    assert status_patch(again.status, over.status)["openStall"] is None  # the merge patch deletes it
