@@ -92,8 +92,14 @@ def test_a_healthy_job_alerts_nothing_and_every_dashboard_panel_has_data(
     delivered = ours(monitored, monitored.webhook.alerts())
     assert not delivered, f"a healthy run delivered alerts: {[a for _, a in delivered]}"
     # The run really was watched: the trainer's target was discovered and scraped (not only the operator).
-    scraped = monitored.stack.query(f'rlhf_steps_completed_total{{namespace="{ns}", rlhfjob="{name}"}}')
-    assert scraped and float(scraped[0]["value"][1]) == 6, scraped
+    # (Over the run: the finished job's target is gone, so its series are stale now; the driver exits
+    # right after step 6, usually between two scrapes, so the last value seen may be 5.)
+    q = f'max_over_time(rlhf_steps_completed_total{{namespace="{ns}", rlhfjob="{name}"}}[10m])'
+    scraped = monitored.stack.query(q)
+    assert scraped and float(scraped[0]["value"][1]) >= 5, scraped
+    print(
+        f"healthy: {len(exprs)} dashboard queries all answered; no alert; steps scraped up to {scraped[0]['value'][1]}"
+    )
 
 
 def value(m: Monitored, expr: str) -> float | None:
