@@ -24,6 +24,7 @@ from monitored import (
     Monitored,
     seconds,
 )
+from rlhf_operator import rayjobs
 from support import ROOT, Cluster, RayHead, tiny_job, wait_for
 
 pytestmark = pytest.mark.alerting
@@ -149,6 +150,7 @@ def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
 
         # 2. The reward hangs: a stall alert naming the phase reaches the webhook in time, though the
         # operator restarts the stuck attempt at the same threshold.
+        stuck_sid = job_status(cluster, ns, name)["submissionId"]
         control.write_text("hang")
         t_hang = time.time()
 
@@ -181,15 +183,24 @@ def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
         (tmp_path / "stall-alert.json").write_text(json.dumps(alert, indent=2))
         print(f"--- delivered stall alert ---\n{json.dumps(alert, indent=2)}")
 
-        # 3. The operator restarts the stuck attempt; the reward works again; the restarted attempt
-        # completes a step, and only then is the resolved notification sent.
-        control.write_text("ok")
+        # 3. The operator stops the stuck attempt and restarts the job; only once the stuck attempt is
+        # gone does the reward work again (so the step that ends the stall is the restarted attempt's),
+        # and only after that step is the resolved notification sent.
         st = wait_for(
             lambda: (((s := job_status(cluster, ns, name)).get("restarts") or 0) >= 1 and s) or None,
             120,
             "the operator's on-stall restart",
         )
+        with rayjobs.RayJobsClient(ray_head.dashboard_url) as rj:
+
+            def stuck_attempt_gone() -> bool | None:
+                info = rj.get(stuck_sid)
+                return (info is not None and info.status in rayjobs.TERMINAL) or None
+
+            wait_for(stuck_attempt_gone, 120, f"the stuck attempt {stuck_sid} stopped")
         t_restart = time.time()
+        assert job_status(cluster, ns, name).get("openStall"), "the stall closed with the stuck attempt's end"
+        control.write_text("ok")
         early = [a for t, a in m.webhook.alerts("resolved", alertname=alert["labels"]["alertname"], rlhfjob=name)
                  if t > t_got]  # fmt: skip
         assert not early, (
@@ -207,7 +218,7 @@ def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
         step_done = value(m, f"rlhf_last_step_completed_timestamp_seconds{{{sel}}}")
         assert step_done is not None and step_done > t_restart, (step_done, t_restart)
         assert resolved[0] >= step_done, "resolved before the restarted attempt completed a step"
-        print(f"recovery: restarted at +0 s; the restarted attempt completed a step at +{step_done - t_restart:.1f} s; "
+        print(f"recovery: stuck attempt stopped at +0 s; the restarted attempt completed a step at +{step_done - t_restart:.1f} s; "
               f"resolved notification at +{resolved[0] - t_restart:.1f} s ({resolved[0] - step_done:+.1f} s from the step)")  # fmt: skip
         assert resolved[0] - step_done <= seconds(FOR) + 2 * SCRAPE_INTERVAL_SECONDS + 30, resolved
 
