@@ -396,6 +396,9 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         submission = manifests.submission_id(job, body.metadata.uid or "", attempt)
         observed = observe(body, job, submission)
         decision = decide(job, observed, submission)
+        # Before acting: a stall's series exists before the stuck attempt is stopped, so the stall alert
+        # goes on from the trainer's own series to it without a gap (docs/monitoring.md).
+        metrics.record_open_stall(namespace, job.name, decision.status.get("openStall"))
         if decision.status.get("phase") == "Restarting" and body.status.get("phase") != "Restarting":
             failpoints.hit("after_restart_decision")
         act(body, job, observed, decision)
@@ -410,7 +413,6 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         patch.status[key] = value
     _remember_write(body.metadata.uid or "", changes)
     metrics.record_job_phase(namespace, job.name, decision.status.get("phase"))
-    metrics.record_open_stall(namespace, job.name, decision.status.get("openStall"))
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
