@@ -160,7 +160,21 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 def rlhf_crd(cluster: Cluster) -> str:
     """Server-side applies the committed RLHFJob CRD (what users get), waits for Established, returns its name."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev")
+    # Not `kubectl wait`: it fails at once, instead of waiting, while a new CRD has no conditions yet.
+    wait_for(
+        lambda: (
+            "True"
+            in cluster.kubectl(
+                "get",
+                "crd/rlhfjobs.rlhf.dev",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+            ).stdout
+            or None
+        ),
+        60,
+        "the RLHFJob CRD Established",
+    )
     return "rlhfjobs.rlhf.dev"
 
 

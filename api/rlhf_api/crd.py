@@ -13,10 +13,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from rlhf_api import k8s_schemas
 from rlhf_api.rules import RULES
 from rlhf_api.spec import (
     CRD_NAME,
     GROUP,
+    K8S_TYPE_KEY,
     KIND,
     PLURAL,
     SHORT_NAME,
@@ -84,9 +86,22 @@ def _resolve(node: Schema, defs: dict[str, Schema]) -> Schema:
     return node
 
 
+def _kubernetes_typed(node: Schema) -> Schema:
+    """A field marked with a core/v1 type (spec.K8S_TYPE_KEY): Kubernetes' own schema of that type, for
+    the object or for each item of the list, under the field's description."""
+    kind = str(node[K8S_TYPE_KEY])
+    typed = k8s_schemas.schema(kind)
+    out: Schema = {"description": " ".join(str(node.get("description", "")).split())}
+    if node.get("type") == "array":
+        return {**out, "type": "array", "items": typed}
+    return {**out, **{k: v for k, v in typed.items() if k != "description"}}
+
+
 def _convert(node: Schema, defs: dict[str, Schema], path: str) -> Schema:
     """One pydantic JSON-schema node to a structural schema node (draft-4 style exclusive bounds)."""
     node = _resolve(node, defs)
+    if K8S_TYPE_KEY in node:
+        return _kubernetes_typed(node)
     unknown = set(node) - {"type", "description", "x-kubernetes-int-or-string", *_COPIED, *_DROPPED}
     if unknown:
         raise SchemaError(f"{path}: unsupported schema keywords {sorted(unknown)}")

@@ -1,6 +1,7 @@
 """The RLHFJob resource as one typed model: the single source of truth for the CRD, `rlhf validate`,
-the operator and the trainer. Imports only pydantic and the standard library: no kopf, no Kubernetes
-client, no torch. Cross-field rules live in `rules.py`; the CRD is generated from this file by `crd.py`.
+the operator and the trainer. Imports only pydantic, the standard library and `k8s_schemas` (Kubernetes'
+core/v1 schemas, stdlib only): no kopf, no Kubernetes client, no torch.
+Cross-field rules live in `rules.py`; the CRD is generated from this file by `crd.py`.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
+
+from rlhf_api import k8s_schemas
 
 GROUP: Final = "rlhf.dev"
 VERSION: Final = "v1alpha1"
@@ -513,7 +516,8 @@ class RunPolicySpec(_Spec):
 
 
 class ResourceRequirements(_Spec):
-    """CPU and memory of a pod, as in a container's resources. GPUs come from the placements: do not set them."""
+    """CPU and memory of a pod's container, as in a container's resources. GPUs come from the placements
+    (under the role's gpuResourceName): do not set them here."""
 
     requests: dict[str, Quantity] | None = Field(
         default=None, description="Minimum resources, e.g. {cpu: 8, memory: 64Gi}."
@@ -529,37 +533,112 @@ class LocalObjectReference(_Spec):
     name: str = Field(min_length=1, description="Name of the object.")
 
 
-class PodsSpec(_Spec):
-    """Overrides applied to every pod of the job's RayCluster (head, trainer and rollout workers)."""
+K8S_TYPE_KEY: Final = "x-rlhf-k8s-type"
+DEFAULT_GPU_RESOURCE: Final = "nvidia.com/gpu"
+# An extended resource name as the API server accepts it: a domain prefix, then a name (MIG profiles too).
+RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
+
+def _k8s(kind: str, description: str) -> Any:
+    """A field holding a Kubernetes core/v1 object (or a list of them): the CRD inlines Kubernetes' own
+    schema of `kind` (k8s_schemas.py) where pydantic sees an open object."""
+    return Field(default=None, description=description, json_schema_extra={K8S_TYPE_KEY: kind})
+
+
+class PodSettings(_Spec):
+    """Pod settings of one role (head, trainer or rollout), or the job-wide defaults under `pods`.
+
+    A role's value wins over the default: maps (nodeSelector, labels, annotations, resources) merge key by
+    key; lists keyed by name (env, volumes, volumeMounts by mountPath, imagePullSecrets) merge by that key;
+    tolerations and envFrom add up; securityContext and containerSecurityContext merge field by field over
+    the restricted-profile defaults; affinity and the plain strings replace.
+    """
+
+    resources: ResourceRequirements | None = Field(
+        default=None, description="CPU and memory of the Ray container (GPUs are set from the placements)."
+    )
+    gpu_resource_name: str | None = Field(
+        default=None,
+        pattern=RESOURCE_NAME_PATTERN,
+        description=f"Extended resource the GPUs are requested as (default {DEFAULT_GPU_RESOURCE}; "
+        "amd.com/gpu, or a MIG profile such as nvidia.com/mig-3g.40gb).",
+    )
     node_selector: dict[str, str] | None = Field(default=None, description="Node labels the pods must match.")
-    tolerations: list[KubeObject] | None = Field(
-        default=None, description="Pod tolerations (core/v1 Toleration)."
+    tolerations: list[KubeObject] | None = _k8s("Toleration", "Pod tolerations (core/v1 Toleration).")
+    affinity: KubeObject | None = _k8s(
+        "Affinity", "Pod affinity (core/v1 Affinity); for rollout pods it replaces the default spread."
+    )
+    priority_class_name: str | None = Field(default=None, min_length=1, description="Pod priority class.")
+    scheduler_name: str | None = Field(
+        default=None, min_length=1, description="Scheduler of the pods (e.g. a gang scheduler)."
     )
     service_account_name: str | None = Field(
         default=None, min_length=1, description="Service account of the pods."
     )
-    volumes: list[KubeObject] | None = Field(
-        default=None,
-        description="Extra pod volumes (core/v1 Volume), e.g. a PVC holding models and checkpoints.",
+    security_context: KubeObject | None = _k8s(
+        "PodSecurityContext",
+        "Pod security context (core/v1 PodSecurityContext), merged over the defaults: runAsNonRoot, uid "
+        "and gid 10001 (the trainer image's user), fsGroup 10001, seccompProfile RuntimeDefault.",
     )
-    volume_mounts: list[KubeObject] | None = Field(
-        default=None, description="Mounts of those volumes in the Ray container (core/v1 VolumeMount)."
+    container_security_context: KubeObject | None = _k8s(
+        "SecurityContext",
+        "Security context of the Ray container (core/v1 SecurityContext), merged over the defaults: no "
+        "privilege escalation, every capability dropped. Adding one (IPC_LOCK for InfiniBand) leaves the "
+        "restricted Pod Security Standard.",
     )
-    env: list[KubeObject] | None = Field(
-        default=None, description="Extra environment variables (core/v1 EnvVar)."
-    )
-    head_resources: ResourceRequirements | None = Field(
-        default=None, description="Resources of the Ray head pod."
-    )
-    worker_resources: ResourceRequirements | None = Field(
-        default=None, description="CPU and memory of each worker pod (GPUs are set from the placements)."
+    env: list[KubeObject] | None = _k8s("EnvVar", "Extra environment variables (core/v1 EnvVar).")
+    env_from: list[KubeObject] | None = _k8s(
+        "EnvFromSource", "Environment from Secrets or ConfigMaps (core/v1 EnvFromSource), e.g. an HF token."
     )
     image_pull_secrets: list[LocalObjectReference] | None = Field(
         default=None, description="Secrets for pulling the trainer image."
     )
+    volumes: list[KubeObject] | None = _k8s(
+        "Volume", "Extra pod volumes (core/v1 Volume), e.g. a PVC holding models and checkpoints."
+    )
+    volume_mounts: list[KubeObject] | None = _k8s(
+        "VolumeMount", "Mounts of those volumes in the Ray container (core/v1 VolumeMount)."
+    )
     labels: dict[str, str] | None = Field(default=None, description="Extra labels on the pods.")
     annotations: dict[str, str] | None = Field(default=None, description="Extra annotations on the pods.")
+
+    @field_validator(
+        "tolerations",
+        "affinity",
+        "security_context",
+        "container_security_context",
+        "env",
+        "env_from",
+        "volumes",
+        "volume_mounts",
+    )
+    @classmethod
+    def _kubernetes_schema(cls, value: Any, info: ValidationInfo) -> Any:
+        """The same check admission makes with Kubernetes' schema of the field's type (one source)."""
+        if value is None or info.field_name is None:
+            return value
+        extra = cls.model_fields[info.field_name].json_schema_extra
+        kind = str(extra[K8S_TYPE_KEY]) if isinstance(extra, dict) else ""
+        node = k8s_schemas.schema(kind)
+        found = (
+            [p for i, v in enumerate(value) for p in k8s_schemas.problems(v, node, f"[{i}]")]
+            if isinstance(value, list)
+            else k8s_schemas.problems(value, node)
+        )
+        if found:
+            raise ValueError(f"not a valid core/v1 {kind}: " + "; ".join(found[:5]))
+        return value
+
+
+class PodsSpec(PodSettings):
+    """Pod settings: the fields here are job-wide defaults; `head`, `trainer` and `rollout` refine them
+    for one role's pods (the head needs no GPU and can land on a CPU node, for example)."""
+
+    head: PodSettings | None = Field(default=None, description="The Ray head pod (runs the driver, no GPU).")
+    trainer: PodSettings | None = Field(
+        default=None, description="The trainer pods (actor, critic, reference and reward ranks)."
+    )
+    rollout: PodSettings | None = Field(default=None, description="The rollout (vLLM engine) pods.")
 
 
 class RLHFJobSpec(_Spec):

@@ -12,15 +12,17 @@ import json
 import shlex
 from typing import Any
 
+from rlhf_api import pod_settings
 from rlhf_api.constants import DEFAULT_TRAINER_IMAGE, ROLLOUT_RESOURCE, TRAINER_RESOURCE
-from rlhf_api.spec import GROUP, RLHFJob, RLHFJobSpec
+from rlhf_api.pod_settings import PodRole
+from rlhf_api.spec import GROUP, PodSettings, RLHFJob, RLHFJobSpec
 
 from rlhf_operator.scaling import clamp_request
 
 JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlhf-operator"}
-GPU = "nvidia.com/gpu"
+SHM_VOLUME = "rlhf-dev-shm"
 DASHBOARD_PORT = 8265
 # Labels of the job that are never copied to children (they describe the RLHFJob object itself).
 _NOT_PROPAGATED_PREFIXES = ("kopf.zalando.org/",)
@@ -85,12 +87,13 @@ def rollout_replicas(spec: RLHFJobSpec, engines: int | None = None) -> int:
     return spec.rollout.replicas(effective_engines(spec) if engines is None else engines)
 
 
-def _resources(base: dict[str, Any] | None, gpus: int) -> dict[str, Any]:
-    requests = dict((base or {}).get("requests") or {})
-    limits = dict((base or {}).get("limits") or {})
+def _resources(settings: PodSettings, gpus: int) -> dict[str, Any]:
+    base = settings.resources
+    requests = dict((base.requests if base else None) or {})
+    limits = dict((base.limits if base else None) or {})
     if gpus:
-        requests[GPU] = str(gpus)
-        limits[GPU] = str(gpus)
+        requests[pod_settings.gpu_resource(settings)] = str(gpus)
+        limits[pod_settings.gpu_resource(settings)] = str(gpus)
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
@@ -100,12 +103,17 @@ def _resources(base: dict[str, Any] | None, gpus: int) -> dict[str, Any]:
 
 
 def _pod_template(
-    job: RLHFJob, role: str, gpus: int, ports: list[dict[str, Any]], default_image: str
+    job: RLHFJob, role: PodRole, gpus: int, ports: list[dict[str, Any]], default_image: str
 ) -> dict[str, Any]:
     spec = job.spec
-    pods = spec.pods
-    res_spec = pods.head_resources if role == "head" else pods.worker_resources
-    resources = _resources(res_spec.model_dump(by_alias=True, exclude_none=True) if res_spec else None, gpus)
+    pods = pod_settings.for_role(spec.pods, role)
+    resources = _resources(pods, gpus)
+    pod_security, container_security = pod_settings.security_contexts(pods)
+    # Ray's object store lives in /dev/shm, and the runtime's 64 MiB default is far too small: a
+    # memory-backed emptyDir, unless the job mounts its own there.
+    own_shm = any(m.get("mountPath") == "/dev/shm" for m in pods.volume_mounts or [])
+    shm_mount = [] if own_shm else [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    shm_volume = [] if own_shm else [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
     env = [
         {"name": "RLHF_JOB_NAME", "value": job.name},
         {"name": "RLHF_ROLE", "value": role},
@@ -115,24 +123,35 @@ def _pod_template(
         "name": "ray-head" if role == "head" else "ray-worker",
         "image": spec.image or default_image,
         "env": env,
+        "securityContext": container_security,
+        "volumeMounts": [*shm_mount, *(pods.volume_mounts or [])],
     }
+    if pods.env_from:
+        container["envFrom"] = list(pods.env_from)
     if resources:
         container["resources"] = resources
     if ports:
         container["ports"] = ports
-    if pods.volume_mounts:
-        container["volumeMounts"] = list(pods.volume_mounts)
-    pod_spec: dict[str, Any] = {"containers": [container]}
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "securityContext": pod_security,
+        "volumes": [*shm_volume, *(pods.volumes or [])],
+    }
     if pods.node_selector:
         pod_spec["nodeSelector"] = dict(pods.node_selector)
     if pods.tolerations:
         pod_spec["tolerations"] = list(pods.tolerations)
-    if role == "rollout":
+    if pods.affinity:
+        pod_spec["affinity"] = dict(pods.affinity)
+    elif role == "rollout":
         pod_spec["affinity"] = _spread_rollout_pods(job)
-    if pods.service_account_name:
-        pod_spec["serviceAccountName"] = pods.service_account_name
-    if pods.volumes:
-        pod_spec["volumes"] = list(pods.volumes)
+    for key, value in (
+        ("serviceAccountName", pods.service_account_name),
+        ("priorityClassName", pods.priority_class_name),
+        ("schedulerName", pods.scheduler_name),
+    ):
+        if value:
+            pod_spec[key] = value
     if pods.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pods.image_pull_secrets]
     labels = {**child_labels(job), **(pods.labels or {}), ROLE_LABEL: role}

@@ -108,6 +108,27 @@ def value(m: Monitored, expr: str) -> float | None:
     return max(float(r["value"][1]) for r in res) if res else None
 
 
+def first_step_after(m: Monitored, sel: str, step: int, since: float) -> float:
+    """When the first step after `step` completed, from the raw samples Prometheus scraped.
+
+    The latest `rlhf_last_step_completed_timestamp_seconds` is not it: by the time the alert resolves
+    the restarted attempt may have completed a second step. Each scrape carries both series with one
+    timestamp, so the first scrape whose step counter passed `step` holds that step's completion time.
+    """
+    window = f"[{int(time.time() - since) + 60}s]"
+    counts = m.stack.query(f"rlhf_steps_completed_total{{{sel}}}{window}")
+    stamps = m.stack.query(f"rlhf_last_step_completed_timestamp_seconds{{{sel}}}{window}")
+    assert counts and stamps, (counts, stamps)
+    done_at = {t: float(v) for series in stamps for t, v in series["values"]}
+    after = sorted((t, float(v)) for series in counts for t, v in series["values"] if float(v) > step)
+    assert after, f"no scrape saw a step after {step}"
+    t, count = after[0]
+    # A scrape every second against steps ~2 s apart: the first scrape past `step` must see step+1
+    # itself; if it saw a later one, the time read here would be that later step's and prove nothing.
+    assert count == step + 1, f"the first scrape after step {step} already saw {count} steps"
+    return done_at[t]
+
+
 def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
     cluster: Cluster, ray_head: RayHead, monitored: Monitored, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -215,8 +236,8 @@ def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
             600,
             "the stall alert resolved",
         )[0]
-        step_done = value(m, f"rlhf_last_step_completed_timestamp_seconds{{{sel}}}")
-        assert step_done is not None and step_done > t_restart, (step_done, t_restart)
+        step_done = first_step_after(m, sel, int(open_stall["step"]), since=t_restart)
+        assert step_done > t_restart, (step_done, t_restart)
         assert resolved[0] >= step_done, "resolved before the restarted attempt completed a step"
         print(f"recovery: stuck attempt stopped at +0 s; the restarted attempt completed a step at +{step_done - t_restart:.1f} s; "
               f"resolved notification at +{resolved[0] - t_restart:.1f} s ({resolved[0] - step_done:+.1f} s from the step)")  # fmt: skip

@@ -4,6 +4,7 @@ explainable, defaults and rules agree with the pydantic model, and every path it
 from __future__ import annotations
 
 import io
+import json
 import re
 from collections.abc import Iterator
 from contextlib import redirect_stdout
@@ -12,9 +13,10 @@ from typing import Any
 
 import pytest
 import yaml
-from rlhf_api import crd
+from pydantic.alias_generators import to_camel
+from rlhf_api import crd, k8s_schemas
 from rlhf_api.rules import RULES
-from rlhf_api.spec import JOB_PHASES, RLHFJobSpec
+from rlhf_api.spec import JOB_PHASES, K8S_TYPE_KEY, PodSettings, RLHFJobSpec
 from rlhf_cli.main import main as cli_main
 
 pytestmark = pytest.mark.unit
@@ -178,6 +180,23 @@ def test_schema_is_structural(root_schema: dict[str, Any]) -> None:
                 assert ("minimum" if bound == "exclusiveMinimum" else "maximum") in node, path
 
 
+K8S_TYPED = {
+    to_camel(name): str((field.json_schema_extra or {})[K8S_TYPE_KEY])  # type: ignore[index]
+    for name, field in PodSettings.model_fields.items()
+    if isinstance(field.json_schema_extra, dict) and K8S_TYPE_KEY in field.json_schema_extra
+}
+POD_SETTINGS_PATHS = ("spec.pods", "spec.pods.head", "spec.pods.trainer", "spec.pods.rollout")
+
+
+def _inside_kubernetes_type(path: str) -> bool:
+    """Below a core/v1-typed field's own properties: descriptions are dropped there to keep the CRD small."""
+    parts = path.replace("[]", "").split(".")
+    for i, part in enumerate(parts):
+        if part in K8S_TYPED and i >= 3 and parts[i - 1] in ("pods", "head", "trainer", "rollout"):
+            return len(parts) - i >= 2
+    return False
+
+
 def test_every_property_has_a_type_and_a_description(root_schema: dict[str, Any]) -> None:
     properties = 0
     for path, node in walk(root_schema):
@@ -186,19 +205,42 @@ def test_every_property_has_a_type_and_a_description(root_schema: dict[str, Any]
             if f"{path}.{name}" == ".metadata":  # the API server allows nothing but `type` there
                 assert child == {"type": "object"}
                 continue
+            if _inside_kubernetes_type(f"{path}.{name}"):
+                assert "type" in child or child.get("x-kubernetes-int-or-string"), f"{path}.{name}: no type"
+                continue
             assert child.get("description", "").strip(), f"{path}.{name}: no description"
             assert "type" in child or child.get("x-kubernetes-int-or-string"), f"{path}.{name}: no type"
     assert properties > 100
 
 
-def test_kubernetes_typed_lists_preserve_unknown_fields(root_schema: dict[str, Any]) -> None:
-    pods = node_at(root_schema, "spec.pods")
-    for name in ("tolerations", "volumes", "volumeMounts", "env"):
-        items = pods["properties"][name]["items"]
-        assert items == {"type": "object", "x-kubernetes-preserve-unknown-fields": True}, name
-    quantity = node_at(root_schema, "spec.pods.workerResources.requests")["additionalProperties"]
+def test_kubernetes_objects_are_typed_with_kubernetes_schemas(root_schema: dict[str, Any]) -> None:
+    """In every role, each core/v1 field carries Kubernetes' own schema of its type (for the object, or
+    each item of the list): `kubectl explain` documents it and admission checks it."""
+    assert set(K8S_TYPED.values()) == set(k8s_schemas.TYPES)
+    for where in POD_SETTINGS_PATHS:
+        pods = node_at(root_schema, where)
+        for name, kind in K8S_TYPED.items():
+            node = pods["properties"][name]
+            typed = node.get("items", node)
+            assert typed["properties"].keys() == k8s_schemas.schema(kind)["properties"].keys(), (where, name)
+            assert node["description"], (where, name)
+    tolerations = node_at(root_schema, "spec.pods.trainer.tolerations")["items"]["properties"]
+    assert tolerations["tolerationSeconds"]["type"] == "integer"
+    volume = node_at(root_schema, "spec.pods.volumes")["items"]
+    assert volume["required"] == ["name"] and "persistentVolumeClaim" in volume["properties"]
+    quantity = node_at(root_schema, "spec.pods.resources.requests")["additionalProperties"]
     assert quantity["x-kubernetes-int-or-string"] is True
     assert re.match(quantity["pattern"], "64Gi") and not re.match(quantity["pattern"], "64GB")
+
+
+def test_stored_kubernetes_schemas_are_what_the_generator_makes() -> None:
+    """k8s_core_v1.json is generated, never edited: regenerate from the OpenAPI document when present."""
+    document = k8s_schemas.openapi_document()
+    if not document.exists():
+        pytest.fail(
+            f"{document} is missing: `make cluster-build` puts k8s.io/kubernetes in the Go module cache"
+        )
+    assert k8s_schemas.extract(json.loads(document.read_text())) == k8s_schemas.stored()
 
 
 def test_bounds_and_enums_come_from_the_model(root_schema: dict[str, Any]) -> None:

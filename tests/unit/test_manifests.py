@@ -104,7 +104,7 @@ def test_pod_overrides_are_applied() -> None:
                 "nodeSelector": {"pool": "a100"},
                 "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
                 "serviceAccountName": "trainer",
-                "workerResources": {"requests": {"memory": "64Gi"}},
+                "resources": {"requests": {"memory": "64Gi"}},
             }
         },
     )
@@ -114,6 +114,119 @@ def test_pod_overrides_are_applied() -> None:
     assert pod["tolerations"][0]["key"] == "gpu"
     assert pod["serviceAccountName"] == "trainer"
     assert pod["containers"][0]["resources"]["requests"]["memory"] == "64Gi"
+
+
+def pod_of(rc: dict[str, Any], role: str) -> dict[str, Any]:
+    if role == "head":
+        return dict(rc["spec"]["headGroupSpec"]["template"])
+    return dict(group(rc, role)["template"])
+
+
+def test_each_role_gets_its_own_settings_over_the_job_wide_defaults() -> None:
+    job = load(
+        "rlhfjob-tiny.yaml",
+        **{
+            "spec.pods": {
+                "env": [{"name": "SHARED", "value": "1"}, {"name": "LEVEL", "value": "job"}],
+                "tolerations": [{"key": "all", "operator": "Exists"}],
+                "labels": {"team": "rl", "tier": "job"},
+                "resources": {"requests": {"cpu": 2, "memory": "8Gi"}},
+                "priorityClassName": "batch",
+                "head": {"nodeSelector": {"pool": "cpu"}, "resources": {"requests": {"cpu": 1}}},
+                "trainer": {
+                    "nodeSelector": {"pool": "h100"},
+                    "gpuResourceName": "amd.com/gpu",
+                    "env": [{"name": "LEVEL", "value": "trainer"}],
+                    "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "labels": {"tier": "trainer"},
+                    "containerSecurityContext": {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}},
+                    "schedulerName": "gang",
+                },
+                "rollout": {
+                    "envFrom": [{"secretRef": {"name": "hf-token"}}],
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {"key": "pool", "operator": "In", "values": ["l40s"]}
+                                        ]
+                                    }
+                                ]
+                            }
+                        }
+                    },
+                },
+            }
+        },
+    )
+    rc = manifests.build_raycluster(job)
+    head, trainer, rollout = (pod_of(rc, r) for r in ("head", "trainer", "rollout"))
+    hc, tc, rc_ = (p["spec"]["containers"][0] for p in (head, trainer, rollout))
+    # Maps merge key by key; the role wins.
+    assert head["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert trainer["spec"]["nodeSelector"] == {"pool": "h100"}
+    assert "nodeSelector" not in rollout["spec"]
+    assert hc["resources"] == {"requests": {"cpu": 1, "memory": "8Gi"}}
+    assert (
+        trainer["metadata"]["labels"]["tier"] == "trainer" and trainer["metadata"]["labels"]["team"] == "rl"
+    )
+    assert rollout["metadata"]["labels"]["tier"] == "job"
+    # GPUs under the role's resource name; the head asks for none.
+    # (The tiny example's trainer pod holds 2 ranks, one "GPU" each.)
+    assert tc["resources"]["limits"] == {"amd.com/gpu": "2"} and tc["resources"]["requests"]["cpu"] == 2
+    assert not any("gpu" in k for k in hc["resources"]["requests"])
+    # env merges by name (the role's LEVEL replaces the job's, in place); tolerations add up.
+    assert [(e["name"], e.get("value")) for e in tc["env"][2:]] == [("SHARED", "1"), ("LEVEL", "trainer")]
+    assert [(e["name"], e.get("value")) for e in rc_["env"][2:]] == [("SHARED", "1"), ("LEVEL", "job")]
+    assert [t["key"] for t in trainer["spec"]["tolerations"]] == ["all", "gpu"]
+    assert rc_["envFrom"] == [{"secretRef": {"name": "hf-token"}}] and "envFrom" not in tc
+    # Strings: the role's replaces the job's.
+    assert trainer["spec"]["schedulerName"] == "gang" and "schedulerName" not in head["spec"]
+    assert {p["spec"]["priorityClassName"] for p in (head, trainer, rollout)} == {"batch"}
+    # A rollout affinity of the job's own replaces the default spread.
+    assert list(rollout["spec"]["affinity"]) == ["nodeAffinity"]
+    # Security: restricted defaults everywhere; the trainer's capability is its own.
+    assert tc["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert hc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert tc["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_pods_pass_the_restricted_profile_by_default() -> None:
+    """Each field the restricted Pod Security Standard checks, on every role's pod. (The cluster test
+    runs the job in a namespace that enforces the profile; this names the fields.)"""
+    rc = manifests.build_raycluster(load("rlhfjob-tiny.yaml"))
+    for role in ("head", "trainer", "rollout"):
+        spec = pod_of(rc, role)["spec"]
+        pod_sc, [container] = spec["securityContext"], spec["containers"]
+        assert pod_sc["runAsNonRoot"] is True and pod_sc["runAsUser"] == 10001, role
+        assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}, role
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }, role
+        assert all(
+            set(v) <= {"name", "emptyDir", "persistentVolumeClaim", "configMap", "secret"}
+            for v in spec["volumes"]
+        )
+        shm = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert len(shm) == 1, role
+
+
+def test_a_job_mount_at_dev_shm_replaces_the_default_one() -> None:
+    job = load(
+        "rlhfjob-tiny.yaml",
+        **{
+            "spec.pods": {
+                "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}}],
+                "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+            }
+        },
+    )
+    spec = pod_of(manifests.build_raycluster(job), "trainer")["spec"]
+    assert [v["name"] for v in spec["volumes"]] == ["dshm"]
+    assert [m["name"] for m in spec["containers"][0]["volumeMounts"]] == ["dshm"]
 
 
 def test_engines_are_clamped_to_the_autoscaling_range() -> None:

@@ -127,21 +127,21 @@ def test_paths_follow_list_indexes_and_drop_union_tags() -> None:
     manifest = valid_manifest()
     manifest["spec"]["pods"] = {
         "imagePullSecrets": [{"name": "a"}, {"nam": "b"}],
-        "headResources": {"requests": {"cpu": 0.5}},
+        "head": {"resources": {"requests": {"cpu": 0.5}}},
     }
     paths = {issue.path for issue in validate_manifest(manifest)}
     assert paths == {
         "spec.pods.imagePullSecrets[1].nam",
         "spec.pods.imagePullSecrets[1].name",
-        "spec.pods.headResources.requests.cpu",
+        "spec.pods.head.resources.requests.cpu",
     }
 
 
 def test_union_failures_are_one_issue() -> None:
     manifest = valid_manifest()
-    manifest["spec"]["pods"] = {"workerResources": {"limits": {"memory": [1]}}}
+    manifest["spec"]["pods"] = {"resources": {"limits": {"memory": [1]}}}
     [issue] = validate_manifest(manifest)
-    assert issue.path == "spec.pods.workerResources.limits.memory"
+    assert issue.path == "spec.pods.resources.limits.memory"
     assert "integer" in issue.message and "string" in issue.message
 
 
