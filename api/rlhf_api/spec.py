@@ -506,7 +506,22 @@ class RunPolicySpec(_Spec):
         default=3, ge=0, description="Restarts from the last checkpoint before the job fails."
     )
     active_deadline_seconds: int | None = Field(
-        default=None, ge=1, description="Fail the job if it runs longer than this (unset: no limit)."
+        default=None,
+        ge=1,
+        description="Fail the job if it is active longer than this, counted from its creation or its "
+        "last unsuspension as for a Kubernetes Job, time spent provisioning included (unset: no limit).",
+    )
+    provisioning_timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest an attempt may take from its start (creation, unsuspension or restart) to "
+        "its trainer running: pods unschedulable, images not pulled or a Ray head that never answers "
+        "(unset: wait).",
+    )
+    on_provisioning_timeout: Literal["Fail", "Restart"] = Field(
+        default="Fail",
+        description="At provisioningTimeoutSeconds: `Fail` the job, or `Restart` it on a new RayCluster "
+        "(counts against backoffLimit).",
     )
     ttl_seconds_after_finished: int | None = Field(
         default=None,
@@ -836,6 +851,10 @@ class RLHFJobStatus(_Status):
         "(rlhf_last_checkpoint_step: written or resumed from); unset until it reports one.",
     )
     start_time: datetime | None = Field(default=None, description="When the job started running.")
+    active_since: datetime | None = Field(
+        default=None,
+        description="Start of runPolicy.activeDeadlineSeconds: the job's creation or last unsuspension.",
+    )
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
 
 

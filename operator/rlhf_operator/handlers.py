@@ -8,6 +8,7 @@ restarts without creating a second RayCluster or submitting a trainer twice.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from rlhf_api.spec import GROUP, PLURAL, TERMINAL_JOB_PHASES, VERSION, RLHFJob
 
 from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape
 from rlhf_operator.conditions import parse_time
-from rlhf_operator.status import Decision, Observed, decide, status_patch
+from rlhf_operator.status import Decision, Observed, cluster_rejected, decide, status_patch
 
 log = logging.getLogger("rlhf_operator")
 
@@ -143,6 +144,7 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
             custom().create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest),
         )
         metrics.CLUSTERS_CREATED.labels(namespace).inc()
+        _create_backoff.pop(body.metadata.uid or "", None)
         failpoints.hit("after_cluster_create")
         kopf.event(
             body,
@@ -156,7 +158,56 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
             existing = _get_cluster(namespace, manifest["metadata"]["name"])
             if existing is not None:
                 return existing
-        raise kopf.TemporaryError(f"creating RayCluster: {e.status} {e.reason}", delay=2) from e
+        raise ClusterRefused(e.status, _api_message(e)) from e
+
+
+class ClusterRefused(Exception):
+    """The API server refused to create the RayCluster (status.cluster_rejected says what that means)."""
+
+    def __init__(self, code: int | None, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _api_message(e: ApiException) -> str:
+    """The server's own words (the Status object's message), else the HTTP reason."""
+    try:
+        return str(json.loads(e.body or "{}").get("message") or e.reason)
+    except (ValueError, AttributeError):
+        return str(e.reason)
+
+
+# Transient refusals by job uid: (refusals in a row, monotonic time before which not to try again).
+_create_backoff: dict[str, tuple[int, float]] = {}
+
+
+def _create_backing_off(uid: str) -> bool:
+    entry = _create_backoff.get(uid)
+    return entry is not None and time.monotonic() < entry[1]
+
+
+def _refused(body: kopf.Body, patch: kopf.Patch, job: RLHFJob, refusal: ClusterRefused) -> None:
+    """Write what the refusal means to the status and the events; retry a transient one with backoff
+    (1 s, doubling to 60 s), a permanent one never."""
+    decision = cluster_rejected(job, refusal.code, refusal.message, datetime.now(UTC))
+    current = _clean_status(dict(body.status)) or {}
+    changes = status_patch(current, decision.status)
+    for key, value in changes.items():
+        patch.status[key] = value
+    _remember_write(body.metadata.uid or "", changes)
+    for etype, reason, message in decision.events:
+        kopf.event(body, type=etype, reason=reason, message=message)
+    namespace = body.metadata.namespace or "default"
+    metrics.RECONCILE_ERRORS.labels(namespace, "RayClusterRefused").inc()
+    uid = body.metadata.uid or ""
+    if decision.status.get("phase") == "Failed":
+        _create_backoff.pop(uid, None)
+        return
+    count = _create_backoff.get(uid, (0, 0.0))[0]
+    delay = min(2.0**count, 60.0)
+    _create_backoff[uid] = (count + 1, time.monotonic() + delay)
+    log.warning("RayCluster for %s/%s refused, retrying in %.0fs: %s", namespace, job.name, delay, refusal)
 
 
 def _remember_write(uid: str, fields: dict[str, Any]) -> None:
@@ -193,7 +244,11 @@ def ensure_cluster(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         return
     namespace = body.metadata.namespace or "default"
     if _get_cluster(namespace, manifests.raycluster_name(job.name)) is None:
-        _create_cluster(body, job)
+        try:
+            _create_cluster(body, job)
+        except ClusterRefused as refusal:
+            _refused(body, patch, job, refusal)
+            return  # the reconcile timer retries a transient refusal, after the backoff
     if not body.status.get("phase"):
         patch.status["phase"] = "Provisioning"
         patch.status["rayClusterName"] = manifests.raycluster_name(job.name)
@@ -220,6 +275,8 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
     namespace = body.metadata.namespace or "default"
     cluster = _get_cluster(namespace, manifests.raycluster_name(job.name))
     obs: dict[str, Any] = {"now": datetime.now(UTC), "uid": body.metadata.uid or "", "raycluster": cluster}
+    if cluster is not None and cluster.get("status", {}).get("state") != "ready":
+        obs["pods"] = _cluster_pods(namespace, cluster["metadata"]["name"])
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":
         try:
             with rayjobs.RayJobsClient(dashboard_url(cluster)) as rj:
@@ -350,6 +407,13 @@ def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decisio
         _patch_raycluster(namespace, cluster, ops, JSON_PATCH)
 
 
+def _cluster_pods(namespace: str, cluster_name: str) -> list[dict[str, Any]]:
+    pods = k8s.CoreV1Api(api()).list_namespaced_pod(
+        namespace, label_selector=f"ray.io/cluster={cluster_name}"
+    )
+    return [cast(dict[str, Any], api().sanitize_for_serialization(p)) for p in pods.items]  # type: ignore[no-untyped-call]
+
+
 def _rollout_pods(namespace: str, job: RLHFJob, cluster: dict[str, Any]) -> list[dict[str, Any]]:
     """The rollout worker pods, read only while KubeRay reports fewer ready workers than desired."""
     st = cluster.get("status") or {}
@@ -401,7 +465,13 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         metrics.record_open_stall(namespace, job.name, decision.status.get("openStall"))
         if decision.status.get("phase") == "Restarting" and body.status.get("phase") != "Restarting":
             failpoints.hit("after_restart_decision")
-        act(body, job, observed, decision)
+        if "create_cluster" in decision.actions and _create_backing_off(body.metadata.uid or ""):
+            return  # a transient refusal's backoff: the status already says why
+        try:
+            act(body, job, observed, decision)
+        except ClusterRefused as refusal:
+            _refused(body, patch, job, refusal)
+            return
         reconcile_engines(body, job, observed, decision)
         failpoints.hit("before_status_patch")
     except (ApiException, rayjobs.RayJobsError) as e:
@@ -423,6 +493,7 @@ def stop_trainer(body: kopf.Body, **_: Any) -> None:
     metrics.record_open_stall(body.metadata.namespace or "default", body.metadata.name or "", None)
     _last_scrape.pop(body.metadata.uid or "", None)
     _unseen_writes.pop(body.metadata.uid or "", None)
+    _create_backoff.pop(body.metadata.uid or "", None)
     sid = body.status.get("submissionId")
     if not sid or not DEV_HEAD_HOST:
         return  # in a real cluster the RayCluster's deletion ends the job with it

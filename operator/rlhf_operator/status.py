@@ -16,7 +16,8 @@ from rlhf_api.spec import RLHFJob
 
 from rlhf_operator import rayjobs
 from rlhf_operator.conditions import iso, parse_time, set_condition
-from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines
+from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines, raycluster_name
+from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import Stall, detect_stall, set_stalled_condition
 
@@ -41,6 +42,7 @@ class Observed:
     ray_job_error: str | None = None
     metrics: ScrapedMetrics | None = None
     metrics_error: str | None = None
+    pods: list[dict[str, Any]] | None = None  # the RayCluster's pods, read while it is not ready
 
 
 @dataclass
@@ -137,6 +139,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         if observed.ray_job and observed.ray_job.status not in rayjobs.TERMINAL:
             d.actions.append("stop")
             d.stop_submission_id = observed.ray_job.submission_id
+        st.pop("activeSince", None)  # the deadline clock starts again on resume, as for a Kubernetes Job
         go("Suspended", "runPolicy.suspend is true: pods released, resumes from the last checkpoint")
         st["conditions"] = set_condition(
             conds, "Suspended", True, "Suspended", "suspended by runPolicy.suspend", now
@@ -150,13 +153,55 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         else conds
     )
 
-    # Active deadline, counted from the first start like a Kubernetes Job.
+    # Active deadline, counted like a Kubernetes Job's: from the job's creation, or its last unsuspension,
+    # so time stuck provisioning counts too.
     started = parse_time(cur.get("startTime"))
+    if "activeSince" not in st:  # a new job: its creation; one from before this field: its start
+        created = parse_time(job.metadata.get("creationTimestamp"))
+        since = created if job_phase == "Pending" else started
+        st["activeSince"] = iso(since or now)
+    active_since = parse_time(st["activeSince"]) or now
     deadline = spec.run_policy.active_deadline_seconds
-    if deadline is not None and started and (now - started).total_seconds() > deadline:
+    if deadline is not None and (now - active_since).total_seconds() > deadline:
+        where = "" if job_phase in ("Running", "Stalled") else f" ({st.get('message') or job_phase})"
         return finish(
-            "Failed", "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}"
+            "Failed",
+            "DeadlineExceeded",
+            f"active longer than runPolicy.activeDeadlineSeconds={deadline}{where}",
         )
+
+    def restart_or_fail(reason: str, limit_reason: str) -> Decision:
+        restarts = int(st.get("restarts") or 0)
+        if restarts < spec.run_policy.backoff_limit:
+            st["restarts"] = restarts + 1
+            st["lastRestartTime"] = iso(now)
+            st.pop("submissionId", None)
+            go(
+                "Restarting",
+                f"{reason}; restart {restarts + 1}/{spec.run_policy.backoff_limit} from the last checkpoint",
+                "Restarting",
+                warning=True,
+            )
+            st["conditions"] = set_condition(conds, "Running", False, "Restarting", reason, now)
+            return d
+        return finish(
+            "Failed", limit_reason, f"{reason}; backoffLimit {spec.run_policy.backoff_limit} reached"
+        )
+
+    # Provisioning timeout: this attempt has not reached a running trainer in time.
+    timeout = spec.run_policy.provisioning_timeout_seconds
+    attempt_start = max(t for t in (active_since, parse_time(cur.get("lastRestartTime"))) if t is not None)
+    if (
+        timeout is not None
+        and job_phase in ("Pending", "Provisioning", "Restarting")
+        and (now - attempt_start).total_seconds() > timeout
+    ):
+        why = f"not running after runPolicy.provisioningTimeoutSeconds={timeout}: {st.get('message') or job_phase}"
+        if spec.run_policy.on_provisioning_timeout == "Restart":
+            if observed.raycluster:
+                d.actions.append("delete_cluster")  # new pods, perhaps on other nodes
+            return restart_or_fail(why, "ProvisioningTimeout")
+        return finish("Failed", "ProvisioningTimeout", why)
 
     if observed.raycluster is None:
         d.actions.append("create_cluster")
@@ -175,9 +220,19 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     problem = cluster_problem(observed.raycluster)
     if not cluster_ready(observed.raycluster):
         msg = f"waiting for RayCluster {st['rayClusterName']} to be ready"
+        pod_problem = diagnose(observed.pods or [])
         if problem:
             msg = f"RayCluster {st['rayClusterName']} is not ready: {problem}"
+        elif pod_problem:
+            msg = f"RayCluster {st['rayClusterName']} is not ready: {pod_problem.describe()}"
         conds = set_condition(conds, "ClusterReady", False, "ClusterNotReady", msg, now)
+        before = next((c for c in conds if c.get("type") == "PodsReady"), None)
+        if pod_problem:
+            if not before or before.get("status") != "False" or before.get("reason") != pod_problem.reason:
+                d.event(pod_problem.reason, pod_problem.describe(), warning=True)  # once per new reason
+            conds = set_condition(conds, "PodsReady", False, pod_problem.reason, pod_problem.describe(), now)
+        elif before is not None and before.get("status") == "False":
+            conds = set_condition(conds, "PodsReady", True, "PodsScheduled", "no pod problem found", now)
         st["conditions"] = conds
         if job_phase in ("Pending", "Provisioning", "Restarting"):
             go("Provisioning" if job_phase != "Restarting" else "Restarting", msg)
@@ -219,24 +274,6 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             "TrainingComplete",
             f"trained {spec.algorithm.total_steps} steps"
             + (f"; model exported to {exported}" if exported else ""),
-        )
-
-    def restart_or_fail(reason: str, limit_reason: str) -> Decision:
-        restarts = int(st.get("restarts") or 0)
-        if restarts < spec.run_policy.backoff_limit:
-            st["restarts"] = restarts + 1
-            st["lastRestartTime"] = iso(now)
-            st.pop("submissionId", None)
-            go(
-                "Restarting",
-                f"{reason}; restart {restarts + 1}/{spec.run_policy.backoff_limit} from the last checkpoint",
-                "Restarting",
-                warning=True,
-            )
-            st["conditions"] = set_condition(conds, "Running", False, "Restarting", reason, now)
-            return d
-        return finish(
-            "Failed", limit_reason, f"{reason}; backoffLimit {spec.run_policy.backoff_limit} reached"
         )
 
     if job_info.status in (rayjobs.FAILED, rayjobs.STOPPED):
@@ -355,3 +392,35 @@ def status_patch(current: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]
         if current.get(key) != new.get(key):
             patch[key] = new.get(key)
     return patch
+
+
+def cluster_rejected(job: RLHFJob, code: int | None, message: str, now: datetime) -> Decision:
+    """The status after the API server refused to create the job's RayCluster with `code` and `message`.
+
+    A permanent refusal (pod_problems.rejection_is_permanent) fails the job at once, restarts untouched:
+    retrying cannot help until the job or the cluster's policy changes. A transient one keeps the job
+    waiting, with the server's words in status.message while the handler retries with backoff.
+    """
+    cur: dict[str, Any] = (
+        job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
+    )
+    st = dict(cur)
+    d = Decision(status=st)
+    name = raycluster_name(job.name)
+    permanent = rejection_is_permanent(code, message)
+    text = f"the API server refused RayCluster {name} ({code}): {message}"
+    conds = list(cur.get("conditions", []))
+    if permanent:
+        st.update(phase="Failed", message=text, completionTime=iso(now))
+        st.pop("openStall", None)
+        conds = set_condition(conds, "Failed", True, "RayClusterRejected", text, now)
+        conds = set_condition(conds, "Running", False, "RayClusterRejected", text, now)
+        d.event("RayClusterRejected", text, warning=True)
+    else:
+        retry = f"{text}; retrying"
+        if cur.get("message") != retry:
+            d.event("RayClusterCreateFailed", retry, warning=True)
+        st.update(phase=cur.get("phase") or "Provisioning", message=retry)
+        conds = set_condition(conds, "ClusterReady", False, "RayClusterCreateFailed", retry, now)
+    st["conditions"] = conds
+    return d

@@ -1,0 +1,86 @@
+"""Why a job's pods are not running, from the pods themselves, and how the API server's refusal of a
+RayCluster is classified. Pure.
+
+A job stuck before its trainer starts used to sit in Provisioning saying only "waiting for the RayCluster".
+The answer is usually on a pod: the scheduler's Unschedulable condition, or a container waiting on
+ImagePullBackOff or CrashLoopBackOff. KubeRay's own status says none of it (kuberay#4178).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Container waiting reasons that mean "will not start without a change", worst first.
+WAITING_REASONS = (
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "CrashLoopBackOff",
+    "RunContainerError",
+)
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    reason: str  # Unschedulable, ImagePullBackOff, ...
+    pod: str
+    message: str
+
+    def describe(self) -> str:
+        return f"pod {self.pod}: {self.reason}: {self.message}".rstrip(": ")
+
+
+def _waiting(pod: dict[str, Any]) -> PodProblem | None:
+    status = pod.get("status") or {}
+    found: list[PodProblem] = []
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = str(waiting.get("reason") or "")
+        if reason in WAITING_REASONS:
+            message = " ".join(str(waiting.get("message") or "").split())
+            found.append(
+                PodProblem(reason, pod["metadata"]["name"], f"container {cs.get('name')}: {message}")
+            )
+    return min(found, key=lambda p: WAITING_REASONS.index(p.reason)) if found else None
+
+
+def _unschedulable(pod: dict[str, Any]) -> PodProblem | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if (
+            c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ):
+            message = " ".join(str(c.get("message") or "").split())
+            return PodProblem("Unschedulable", pod["metadata"]["name"], message)
+    return None
+
+
+def diagnose(pods: list[dict[str, Any]]) -> PodProblem | None:
+    """The first problem found, container failures before scheduling (they need a fix, scheduling may
+    only need time), then by pod name so the answer is stable across rounds."""
+    ordered = sorted(pods, key=lambda p: str(p.get("metadata", {}).get("name", "")))
+    for check in (_waiting, _unschedulable):
+        for pod in ordered:
+            problem = check(pod)
+            if problem is not None:
+                return problem
+    return None
+
+
+def rejection_is_permanent(code: int | None, message: str) -> bool:
+    """Whether the API server's refusal to create a RayCluster will repeat as long as the job is the same.
+
+    400 and 422 (invalid, or denied by an admission policy) and 403 (forbidden by a webhook, policy or
+    RBAC) are permanent. A 403 for an exceeded ResourceQuota is not: quota frees up as other jobs end.
+    404 (no RayCluster CRD: KubeRay not installed yet), 409 handled by the caller, 429 and 5xx retry.
+    """
+    if code in (400, 422):
+        return True
+    if code == 403:
+        return "exceeded quota" not in message.lower()
+    return False
