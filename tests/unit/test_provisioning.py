@@ -12,6 +12,8 @@ from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
 from rlhf_operator.status import cluster_rejected, decide
 from test_status import NOW, SID, cluster, job, obs
 
+pytestmark = pytest.mark.unit
+
 
 def pod(name: str, *, unschedulable: str = "", waiting: str = "", message: str = "") -> dict[str, Any]:
     status: dict[str, Any] = {"phase": "Pending", "conditions": [], "containerStatuses": []}
