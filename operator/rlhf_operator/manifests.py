@@ -7,6 +7,7 @@ gpusPerNode) and one `rollout` group (one pod per `gpusPerWorker` GPUs of engine
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shlex
@@ -158,7 +159,8 @@ def _pod_template(
     metadata: dict[str, Any] = {"labels": labels}
     if pods.annotations:
         metadata["annotations"] = dict(pods.annotations)
-    return {"metadata": metadata, "spec": pod_spec}
+    # Each template owns its objects: none shared with the spec, another role or the module's defaults.
+    return copy.deepcopy({"metadata": metadata, "spec": pod_spec})
 
 
 def _spread_rollout_pods(job: RLHFJob) -> dict[str, Any]:

@@ -76,11 +76,12 @@ def rejection_is_permanent(code: int | None, message: str) -> bool:
     """Whether the API server's refusal to create a RayCluster will repeat as long as the job is the same.
 
     400 and 422 (invalid, or denied by an admission policy) and 403 (forbidden by a webhook, policy or
-    RBAC) are permanent. A 403 for an exceeded ResourceQuota is not: quota frees up as other jobs end.
+    RBAC) are permanent. A 403 from a ResourceQuota is not (exceeded, or not yet calculated): quota frees
+    up as other jobs end.
     404 (no RayCluster CRD: KubeRay not installed yet), 409 handled by the caller, 429 and 5xx retry.
     """
     if code in (400, 422):
         return True
     if code == 403:
-        return "exceeded quota" not in message.lower()
+        return "quota" not in message.lower()
     return False
