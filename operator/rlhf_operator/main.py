@@ -32,6 +32,17 @@ def main(argv: list[str]) -> int:
         "--log-format", choices=["plain", "json"], default=os.environ.get("RLHF_LOG_FORMAT", "plain")
     )
     parser.add_argument("--verbose", "-v", action="store_true")
+    parser.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("RLHF_LEADER_ELECTION", "").lower() in ("1", "true", "yes"),
+        help="act only while holding the Lease rlhf-operator-leader (several replicas; docs/chart.md)",
+    )
+    parser.add_argument(
+        "--leader-election-namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="namespace of the Lease (default: $POD_NAMESPACE, else default)",
+    )
     args = parser.parse_args(argv)
 
     os.environ["RLHF_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
@@ -43,10 +54,24 @@ def main(argv: list[str]) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import rlhf_operator.handlers  # noqa: F401  (registers the handlers)
 
-    kopf.run(
-        standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=args.liveness,
-    )
+    elector = None
+    if args.leader_elect:
+        from rlhf_operator.leader import LeaderElector, standby_health
+
+        elector = LeaderElector(args.leader_election_namespace)
+        health = standby_health(args.liveness)
+        elector.acquire()  # a follower waits here: no handler runs, no object is written
+        if health is not None:
+            health.shutdown()
+            health.server_close()  # kopf's own health endpoint takes the port now
+    try:
+        kopf.run(
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness,
+        )
+    finally:
+        if elector is not None:
+            elector.release()  # a clean stop hands over at once instead of after the lease expires
     return 0

@@ -70,6 +70,11 @@ def rule_table(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
     return table
 
 
+def leader_rbac(obj: dict[str, Any]) -> bool:
+    """The leader election's Role or RoleBinding (test_replicas_elect_a_leader... checks them)."""
+    return str(obj["metadata"]["name"]).endswith("-leader-election")
+
+
 def deployment(*args: str) -> dict[str, Any]:
     return one(render(*args), "Deployment")
 
@@ -110,7 +115,15 @@ def test_helm_lint(values: list[str], strict: bool) -> None:
 
 def test_default_render() -> None:
     objects = render()
-    assert kinds(objects) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment"}
+    assert kinds(objects) == {
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",  # the leader election's Lease, in the release namespace
+        "RoleBinding",
+        "Service",
+        "Deployment",
+    }
     for obj in objects:
         labels = obj["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE, obj["metadata"]["name"]
@@ -143,7 +156,7 @@ def test_monitoring_is_off_by_default() -> None:
     ("args", "path"),
     [
         (["--set", "replicaCount=-1"], "/replicaCount"),
-        (["--set", "replicaCount=2"], "/replicaCount"),
+        (["--set", "replicaCount=3"], "/replicaCount"),
         (["--set", "unknownKey=1"], "unknownKey"),
         (["--set", "image.tag=1", "--set", "image.tga=2"], "tga"),
         (["--set", "watchNamespaces=x"], "/watchNamespaces"),
@@ -218,15 +231,15 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_uses() -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
     ]
-    assert not by_kind(objects, "Role") and not by_kind(objects, "RoleBinding")
+    assert not [o for o in by_kind(objects, "Role") + by_kind(objects, "RoleBinding") if not leader_rbac(o)]
     assert "--all-namespaces" in container(one(objects, "Deployment"))["args"]
 
 
 def test_watch_namespaces_rbac_is_per_namespace() -> None:
     objects = render(*WATCH_ARGS, "--set", "rbac.aggregateToDefaultRoles=false")
     sa_name = one(objects, "ServiceAccount")["metadata"]["name"]
-    roles = {r["metadata"]["namespace"]: r for r in by_kind(objects, "Role")}
-    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objects, "RoleBinding")}
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(objects, "Role") if not leader_rbac(r)}
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objects, "RoleBinding") if not leader_rbac(b)}
     assert sorted(roles) == sorted(bindings) == WATCHED
     for ns in WATCHED:
         assert rule_table(roles[ns]) == OPERATOR_NAMESPACED_RULES
@@ -296,7 +309,11 @@ def test_deployment_security() -> None:
     dep = deployment()
     spec = dep["spec"]
     assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # The new pod may start beside the old one: it waits for the Lease the old one releases.
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 10001
@@ -587,3 +604,33 @@ def test_every_value_is_documented_and_in_the_schema() -> None:
     readme = (CHART / "README.md").read_text()
     for key in values:
         assert f"`{key}" in readme, f"README.md does not document {key}"
+
+
+def test_replicas_elect_a_leader_on_a_lease_and_two_get_a_disruption_budget() -> None:
+    objects = render()
+    args = container(one(objects, "Deployment"))["args"]
+    assert "--leader-elect" in args
+    env = {e["name"]: e for e in container(one(objects, "Deployment"))["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    [role] = [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["rlhf-operator-leader"],
+            "verbs": ["get", "update"],
+        },
+    ]
+    [binding] = [
+        b for b in by_kind(objects, "RoleBinding") if b["metadata"]["name"] == role["metadata"]["name"]
+    ]
+    assert binding["subjects"][0]["name"] == one(objects, "ServiceAccount")["metadata"]["name"]
+    assert not by_kind(objects, "PodDisruptionBudget")
+    two = render("--set", "replicaCount=2")
+    assert one(two, "Deployment")["spec"]["replicas"] == 2
+    pdb = one(two, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == one(two, "Deployment")["spec"]["selector"]["matchLabels"]

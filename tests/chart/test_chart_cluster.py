@@ -277,11 +277,17 @@ def free_port() -> int:
 
 
 def container_command(cluster: Cluster, namespace: str) -> tuple[list[str], dict[str, str]]:
-    """The arguments and plain environment variables of the chart's operator container, as installed."""
+    """The arguments and environment variables of the chart's operator container, as installed."""
     dep = cluster.get("deployment", RELEASE, namespace)
     assert dep is not None
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    # The downward API, as the kubelet resolves it: the leader election's identity and Lease namespace.
+    fields = {"metadata.name": f"{RELEASE}-test-pod", "metadata.namespace": namespace}
+    for e in container.get("env", []):
+        ref = (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        if ref:
+            env[e["name"]] = fields[ref]
     return list(container["args"]), env
 
 
@@ -461,8 +467,14 @@ def test_the_operator_runs_with_its_service_account(cluster: Cluster, namespace:
             ("patch", "rlhfjobs", "status"),
             ("create", "events", None),
         }, done
-        assert {e["objectRef"].get("namespace") for e in writes} == {jobs}, (
-            "the operator wrote outside its namespace"
+        # Outside the watched namespace it writes only its leader-election Lease, in the release's.
+        outside = {
+            (e["objectRef"].get("namespace"), e["objectRef"].get("resource"), e["objectRef"].get("name"))
+            for e in writes
+            if e["objectRef"].get("namespace") != jobs
+        }
+        assert outside == {(namespace, "leases", "rlhf-operator-leader")}, (
+            f"the operator wrote outside its namespace other than its Lease: {outside}"
         )
         assert not permission_errors(log), "\n".join(permission_errors(log))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -69,7 +70,7 @@ def test_the_deadline_counts_time_spent_provisioning(
 
 
 def deny_rayclusters(cluster: Cluster, namespace: str) -> str:
-    name = f"test-deny-rayclusters-{namespace}"[:63]
+    name = f"test-deny-rayclusters-{uuid.uuid4().hex[:8]}"
     policy: dict[str, Any] = {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicy",
