@@ -108,6 +108,9 @@ def value(m: Monitored, expr: str) -> float | None:
     return max(float(r["value"][1]) for r in res) if res else None
 
 
+DELIVERY_SLACK_SECONDS = 5
+
+
 def first_step_after(m: Monitored, sel: str, step: int, since: float) -> float:
     """When the first step after `step` completed, from the raw samples Prometheus scraped.
 
@@ -193,9 +196,13 @@ def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
         assert open_stall and open_stall["phase"] == "reward", job_status(cluster, ns, name)
         stalled_since = datetime.fromisoformat(open_stall["since"].replace("Z", "+00:00")).timestamp()
         delay = t_got - stalled_since
-        bound = stall_timeout + seconds(FOR) + 2 * SCRAPE_INTERVAL_SECONDS
+        # Pending at the first evaluation past the timeout, firing `for` later, one scrape of lag each
+        # way; plus DELIVERY_SLACK for evaluation and delivery while the operator's restart of the
+        # stuck attempt (at the same threshold) loads both cores with the new trainer's start-up.
+        bound = stall_timeout + seconds(FOR) + 2 * SCRAPE_INTERVAL_SECONDS + DELIVERY_SLACK_SECONDS
         print(f"stall: {alert['labels']['alertname']} delivered {delay:.1f} s after the stall began "
-              f"(bound {bound} s = stallTimeoutSeconds {stall_timeout} + for {FOR} + 2 scrapes)")  # fmt: skip
+              f"(bound {bound} s = stallTimeoutSeconds {stall_timeout} + for {FOR} + 2 scrapes "
+              f"+ {DELIVERY_SLACK_SECONDS} s delivery)")  # fmt: skip
         assert delay <= bound, (delay, bound)
         # What a user receives: the job, the namespace, the stuck phase and a runbook link.
         anchor = alert["labels"]["alertname"].lower()
