@@ -405,6 +405,9 @@ def cluster_rejected(job: RLHFJob, code: int | None, message: str, now: datetime
         job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
     )
     st = dict(cur)
+    # The create handler may be refused before any status exists: the fields a new job always has.
+    st.setdefault("restarts", 0)
+    st.setdefault("totalSteps", job.spec.algorithm.total_steps)
     d = Decision(status=st)
     name = raycluster_name(job.name)
     permanent = rejection_is_permanent(code, message)

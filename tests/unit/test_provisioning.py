@@ -145,3 +145,10 @@ def test_a_transient_refusal_waits_and_says_so_once() -> None:
     assert [e for e in d.events if e[1] == "RayClusterCreateFailed"]
     again = cluster_rejected(job(d.status), 403, quota, NOW)
     assert not again.events
+
+
+def test_a_refusal_before_any_status_still_says_restarts_zero() -> None:
+    """The create handler can be refused before the job has a status at all (seen in CI)."""
+    d = cluster_rejected(job(None), 422, "denied by policy", NOW)
+    assert d.status["phase"] == "Failed" and d.status["restarts"] == 0
+    assert cluster_rejected(job(None), 429, "slow down", NOW).status["restarts"] == 0
