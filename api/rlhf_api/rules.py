@@ -215,6 +215,21 @@ RULES: tuple[Rule, ...] = (
             s.algorithm.rollout_batch_size % s.trainer.data_parallel_size(s.trainer.actor.ranks) == 0
         ),
     ),
+    Rule(
+        name="mini-batches-divide-actor-shard",
+        scope="",
+        cel="(self.algorithm.rolloutBatchSize * self.algorithm.samplesPerPrompt / "
+        f"{_cel_data_parallel(_CEL_ACTOR_RANKS)}) % self.algorithm.miniBatchesPerEpoch == 0",
+        field="algorithm.miniBatchesPerEpoch",
+        message="miniBatchesPerEpoch must divide the samples of each actor data-parallel group "
+        "(rolloutBatchSize x samplesPerPrompt / (trainer.actor ranks / sequenceParallelSize)), so every rank "
+        "takes the same number of optimizer steps",
+        check=lambda s: (
+            (s.algorithm.samples_per_step // s.trainer.data_parallel_size(s.trainer.actor.ranks))
+            % s.algorithm.mini_batches_per_epoch
+            == 0
+        ),
+    ),
     *_split_role_rules(),
     Rule(
         name="colocate-all-matches-engines",

@@ -188,6 +188,21 @@ class AlgorithmSpec(_Spec):
     )
     max_response_length: int = Field(default=1024, ge=1, description="Maximum generated tokens per response.")
     epochs: int = Field(default=1, ge=1, description="PPO epochs over each rollout batch.")
+    mini_batches_per_epoch: int = Field(
+        default=1,
+        ge=1,
+        description="Optimizer steps per epoch: each rank's share of the rollout is split into this many "
+        "mini-batches, each one optimizer step (verl's ppo_mini_batch_size, OpenRLHF's train_batch_size). "
+        "With 1 mini-batch and 1 epoch the PPO ratio is always 1 and the clip never acts. Must divide the "
+        "samples of each actor data-parallel group.",
+    )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        default="token-mean",
+        description="How per-token losses become the step's loss (verl's names), over the global counts of "
+        "a mini-batch on every rank: `token-mean` (sum over valid tokens / their number), "
+        "`seq-mean-token-mean` (mean over sequences of each one's token mean) or `seq-mean-token-sum` "
+        "(mean over sequences of each one's token sum).",
+    )
     total_steps: int = Field(
         default=1000, ge=1, description="Steps to train; the job succeeds after the last one."
     )
@@ -215,6 +230,18 @@ class AlgorithmSpec(_Spec):
     def uses_reference(self) -> bool:
         """Whether the reference model is needed: only for a KL penalty."""
         return self.kl_coef > 0
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether the KL penalty is part of the reward (gae, reinforce_pp); grpo puts it in the loss."""
+        return self.uses_reference and self.advantage_estimator != "grpo"
+
+    @property
+    def old_logprobs_redundant(self) -> bool:
+        """The old log-probs forward can be skipped: one epoch of one mini-batch trains on-policy (the
+        ratio is 1 by construction) and no KL in the reward needs them before training. The training
+        pass's own detached log-probs are used instead, as TRL does."""
+        return self.epochs == 1 and self.mini_batches_per_epoch == 1 and not self.kl_in_reward
 
 
 class DataSpec(_Spec):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,15 @@ def test_ppo_gae_learns_checkpoints_and_serves_metrics(tiny: Path, tmp_path: Pat
         assert s["tokens_per_second"] > 0 and s["valid_samples"] == 16 * 8 and s["reward_errors"] == 0
         # every step sends every parameter of the actor once (one engine): bucketed, nothing skipped
         assert s["weight_sync_bytes"] == _model_bytes(tiny / "model")
+        # dropout is off: the first training micro-batch reproduces the old log-probs and values (issue 18;
+        # the critic's token-classification head had Dropout(0.1): deviations of ~1e-1)
+        t = s["training"]
+        assert t["first_ratio_deviation"] < 1e-4 and t["first_value_deviation"] < 1e-4, (s["step"], t)
+        assert t["optimizer_steps"] == 2  # epochs 2 x miniBatchesPerEpoch 1
+    # the critic learns to predict returns: its explained variance turns positive within the run
+    ev = [s["training"]["explained_variance"] for s in run.summary["steps"]]
+    print(f"critic explained variance by step: {[round(x, 2) for x in ev]}")
+    assert max(ev[-5:]) > 0, f"the critic never explained the returns: {ev}"
     assert [s["step"] for s in run.summary["steps"] if s["checkpoint"]] == [5, 10, 15, 20]
     # checkpoints: every 5 steps, keep the last 2, no temp dirs left; model + optimizer + scheduler inside
     names = sorted(p.name for p in ckpt.iterdir())
@@ -106,6 +116,7 @@ def test_ppo_gae_learns_checkpoints_and_serves_metrics(tiny: Path, tmp_path: Pat
     assert _value(last, "rlhf_step_phase_seconds", phase="generation") > 0
     assert _value(last, "rlhf_step_phase_seconds", phase="weight_sync") > 0
     assert _value(last, "rlhf_weight_sync_bytes_total") > 0
+    assert "rlhf_critic_explained_variance" in names_seen  # gae: the critic's metric is served
     assert _value(last, "rlhf_generated_tokens_total") > 0
     assert _value(last, "rlhf_trained_tokens_total") > 0
     assert any(
@@ -196,22 +207,34 @@ def test_resume_after_kill_continues_at_next_step(
     )
     popen_group.append(proc)
     deadline = time.monotonic() + 480
-    while not (ckpt / "step-00000002" / "trainer_state.json").exists():
+    while not (ckpt / "step-00000003" / "trainer_state.json").exists():
         if proc.poll() is not None:
-            pytest.fail(f"run ended before its second checkpoint: {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
-        assert time.monotonic() < deadline, "no checkpoint at step 2 in time"
+            pytest.fail(f"run ended before its third checkpoint: {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "no checkpoint at step 3 in time"
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started, mid-step 3
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started, mid-step 4
     proc.wait(timeout=60)
     saved = json.loads((ckpt / "step-00000002" / "trainer_state.json").read_text())
     assert saved["data"] == {"epoch": 0, "offset": 2 * 16}
+    # Step 3 as the uninterrupted run sampled it; its checkpoint goes, so the run resumes at step 2 and
+    # generates step 3 again: sampling seeds follow (seed, step, prompt), so it must get the same tokens.
+    uninterrupted_step3 = json.loads((ckpt / "step-00000003" / "trainer_state.json").read_text())[
+        "rollout_digest"
+    ]
+    assert uninterrupted_step3
+    shutil.rmtree(ckpt / "step-00000003")
+    for later in ckpt.glob("step-0000000[4-9]"):
+        shutil.rmtree(later)
 
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp)
     assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
     assert s is not None
-    assert s["resumed_from"] in (2, 3)  # 3 only if step 3's checkpoint landed before the kill did
+    assert s["resumed_from"] == 2
     first = s["resumed_from"] + 1
+    assert s["steps"][0]["rollout_digest"] == uninterrupted_step3, (
+        "the resumed run sampled step 3 differently from the uninterrupted run"
+    )
     assert [x["step"] for x in s["steps"]] == list(range(first, 5))
     resume = s["resume"]
     loaded_state = json.loads((Path(resume["path"]) / "trainer_state.json").read_text())

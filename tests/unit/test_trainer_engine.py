@@ -30,3 +30,14 @@ def test_chat_template_wraps_the_prompt_as_a_user_turn(tok: Any) -> None:
     ids = encode_prompt(tok, "ba ko", chat_template=True, max_tokens=None)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # the template's own specials
     assert tok.decode(ids[1:]) == "user ba ko assistant"
+
+
+def test_sampling_seeds_follow_seed_step_and_prompt_only() -> None:
+    from rlhf_trainer.rollout.engine import sampling_seed
+
+    seeds = {sampling_seed(42, step, prompt) for step in range(1, 50) for prompt in range(64)}
+    assert len(seeds) == 49 * 64, "two (step, prompt) pairs share a seed"
+    assert sampling_seed(42, 3, 7) == sampling_seed(42, 3, 7)  # the same on a resumed run, on any engine
+    assert sampling_seed(43, 3, 7) != sampling_seed(42, 3, 7)
+    # vLLM seeds a prompt's n samples seed, seed + 1, ...: room for them below 2**64
+    assert max(seeds) < 2**62

@@ -132,3 +132,24 @@ def test_model_reward_scores_with_an_hf_sequence_classifier(tmp_path: Path) -> N
     ]
     assert result.scores.tolist() == pytest.approx(singles, abs=1e-4)
     assert len(set(singles)) == 3
+
+
+def test_reward_model_input_uses_its_chat_template_and_cuts_the_prompt_from_the_left() -> None:
+    from rlhf_trainer.tiny_model import build_tokenizer
+    from rlhf_trainer.workers.reward import reward_model_input
+
+    tok = build_tokenizer(512)
+    prompt, response = "ba ko stou plaing tre zu ba ko", " stou tre"
+    plain = reward_model_input(tok, prompt, response, 512)
+    assert plain == tok(prompt + response)["input_ids"]
+    tail = tok(response, add_special_tokens=False)["input_ids"]
+    cut = reward_model_input(tok, prompt, response, len(tail) + 3)
+    assert len(cut) == len(tail) + 3 and cut == plain[-len(cut) :]  # the response whole, the prompt's end
+    assert tok.decode(cut).endswith("stou tre")
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<{{ m.role }}> {{ m.content }}{{ eos_token }}{% endfor %}"
+    )
+    templated = reward_model_input(tok, prompt, response, 512)
+    text = tok.decode(templated)
+    assert text.startswith("<s>") and "user" in text and "assistant" in text, text
+    assert templated[-1] == tok.eos_token_id  # the assistant turn closes as in the reward model's training

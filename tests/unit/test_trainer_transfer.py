@@ -75,6 +75,22 @@ def test_micro_batches_cover_all_samples() -> None:
         list(r.micro_batches(0))
 
 
+def test_mini_batches_split_the_samples_into_optimizer_steps_of_micro_batches() -> None:
+    r = PackedRollout.concat([_rollout(), _rollout()])  # 6 samples
+    assert r.mini_batches(1, 4) == [[(0, 4), (4, 6)]]
+    assert r.mini_batches(2, 2) == [[(0, 2), (2, 3)], [(3, 5), (5, 6)]]
+    assert r.mini_batches(3, 1) == [[(0, 1), (1, 2)], [(2, 3), (3, 4)], [(4, 5), (5, 6)]]
+    with pytest.raises(ValueError):
+        r.mini_batches(0, 1)
+
+
+def test_digest_follows_the_tokens() -> None:
+    a, b = _rollout(), _rollout()
+    assert a.digest() == b.digest()
+    b.tokens[0] += 1
+    assert a.digest() != b.digest()
+
+
 def test_plan_chunks_whole_prompts_balanced_shards() -> None:
     chunks = plan_chunks(16, shards=2, engines=3)
     per_shard: dict[int, list[int]] = {}

@@ -238,6 +238,17 @@ def loss_normaliser(mask: torch.Tensor, mode: str, seq_tokens: torch.Tensor | No
     return float((counts > 0).sum())
 
 
+def sample_normaliser(response_lens: torch.Tensor, valid: torch.Tensor, mode: str) -> float:
+    """loss_normaliser from per-sample counts instead of a mask: the valid samples' response tokens
+    (token-mean) or the valid samples with a response (seq-mean-*). The same on every rank of a sequence-
+    parallel group, which holds all of its samples but only some columns of each."""
+    _check_aggregation(mode)
+    lens = response_lens.to(torch.int64)
+    if mode == "token-mean":
+        return float(lens[valid].sum())
+    return float(((lens > 0) & valid).sum())
+
+
 def aggregate_loss(
     token_loss: torch.Tensor,
     mask: torch.Tensor,

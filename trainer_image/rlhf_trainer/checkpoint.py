@@ -203,8 +203,9 @@ class Checkpointer:
             step % self.spec.checkpoint.interval_steps == 0 or step == self.spec.algorithm.total_steps
         )
 
-    def save(self, step: int, history: Sequence[dict[str, Any]]) -> str:
-        """Write step's checkpoint atomically, then rotate; `history`: the run's step reports, as dicts."""
+    def save(self, step: int, history: Sequence[dict[str, Any]], rollout_digest: str = "") -> str:
+        """Write step's checkpoint atomically, then rotate; `history`: the run's step reports, as dicts;
+        `rollout_digest`: the step's rollout tokens (a resumed run that samples the same shows it)."""
         assert self.store is not None
         tmp = self.store.begin(step)
         try:
@@ -217,6 +218,7 @@ class Checkpointer:
                 "job": self.job,
                 "identity": training_identity(self.spec),
                 "history": list(history[-50:]),
+                "rollout_digest": rollout_digest,
                 "time": time.time(),
             }
             final = self.store.commit(tmp, step, state)

@@ -91,6 +91,12 @@ def data_parallel_size(spec: RLHFJobSpec, ranks: int) -> int:
     return int(ranks // spec.trainer.sequence_parallel_for(ranks))
 
 
+def mini_batch_micro_batches(samples: int, mini_batches: int, micro_batch: int) -> int:
+    """Micro-batches in each of `mini_batches` equal mini-batches of `samples` (DeepSpeed's gradient
+    accumulation steps; admission makes `mini_batches` divide `samples` on every rank)."""
+    return max(1, math.ceil(samples // max(1, mini_batches) / micro_batch))
+
+
 # ---------------------------------------------------------------------------- settings derived from the spec
 
 
@@ -104,17 +110,19 @@ def model_settings(spec: RLHFJobSpec, pad_id: int) -> dict[str, dict[str, Any]]:
         "gradient_checkpointing": spec.trainer.gradient_checkpointing,
         "pad_id": int(pad_id),
         "lr_scheduler": a.lr_scheduler,
-        "lr_warmup_steps": a.lr_warmup_steps * a.epochs,
-        "total_steps": a.total_steps * a.epochs,
+        # the schedule counts optimizer steps: epochs x mini-batches of them per step
+        "lr_warmup_steps": a.lr_warmup_steps * a.epochs * a.mini_batches_per_epoch,
+        "total_steps": a.total_steps * a.epochs * a.mini_batches_per_epoch,
         "train_micro_batch": a.train_micro_batch_size,
         # log-probs of the distribution the engines sampled from (logits / T); greedy (T=0) -> 1
         "temperature": float(spec.rollout.temperature) if spec.rollout.temperature > 0 else 1.0,
     }
 
     def grad_accum(world: int) -> int:
-        # every rank of an SP block runs all of its block's samples (its columns of each)
+        """Micro-batches per optimizer step: one mini-batch of this group's share (every rank of an SP
+        block runs all of its block's samples, its columns of each)."""
         local = a.samples_per_step // data_parallel_size(spec, world)
-        return max(1, math.ceil(int(local) / int(a.train_micro_batch_size)))
+        return mini_batch_micro_batches(local, a.mini_batches_per_epoch, a.train_micro_batch_size)
 
     out = {
         "actor": {
@@ -146,7 +154,10 @@ def algorithm_wire(spec: RLHFJobSpec) -> dict[str, Any]:
         "clip": a.clip_range,
         "value_clip": a.value_clip_range,
         "epochs": a.epochs,
+        "mini_batches": a.mini_batches_per_epoch,
+        "loss_aggregation": a.loss_aggregation,
         "train_micro_batch": a.train_micro_batch_size,
+        "skip_old_logprobs": a.old_logprobs_redundant,
     }
 
 

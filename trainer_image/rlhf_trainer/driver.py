@@ -190,6 +190,8 @@ def step_summary(report: StepReport) -> dict[str, Any]:
         "valid_samples": report.valid_samples,
         "weight_sync_bytes": report.weight_sync_bytes,
         "checkpoint": report.checkpoint,
+        "training": report.training,
+        "rollout_digest": report.rollout_digest,
         "engines": report.engines,
     }
 

@@ -43,6 +43,10 @@ class StepReport:
     weight_sync_bytes: int = 0
     engines: list[int] = field(default_factory=list)
     checkpoint: str | None = None
+    # policy_loss, clip_frac, first_ratio_deviation, optimizer_steps; value_loss, first_value_deviation
+    # and explained_variance with a critic (global figures; deviations are the largest over ranks)
+    training: dict[str, float] = field(default_factory=dict)
+    rollout_digest: str = ""  # of every chunk's tokens, in chunk order
 
 
 @dataclass
@@ -92,35 +96,44 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
     if placed.critic is not None:
         with timer.phase("critic_values"):
             value_out = placed.call_role("critic", "critic_values", shards, micro)
-    with timer.phase("old_logprobs"):
-        placed.call_role("actor", "old_logprobs", shards, micro)
+    if not algo["skip_old_logprobs"]:  # else the training pass's own log-probs (on-policy, ratio 1)
+        with timer.phase("old_logprobs"):
+            placed.call_role("actor", "old_logprobs", shards, micro)
     with timer.phase("advantages"):
         adv = placed.actor.call("advantages", rewards, ref_out, value_out, algo, num_returns=2)
         stats = ray.get([s for s, _ in adv])
     valid = int(sum(s["valid"] for s in stats))
     trained_tokens = 0
+    actor_stats: list[dict[str, float]] = []
+    critic_stats: list[dict[str, float]] = []
     with timer.phase("actor_train"):
         if valid:
-            trained_tokens = int(sum(s["trained_tokens"] for s in placed.actor.get("train_actor", algo)))
+            actor_stats = placed.actor.get("train_actor", algo)
+            trained_tokens = int(sum(s["trained_tokens"] for s in actor_stats))
     if placed.critic is not None:
         with timer.phase("critic_train"):
             if valid:
-                placed.critic.get("train_critic", [r for _, r in adv], algo)
+                critic_stats = placed.critic.get("train_critic", [r for _, r in adv], algo)
     with timer.phase("weight_sync"):
         ctx.sync.engines_sleep(False)
         sync_bytes += ctx.sync.sync() if valid else 0
     checkpoint = None
     if ctx.checkpointer.due(step):
         with timer.phase("checkpoint"):
-            checkpoint = ctx.checkpointer.save(step, [asdict(r) for r in ctx.history])
+            checkpoint = ctx.checkpointer.save(
+                step, [asdict(r) for r in ctx.history], rollout_digest(rollout)
+            )
 
     gen_tokens = sum(m.response_tokens for m in rollout.metas)
     kl_tokens = sum(s["kl_tokens"] for s in stats)
+    kl = sum(s["kl_sum"] for s in stats) / max(kl_tokens, 1.0)
+    if algo["skip_old_logprobs"] and actor_stats:  # no old log-probs: the training pass measured it
+        kl = actor_stats[0]["kl"]
     report = StepReport(
         step=step,
         phase_seconds=dict(timer.seconds),
         reward_mean=sum(s["score_sum"] for s in stats) / max(valid, 1),
-        kl=sum(s["kl_sum"] for s in stats) / max(kl_tokens, 1.0),
+        kl=kl,
         generated_tokens=gen_tokens,
         trained_tokens=trained_tokens,
         reward_errors=errors,
@@ -129,6 +142,8 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
         weight_sync_bytes=sync_bytes,
         engines=sorted({m.engine for m in rollout.metas}),
         checkpoint=checkpoint,
+        training=training_stats(stats, actor_stats, critic_stats),
+        rollout_digest=rollout_digest(rollout),
     )
     record(ctx, report)
     return report
@@ -150,6 +165,34 @@ def generate(
     return rollout
 
 
+def training_stats(
+    advantage_stats: list[dict[str, float]],
+    actor: list[dict[str, float]],
+    critic: list[dict[str, float]],
+) -> dict[str, float]:
+    """The step's training figures: every rank reports the global losses, so the first is taken; the
+    first-micro-batch deviations are the largest over ranks."""
+    out: dict[str, float] = {}
+    if actor:
+        out.update({k: actor[0][k] for k in ("policy_loss", "clip_frac", "kl_loss", "optimizer_steps")})
+        out["first_ratio_deviation"] = max(s["first_ratio_deviation"] for s in actor)
+    if critic:
+        out["value_loss"] = critic[0]["value_loss"]
+        out["first_value_deviation"] = max(s["first_value_deviation"] for s in critic)
+    ev = [s["explained_variance"] for s in advantage_stats if "explained_variance" in s]
+    if ev:
+        out["explained_variance"] = ev[0]
+    return out
+
+
+def rollout_digest(rollout: Rollout) -> str:
+    """The step's rollout tokens as one short hash, from the engines' per-chunk digests (no tokens here)."""
+    import hashlib
+
+    joined = ",".join(m.digest for m in rollout.metas).encode()
+    return hashlib.blake2b(joined, digest_size=8).hexdigest()
+
+
 def by_shard(chunks: list[Chunk], refs: list[Any]) -> dict[int, list[Any]]:
     """{shard: [refs of its chunks]} in chunk order."""
     out: dict[int, list[Any]] = {}
@@ -163,5 +206,7 @@ def record(ctx: StepContext, report: StepReport) -> None:
     m = ctx.metrics
     m.reward_mean.labels(ctx.job).set(report.reward_mean)
     m.kl.labels(ctx.job).set(report.kl)
+    if "explained_variance" in report.training:
+        m.explained_variance.labels(ctx.job).set(report.training["explained_variance"])
     m.trained_tokens.labels(ctx.job).inc(report.trained_tokens)
     m.step_done(report.phase_seconds)

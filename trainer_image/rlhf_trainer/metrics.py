@@ -74,6 +74,13 @@ class TrainerExporter:
             "rlhf_reward_mean", "Mean reward of the last step's valid samples", [L], registry=r
         )
         self.kl = Gauge("rlhf_kl", "Mean per-token KL(actor || reference) of the last step", [L], registry=r)
+        # Only with a critic (gae): created at the first step that has one, so a critic-free job shows none.
+        self.explained_variance = Gauge(
+            "rlhf_critic_explained_variance",
+            "1 - Var(returns - values) / Var(returns) of the last step's valid tokens (gae's critic)",
+            [L],
+            registry=r,
+        )
         self.reward_errors = Counter("rlhf_reward_errors", "Samples whose reward failed", [L], registry=r)
         self.weight_sync_bytes = Counter(
             "rlhf_weight_sync_bytes", "Bytes sent to rollout engines", [L], registry=r

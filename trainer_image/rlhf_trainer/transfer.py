@@ -6,6 +6,7 @@ Engines put one per chunk in the object store; the driver moves only refs and `C
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ class ChunkMeta:
     prompt_tokens: int
     response_tokens: int
     seconds: float
+    digest: str = ""  # of the chunk's token ids (PackedRollout.digest)
 
 
 @dataclass
@@ -55,6 +57,15 @@ class PackedRollout:
 
     def offsets(self) -> torch.Tensor:
         return torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens]), 0)
+
+    def digest(self) -> str:
+        """A short hash of the token ids, prompts and responses together (reproducibility checks)."""
+        import hashlib
+
+        data = b"".join(
+            t.to(torch.int64).numpy().tobytes() for t in (self.seq_lens, self.prompt_lens, self.tokens)
+        )
+        return hashlib.blake2b(data, digest_size=8).hexdigest()
 
     def nbytes(self) -> int:
         return sum(
@@ -133,6 +144,19 @@ class PackedRollout:
             raise ValueError("micro-batch size must be positive")
         for start in range(0, self.num_samples, size):
             yield start, min(start + size, self.num_samples)
+
+    def mini_batches(self, count: int, micro_batch: int) -> list[list[tuple[int, int]]]:
+        """`count` contiguous mini-batches of equal size (the last takes any remainder), each as its
+        [start, end) micro-batches of at most `micro_batch` samples: one optimizer step per mini-batch."""
+        if count <= 0 or micro_batch <= 0:
+            raise ValueError("mini-batch count and micro-batch size must be positive")
+        size = max(1, self.num_samples // count)
+        bounds = [min(i * size, self.num_samples) for i in range(count)] + [self.num_samples]
+        return [
+            [(s, min(s + micro_batch, end)) for s in range(start, end, micro_batch)]
+            for start, end in itertools.pairwise(bounds)
+            if end > start
+        ]
 
 
 def pad_micro_batch(

@@ -102,7 +102,8 @@ class ChunkDispatcher:
 
     def _launch(self, e: int, batch: list[ChunkJob]) -> None:
         handle = self.engines[e].handle
-        stream = handle.generate_chunks.options(num_returns="streaming").remote(batch, self.sampling)
+        sampling = {**self.sampling, "step": self.step}  # per-prompt seeds follow (seed, step, prompt)
+        stream = handle.generate_chunks.options(num_returns="streaming").remote(batch, sampling)
         self.streams[stream] = (e, batch)
 
     def _read(self, stream: Any) -> None:

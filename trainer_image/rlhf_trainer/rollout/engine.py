@@ -6,6 +6,7 @@ the engine end of weight sync (delegated to the worker extension). Must not comp
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -27,6 +28,15 @@ def encode_prompt(tokenizer: Any, text: str, chat_template: bool, max_tokens: in
     else:
         ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
     return ids[-max_tokens:] if max_tokens else ids
+
+
+def sampling_seed(seed: int, step: int, prompt: int) -> int:
+    """The sampling seed of prompt `prompt` (its index in the step's batch) at `step`: a hash of the three,
+    so a run resumed at step k samples at k+1 what the uninterrupted run did, whichever engine generates
+    the prompt. vLLM seeds the prompt's n samples with seed, seed + 1, ...: the hash leaves 2 bits of
+    headroom below 2**64 for that."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 class RolloutEngine:
@@ -59,6 +69,9 @@ class RolloutEngine:
             "enforce_eager": True,
             "worker_extension_cls": EXTENSION,
             "enable_prefix_caching": False,
+            # log-probs of the distribution sampled from (after temperature and top-p), kept per token in
+            # the PackedRollout for off-policy correction
+            "logprobs_mode": "processed_logprobs",
         }
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = float(options.get("gpu_memory_utilization", 0.5))
@@ -92,6 +105,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         engine = self.llm.llm_engine
         max_prompt = int(sampling.get("max_prompt_tokens", 0)) or None
+        step, base_seed = int(sampling.get("step", 0)), int(self.options.get("seed", 0))
         pending: dict[int, int] = {}
         outputs: dict[int, dict[int, Any]] = {}
         prompt_ids: dict[tuple[int, int], list[int]] = {}
@@ -108,6 +122,7 @@ class RolloutEngine:
                     top_p=float(sampling.get("top_p", 1.0)),
                     max_tokens=int(sampling["max_tokens"]),
                     logprobs=0,
+                    seed=sampling_seed(base_seed, step, int(ch["groups"][i])),
                 )
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 self._request_seq += 1
@@ -159,6 +174,7 @@ class RolloutEngine:
             prompt_tokens=int(packed.prompt_lens.sum()),
             response_tokens=int(packed.response_lens.sum()),
             seconds=time.perf_counter() - t0,
+            digest=packed.digest(),
         )
         return meta, packed
 

@@ -7,6 +7,7 @@ padded micro-batch. No Ray here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,25 +57,73 @@ def ds_config(
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if offload and train:
+        # Our AdamW is a client optimizer; DeepSpeed 0.19 refuses one under ZeRO-Offload unless told it is
+        # meant (its DeepSpeedCPUAdam needs a compiled op). torch's AdamW steps the offloaded fp32 partitions.
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if train and not use_client_optimizer:
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.0}}
     return cfg
 
 
+def without_dropout(config: Any) -> Any:
+    """`config` with every dropout probability set to 0 (attention_dropout, hidden_dropout,
+    classifier_dropout, *_pdrop, ...), including the value head's: with no `classifier_dropout` in the
+    config, transformers' token-classification head falls back to Dropout(0.1)."""
+    for name in dir(config):
+        if ("dropout" in name or name.endswith("_pdrop")) and not name.startswith("_"):
+            value = getattr(config, name, None)
+            if isinstance(value, float) or value is None:
+                with contextlib.suppress(AttributeError):  # a read-only property
+                    setattr(config, name, 0.0)
+    config.classifier_dropout = 0.0
+    return config
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Every nn.Dropout of `model` at p=0, as TRL's disable_dropout_in_model: the trained models (actor,
+    critic) and the reference compute the same numbers in train() and eval() mode, so the training pass
+    reproduces the old log-probs and values it is compared with (a PPO ratio of exactly 1 at first)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any]:
-    """from_pretrained under HfDeepSpeedConfig (ZeRO-3 partitions while loading); returns (model, keepalive)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    """from_pretrained under HfDeepSpeedConfig (ZeRO-3 partitions while loading), dropout off (see
+    disable_dropout); returns (model, keepalive)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
     # Must stay alive until deepspeed.initialize: transformers checks it through a weakref.
     keepalive = HfDeepSpeedConfig(cfg) if cfg["zero_optimization"]["stage"] == 3 else None  # type: ignore[no-untyped-call]
     if kind == "causal_lm":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        config = without_dropout(AutoConfig.from_pretrained(path))
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     elif kind == "value":
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+        config = without_dropout(AutoConfig.from_pretrained(path, num_labels=1))
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
     else:
         raise ValueError(kind)
-    return model, keepalive
+    return disable_dropout(model), keepalive
+
+
+def all_reduce_sum(values: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Sum of a small CPU tensor over every rank of the default process group (a copy; unchanged with
+    one rank or no group). NCCL reduces device tensors only: pass the model's device there."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return values.clone()
+    on = values.to(device) if device is not None else values.clone()
+    dist.all_reduce(on)
+    return on.cpu()
+
+
+def world_size() -> int:
+    """Ranks of the default process group (1 without one): DeepSpeed averages gradients over them."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclass(frozen=True)

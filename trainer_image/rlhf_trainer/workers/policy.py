@@ -16,9 +16,11 @@ from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import Bucket, pack_bucket, plan_buckets
 from rlhf_trainer.weight_sync.channels import WeightChannel
+from rlhf_trainer.workers import optim_steps
 from rlhf_trainer.workers.deepspeed_utils import (
     ResponseScorer,
     TrainedRole,
+    all_reduce_sum,
     build_engine,
     full_shape,
     response_logprobs,
@@ -43,7 +45,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
     def train(
         self,
         rollout: PackedRollout,
-        old_logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
         advantages: torch.Tensor,
         ref_logprobs: torch.Tensor | None,
         valid: torch.Tensor,
@@ -52,47 +54,75 @@ class PolicyModel(ResponseScorer, TrainedRole):
         epochs: int,
         clip: float,
         kl_loss_coef: float,
+        mini_batches: int = 1,
+        aggregation: str = "token-mean",
     ) -> dict[str, float]:
-        """PPO epochs over this rank's samples; packed per-token tensors are in rollout order."""
+        """PPO epochs over this rank's samples, `mini_batches` optimizer steps each; packed per-token
+        tensors are in rollout order. `old_logprobs` None: the training pass's own detached log-probs
+        (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1)."""
         self.engine.train()
         resp_lens = rollout.response_lens
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), resp_lens]), 0)
-        tokens_valid = float(sum(int(resp_lens[i]) for i in range(rollout.num_samples) if bool(valid[i])))
-        denom = max(tokens_valid, 1.0)
-        ga = int(self.s["grad_accum"])
         sp_size = self.sp.size if self.sp is not None else 1
-        sums = torch.zeros(3, dtype=torch.float64)  # policy loss, clipped tokens, KL loss (summed)
+        device = next(self.engine.parameters()).device
+        steps = optim_steps.plan(
+            rollout, valid, mini_batches=mini_batches, micro_batch=micro_batch,
+            grad_accum=int(self.s["grad_accum"]), mode=aggregation, sp_size=sp_size, device=device,
+        )  # fmt: skip
+        # policy loss (aggregated), clipped tokens, KL loss (aggregated), k1 KL over tokens, valid tokens
+        sums = torch.zeros(5, dtype=torch.float64)
+        first_ratio_dev = 0.0  # |ratio - 1| on the first micro-batch: dropout or a stale old log-prob shows
         t0 = time.perf_counter()
-        for _ in range(epochs):
-            for s, e in rollout.micro_batches(micro_batch):
-                sl = slice(int(offsets[s]), int(offsets[e]))
-                out = response_logprobs(self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp)
-                lp, act = out.values, out.mask
-                mask = act * valid[s:e].float().unsqueeze(1).to(act.device)
-                old, adv = out.local(old_logprobs[sl]), out.local(advantages[sl])
-                loss_sum, clipped = algorithms.policy_loss(lp, old, adv, mask, clip)
-                loss = loss_sum
-                kl = torch.zeros(())
-                if kl_loss_coef > 0 and ref_logprobs is not None:
-                    kl = (algorithms.kl_per_token(lp, out.local(ref_logprobs[sl]), "k3") * mask).sum()
-                    loss = loss + kl_loss_coef * kl
-                # DeepSpeed divides by gradient_accumulation_steps; we want a token mean over the rank.
-                # Under SP each rank's loss covers only its columns of the group's samples, and autograd
-                # through the all-to-all sends every column's gradient back to the rank owning the weights'
-                # inputs, so the SP group's summed gradient is that of the whole micro-batch. DeepSpeed then
-                # averages over all W = dp x sp ranks; multiplying by sp makes that the average over the dp
-                # groups, i.e. exactly the sp=1 gradient (tests/unit/test_trainer_sequence_parallel.py).
-                self.engine.backward(loss / denom * ga * sp_size)
-                self.engine.step()
-                sums += torch.tensor([float(loss_sum.detach()), float(clipped), float(kl.detach())])
-        if self.sp is not None and self.sp.size > 1:  # partial sums per column slice -> the group's sums
-            on_device = sums.to(next(self.engine.parameters()).device)  # NCCL reduces device tensors
-            torch.distributed.all_reduce(on_device, group=self.sp.group)
-            sums = on_device.cpu()
+        for epoch in range(epochs):
+            for m, micro in enumerate(steps.mini_batches):
+                for s, e in micro:
+                    sl = slice(int(offsets[s]), int(offsets[e]))
+                    out = response_logprobs(
+                        self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp
+                    )
+                    lp, act = out.values, out.mask
+                    mask = act * valid[s:e].float().unsqueeze(1).to(act.device)
+                    old = out.local(old_logprobs[sl]) if old_logprobs is not None else lp.detach()
+                    tok_loss, clipped = algorithms.policy_loss_tokens(
+                        lp, old, out.local(advantages[sl]), clip
+                    )
+                    if epoch == 0 and m == 0 and s == 0 and bool(mask.any()):
+                        first_ratio_dev = float(((lp.detach() - old).exp() - 1.0).abs()[mask > 0].max())
+                    seq_tokens = optim_steps.sequence_tokens(rollout, valid, s, e).to(act.device)
+                    norm = steps.normalisers[m]
+                    loss = algorithms.aggregate_loss(tok_loss, mask, aggregation, norm, seq_tokens)
+                    kl_loss = torch.zeros((), device=lp.device)
+                    if ref_logprobs is not None:
+                        ref = out.local(ref_logprobs[sl])
+                        if kl_loss_coef > 0:
+                            kl_tok = algorithms.kl_per_token(lp, ref, "k3")
+                            kl_loss = algorithms.aggregate_loss(kl_tok, mask, aggregation, norm, seq_tokens)
+                            loss = loss + kl_loss_coef * kl_loss
+                        if epoch == 0:  # the KL statistic (k1) when no old-log-probs pass computed it
+                            sums[3] += float((algorithms.kl_per_token(lp.detach(), ref, "k1") * mask).sum())
+                    # Under SP each rank's loss covers only its columns of the group's samples, and autograd
+                    # through the all-to-all sends every column's gradient back to the rank owning the
+                    # weights' inputs; the normaliser counts each sample once, so the sum over all W ranks
+                    # of these shares is the global mean (tests/unit/test_trainer_sequence_parallel.py,
+                    # test_trainer_data_parallel.py).
+                    self.engine.backward(loss * steps.scale)
+                    self.engine.step()
+                    sums[0] += float(loss.detach())
+                    sums[1] += float((clipped * mask).sum())
+                    sums[2] += float(kl_loss.detach())
+                    if epoch == 0:
+                        sums[4] += float(mask.sum())
+        # Every rank reports the global figures. Under SP each rank counted only its columns, so the sum
+        # over the world counts every token once, as it does the loss shares.
+        sums = all_reduce_sum(sums, device)
+        tokens = max(float(sums[4]), 1.0)
         stats = {
-            "policy_loss": float(sums[0]) / denom / epochs,
-            "clip_frac": float(sums[1]) / denom / epochs,
-            "kl_loss": float(sums[2]) / denom / epochs,
+            "policy_loss": float(sums[0]) / max(epochs * len(steps.mini_batches), 1),
+            "clip_frac": float(sums[1]) / tokens / epochs,
+            "kl_loss": float(sums[2]) / max(epochs * len(steps.mini_batches), 1),
+            "kl": float(sums[3]) / tokens,
+            "first_ratio_deviation": first_ratio_dev,
+            "optimizer_steps": float(epochs * len(steps.mini_batches)),
         }
         stats["seconds"] = time.perf_counter() - t0
         stats["lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else 0.0

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from rlhf_trainer import algorithms, device, sequence_parallel
-from rlhf_trainer.transfer import PackedRollout, split_per_response
+from rlhf_trainer import device, experience, sequence_parallel
+from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import plan_bytes
 from rlhf_trainer.weight_sync.channels import Rendezvous, WeightChannel, open_channel
+from rlhf_trainer.workers.deepspeed_utils import all_reduce_sum
 from rlhf_trainer.workers.policy import PolicyModel
 from rlhf_trainer.workers.reference import ReferenceModel
 from rlhf_trainer.workers.value import ValueModel
@@ -158,73 +159,55 @@ class ModelRank:
         value_refs: list[Any],
         algo: dict[str, Any],
     ) -> tuple[dict[str, float], dict[int, dict[str, torch.Tensor]]]:
-        """Scores -> advantages per shard; returns (stats, {shard: {returns, values, valid}} for the critic)."""
+        """Scores -> advantages per shard, whitened over every actor rank's shards (a collective: all actor
+        ranks call it together); returns (stats, {shard: {returns, valid}} for the critic)."""
         import ray
 
         ref_lp = _merge_shard_dicts(ray.get(ref_refs)) if ref_refs else {}
         values = _merge_shard_dicts(ray.get(value_refs)) if value_refs else {}
-        est = algo["estimator"]
-        kl_coef = float(algo["kl_coef"])
-        stats: dict[str, float] = {
-            "kl_sum": 0.0,
-            "kl_tokens": 0.0,
-            "valid": 0.0,
-            "score_sum": 0.0,
-        }
-        for_critic: dict[int, dict[str, torch.Tensor]] = {}
+        inputs: dict[int, experience.ShardInputs] = {}
         for s, rollout in self.shards.items():
             results = ray.get(reward_refs[s])
-            scores = torch.cat([r.scores for r in results])
-            valid = torch.cat([r.valid for r in results])
-            lens = rollout.response_lens
-            old = self.local[s]["old_logprobs"]
-            ref = ref_lp.get(s)
-            kl_tok = algorithms.kl_per_token(old, ref, "k1") if ref is not None else torch.zeros_like(old)
-            kls = split_per_response(kl_tok, lens)
-            if est == "gae":
-                v = split_per_response(values[s], lens)
-                rewards = [
-                    algorithms.token_rewards(float(scores[i]), kls[i], kl_coef) for i in range(len(kls))
-                ]
-                adv = algorithms.gae(rewards, v, float(algo["gamma"]), float(algo["lam"]))
-                advs = algorithms.whiten(adv.advantages, valid)
-                for_critic[s] = {
-                    "returns": torch.cat(adv.returns) if adv.returns else torch.zeros(0),
-                    "valid": valid,
-                }
-            elif est == "grpo":
-                advs = algorithms.grpo(scores, rollout.group, [int(x) for x in lens], valid).advantages
-            elif est == "reinforce_pp":
-                advs = algorithms.reinforce_pp(
-                    scores, rollout.group, kls, kl_coef, float(algo["gamma"]), valid
-                ).advantages
-            else:
-                raise ValueError(f"unknown advantage estimator {est!r}")
-            self.local[s].update(
-                advantages=torch.cat(advs) if advs else torch.zeros(0), valid=valid, ref_logprobs=ref
+            inputs[s] = experience.ShardInputs(
+                scores=torch.cat([r.scores for r in results]),
+                valid=torch.cat([r.valid for r in results]),
+                response_lens=rollout.response_lens,
+                group=rollout.group,
+                old_logprobs=self.local[s].get("old_logprobs"),
+                ref_logprobs=ref_lp.get(s),
+                values=values.get(s),
             )
-            vmask = torch.repeat_interleave(valid, lens)
-            stats["kl_sum"] += float(kl_tok[vmask].sum())
-            stats["kl_tokens"] += float(vmask.sum())
-            stats["valid"] += float(valid.sum())
-            stats["score_sum"] += float(scores[valid].sum())
+        device = self._device("actor")
+        out, batch = experience.compute(inputs, algo, lambda t: all_reduce_sum(t, device))
+        for_critic: dict[int, dict[str, torch.Tensor]] = {}
+        for s, adv in out.items():
+            self.local[s].update(advantages=adv.advantages, valid=inputs[s].valid, ref_logprobs=ref_lp.get(s))
+            if adv.returns is not None:
+                for_critic[s] = {"returns": adv.returns, "valid": inputs[s].valid}
+        stats = {"kl_sum": batch.kl_sum, "kl_tokens": batch.kl_tokens, "valid": batch.valid,
+                 "score_sum": batch.score_sum}  # fmt: skip
         if not self.reports:  # every rank of an SP group computed the same: count it once
             return {k: 0.0 for k in stats}, {}
+        if batch.explained_variance is not None:  # global already: the same on every rank
+            stats["explained_variance"] = batch.explained_variance
         return stats, for_critic
+
+    def _device(self, role: str) -> torch.device:
+        return torch.device(next(self.models[role].engine.parameters()).device)
 
     # ---- training phases ---------------------------------------------------------------------------
     def train_actor(self, algo: dict[str, Any]) -> dict[str, float]:
+        order = sorted(self.shards)
         r = self._combined()
-        cat = {
-            k: torch.cat([self.local[s][k] for s in sorted(self.shards)])
-            for k in ("old_logprobs", "advantages", "valid")
-        }
-        refs = [self.local[s].get("ref_logprobs") for s in sorted(self.shards)]
+        cat = {k: torch.cat([self.local[s][k] for s in order]) for k in ("advantages", "valid")}
+        olds = [self.local[s].get("old_logprobs") for s in order]
+        old = torch.cat(olds) if all(x is not None for x in olds) else None  # type: ignore[arg-type]
+        refs = [self.local[s].get("ref_logprobs") for s in order]
         ref = torch.cat(refs) if all(x is not None for x in refs) else None  # type: ignore[arg-type]
         kl_loss = float(algo["kl_coef"]) if algo["estimator"] == "grpo" else 0.0
         stats: dict[str, float] = self.models["actor"].train(
             r,
-            cat["old_logprobs"],
+            old,
             cat["advantages"],
             ref,
             cat["valid"],
@@ -232,6 +215,8 @@ class ModelRank:
             epochs=int(algo["epochs"]),
             clip=float(algo["clip"]),
             kl_loss_coef=kl_loss,
+            mini_batches=int(algo.get("mini_batches", 1)),
+            aggregation=str(algo.get("loss_aggregation", "token-mean")),
         )
         stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"]) if self.reports else 0.0
         return stats
@@ -255,6 +240,8 @@ class ModelRank:
             micro_batch=int(algo["train_micro_batch"]),
             epochs=int(algo["epochs"]),
             clip=float(algo["value_clip"]),
+            mini_batches=int(algo.get("mini_batches", 1)),
+            aggregation=str(algo.get("loss_aggregation", "token-mean")),
         )
         return result
 

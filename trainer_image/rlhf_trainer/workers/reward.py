@@ -91,6 +91,30 @@ def _accepts_labels(fn: RewardFn) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
+def reward_model_max_length(tokenizer: Any, config: Any) -> int:
+    """Tokens the reward model reads: the tokenizer's limit, capped by the model's positions."""
+    limits = [int(tokenizer.model_max_length)] if tokenizer.model_max_length < 10**9 else []
+    if getattr(config, "max_position_embeddings", None):
+        limits.append(int(config.max_position_embeddings))
+    return min(limits) if limits else 4096
+
+
+def reward_model_input(tokenizer: Any, prompt: str, response: str, max_length: int) -> list[int]:
+    """Token ids a reward model reads for one sample, in the form it was trained on: [user: prompt,
+    assistant: response] through the reward tokenizer's own chat template when it has one, else prompt +
+    response as plain text (with the tokenizer's special tokens). Tokenized whole, so the response's
+    first tokens join the prompt's as in training. Too long, it keeps the last max_length tokens: the
+    prompt loses its left, the response is kept whole (all of a reward model's signal is at the end)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=False
+        )
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    else:
+        ids = list(tokenizer(prompt + response, add_special_tokens=True)["input_ids"])
+    return ids[-max_length:]
+
+
 class RewardScorer:
     """Scores chunks; runs as a threaded Ray actor so several chunks are scored while others generate."""
 
@@ -139,8 +163,12 @@ class RewardScorer:
 
     @torch.no_grad()
     def _score_with_model(self, prompts: list[str], responses: list[str]) -> list[float]:
-        texts = [p + r for p, r in zip(prompts, responses, strict=True)]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True)
+        limit = reward_model_max_length(self.tokenizer, self.model.config)
+        ids = [
+            reward_model_input(self.tokenizer, p, r, limit) for p, r in zip(prompts, responses, strict=True)
+        ]
+        self.tokenizer.padding_side = "right"  # the classifier reads the last non-pad token
+        enc = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt")
         logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
         return [float(x) for x in logits[:, 0].float().cpu()]
 

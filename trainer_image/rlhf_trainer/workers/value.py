@@ -14,7 +14,14 @@ import torch
 from rlhf_trainer import algorithms
 from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
-from rlhf_trainer.workers.deepspeed_utils import TrainedRole, build_engine, over_micro_batches, token_values
+from rlhf_trainer.workers import optim_steps
+from rlhf_trainer.workers.deepspeed_utils import (
+    TrainedRole,
+    all_reduce_sum,
+    build_engine,
+    over_micro_batches,
+    token_values,
+)
 
 
 class ValueModel(TrainedRole):
@@ -46,30 +53,42 @@ class ValueModel(TrainedRole):
         micro_batch: int,
         epochs: int,
         clip: float,
+        mini_batches: int = 1,
+        aggregation: str = "token-mean",
     ) -> dict[str, float]:
+        """Clipped value-loss epochs, `mini_batches` optimizer steps each, normalised like the actor's."""
         self.engine.train()
         resp_lens = rollout.response_lens
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), resp_lens]), 0)
-        denom = max(float(sum(int(resp_lens[i]) for i in range(rollout.num_samples) if bool(valid[i]))), 1.0)
-        ga = int(self.s["grad_accum"])
         sp_size = self.sp.size if self.sp is not None else 1
+        device = next(self.engine.parameters()).device
+        steps = optim_steps.plan(
+            rollout, valid, mini_batches=mini_batches, micro_batch=micro_batch,
+            grad_accum=int(self.s["grad_accum"]), mode=aggregation, sp_size=sp_size, device=device,
+        )  # fmt: skip
         total = torch.zeros(1, dtype=torch.float64)
+        first_value_dev = 0.0  # |V - V_old| on the first micro-batch: dropout in the critic shows here
         t0 = time.perf_counter()
-        for _ in range(epochs):
-            for s, e in rollout.micro_batches(micro_batch):
-                sl = slice(int(offsets[s]), int(offsets[e]))
-                out = token_values(self.engine, rollout, s, e, self.pad_id, self.sp)
-                mask = out.mask * valid[s:e].float().unsqueeze(1).to(out.mask.device)
-                loss = algorithms.value_loss(
-                    out.values, out.local(old_values[sl]), out.local(returns[sl]), mask, clip
-                )
-                # x sp: DeepSpeed averages over dp x sp ranks, each holding a column slice (see actor.train)
-                self.engine.backward(loss / denom * ga * sp_size)
-                self.engine.step()
-                total += float(loss.detach())
-        if self.sp is not None and self.sp.size > 1:
-            on_device = total.to(next(self.engine.parameters()).device)  # NCCL reduces device tensors
-            torch.distributed.all_reduce(on_device, group=self.sp.group)
-            total = on_device.cpu()
-        total_loss = float(total[0]) / denom / epochs
-        return {"value_loss": total_loss, "seconds": time.perf_counter() - t0}
+        for epoch in range(epochs):
+            for m, micro in enumerate(steps.mini_batches):
+                for s, e in micro:
+                    sl = slice(int(offsets[s]), int(offsets[e]))
+                    out = token_values(self.engine, rollout, s, e, self.pad_id, self.sp)
+                    mask = out.mask * valid[s:e].float().unsqueeze(1).to(out.mask.device)
+                    old = out.local(old_values[sl])
+                    if epoch == 0 and m == 0 and s == 0 and bool(mask.any()):
+                        first_value_dev = float((out.values.detach() - old).abs()[mask > 0].max())
+                    tok_loss = algorithms.value_loss_tokens(out.values, old, out.local(returns[sl]), clip)
+                    seq_tokens = optim_steps.sequence_tokens(rollout, valid, s, e).to(mask.device)
+                    loss = algorithms.aggregate_loss(
+                        tok_loss, mask, aggregation, steps.normalisers[m], seq_tokens
+                    )
+                    self.engine.backward(loss * steps.scale)  # the global mean (see PolicyModel.train)
+                    self.engine.step()
+                    total += float(loss.detach())
+        total = all_reduce_sum(total, device)
+        return {
+            "value_loss": float(total[0]) / max(epochs * len(steps.mini_batches), 1),
+            "first_value_deviation": first_value_dev,
+            "seconds": time.perf_counter() - t0,
+        }

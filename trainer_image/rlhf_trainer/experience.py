@@ -1,0 +1,135 @@
+"""Advantages for the shards one actor rank holds, whitened over the whole batch.
+
+Whitening (gae, reinforce_pp) and the critic's explained variance need moments of every rank's tokens:
+this module takes them through `reduce` (an all-reduce SUM over the actor ranks; the identity with one
+rank), so one rank and N ranks give the same advantages for the same batch, as OpenRLHF and verl whiten
+over everything. Ranks of one sequence-parallel group hold the same shards and add them up several
+times; the moments are ratios of sums, which that scales alike. Pure torch; no Ray, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf_trainer import algorithms
+from rlhf_trainer.transfer import split_per_response
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def no_reduce(t: torch.Tensor) -> torch.Tensor:
+    """The reduction of a single rank: nothing to add."""
+    return t
+
+
+@dataclass
+class ShardInputs:
+    """One shard's experience: per-sample scores and validity, per-token packed log-probs and values."""
+
+    scores: torch.Tensor
+    valid: torch.Tensor
+    response_lens: torch.Tensor
+    group: torch.Tensor
+    old_logprobs: torch.Tensor | None = None  # None: skipped (config.old_logprobs_redundant)
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # gae only
+
+
+@dataclass
+class ShardAdvantages:
+    advantages: torch.Tensor  # packed per response token; 0 on invalid samples
+    returns: torch.Tensor | None  # gae only: the critic's targets
+
+
+@dataclass
+class BatchStats:
+    kl_sum: float = 0.0
+    kl_tokens: float = 0.0
+    valid: float = 0.0
+    score_sum: float = 0.0
+    explained_variance: float | None = None  # gae: 1 - Var(R - V) / Var(R) over every valid token
+
+
+def compute(
+    shards: dict[int, ShardInputs], algo: dict[str, Any], reduce: Reduce = no_reduce
+) -> tuple[dict[int, ShardAdvantages], BatchStats]:
+    """Advantages per shard (every actor rank must call this together when `reduce` communicates)."""
+    est, kl_coef, gamma = algo["estimator"], float(algo["kl_coef"]), float(algo["gamma"])
+    stats = BatchStats()
+    raw: dict[int, list[torch.Tensor]] = {}
+    returns: dict[int, list[torch.Tensor]] = {}
+    for s, x in shards.items():
+        lens = [int(n) for n in x.response_lens]
+        if x.old_logprobs is not None and x.ref_logprobs is not None:
+            kl_tok = algorithms.kl_per_token(x.old_logprobs, x.ref_logprobs, "k1")
+        else:
+            kl_tok = torch.zeros(int(x.response_lens.sum()))
+        kls = split_per_response(kl_tok, x.response_lens)
+        if est == "gae":
+            if x.values is None:
+                raise ValueError("gae needs the critic's values")
+            rewards = [algorithms.token_rewards(float(x.scores[i]), kls[i], kl_coef) for i in range(len(kls))]
+            adv = algorithms.gae(
+                rewards, split_per_response(x.values, x.response_lens), gamma, float(algo["lam"])
+            )
+            raw[s], returns[s] = adv.advantages, adv.returns
+        elif est == "grpo":  # groups are whole within a shard: no batch-wide moments needed
+            raw[s] = algorithms.grpo(x.scores, x.group, lens, x.valid).advantages
+        elif est == "reinforce_pp":
+            raw[s] = algorithms.reinforce_pp_returns(x.scores, x.group, kls, kl_coef, gamma, x.valid)
+        else:
+            raise ValueError(f"unknown advantage estimator {est!r}")
+        vmask = torch.repeat_interleave(x.valid, x.response_lens)
+        stats.kl_sum += float(kl_tok[vmask].sum())
+        stats.kl_tokens += float(vmask.sum())
+        stats.valid += float(x.valid.sum())
+        stats.score_sum += float(x.scores[x.valid].sum())
+
+    out: dict[int, ShardAdvantages] = {}
+    if est == "grpo":
+        for s in shards:
+            out[s] = ShardAdvantages(_cat(raw[s]), None)
+        return out, stats
+    local = torch.zeros(3, dtype=torch.float64)
+    for s, x in shards.items():
+        local += algorithms.whitening_moments(raw[s], x.valid)
+    moments = reduce(local)
+    for s, x in shards.items():
+        whitened = algorithms.whiten_with(raw[s], moments, x.valid)
+        out[s] = ShardAdvantages(_cat(whitened), _cat(returns[s]) if est == "gae" else None)
+    if est == "gae":
+        stats.explained_variance = explained_variance(shards, returns, reduce)
+    return out, stats
+
+
+def explained_variance(
+    shards: dict[int, ShardInputs], returns: dict[int, list[torch.Tensor]], reduce: Reduce = no_reduce
+) -> float:
+    """1 - Var(returns - values) / Var(returns) over every valid token of the batch: 1 is a perfect
+    critic, 0 one that predicts only the mean, below 0 worse than that (verl's and OpenRLHF's metric)."""
+    ret_moments = torch.zeros(3, dtype=torch.float64)
+    err_moments = torch.zeros(3, dtype=torch.float64)
+    for s, x in shards.items():
+        values = split_per_response(x.values, x.response_lens) if x.values is not None else []
+        errors = [r - v for r, v in zip(returns[s], values, strict=True)]
+        ret_moments += algorithms.whitening_moments(returns[s], x.valid)
+        err_moments += algorithms.whitening_moments(errors, x.valid)
+    both = reduce(torch.cat([ret_moments, err_moments]))
+    var_ret, var_err = _variance(both[:3]), _variance(both[3:])
+    return 1.0 - var_err / var_ret if var_ret > 0 else 0.0
+
+
+def _variance(moments: torch.Tensor) -> float:
+    total, total_sq, count = (float(v) for v in moments)
+    if count <= 0:
+        return 0.0
+    mean = total / count
+    return max(total_sq / count - mean * mean, 0.0)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0)
