@@ -195,8 +195,10 @@ def test_resume_after_kill_continues_at_next_step(
     tiny: Path, tmp_path: Path, ray_tmp: Path, popen_group: list[subprocess.Popen[str]]
 ) -> None:
     ckpt = tmp_path / "ckpt"
+    # temperature 0.7: the engines' log-probs must be vLLM's processed ones (after temperature), which the
+    # trainer's logits / T reproduce; raw ones differ by ~1e-1 per token
     sets = [*tiny_sets(tiny, ckpt), "algorithm.totalSteps=4", "checkpoint.intervalSteps=1",
-            "checkpoint.keepLast=5"]  # fmt: skip
+            "checkpoint.keepLast=5", "rollout.temperature=0.7"]  # fmt: skip
     proc = subprocess.Popen(
         cli_cmd(EXAMPLE, sets),
         stdout=subprocess.DEVNULL,
@@ -235,6 +237,11 @@ def test_resume_after_kill_continues_at_next_step(
     assert s["steps"][0]["rollout_digest"] == uninterrupted_step3, (
         "the resumed run sampled step 3 differently from the uninterrupted run"
     )
+    gaps = [x["training"]["rollout_logprob_gap"] for x in s["steps"]]
+    print(f"|trainer - vLLM| log-prob per token at temperature 0.7: {gaps}")
+    assert all(0 <= g < 1e-3 for g in gaps), (
+        f"the engines' log-probs are not the trainer's distribution: {gaps}"
+    )
     assert [x["step"] for x in s["steps"]] == list(range(first, 5))
     resume = s["resume"]
     loaded_state = json.loads((Path(resume["path"]) / "trainer_state.json").read_text())
@@ -264,9 +271,11 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
         "    return [vowel_share(r) for r in responses]\n"
     )
     port = free_port()
-    # reinforce_pp here, so the third estimator runs end to end too (what is checked does not depend on it)
+    # reinforce_pp here, so the third estimator runs end to end too (what is checked does not depend on it);
+    # one epoch and no KL: the old-log-probs forward is redundant and skipped (issue 18, item 11)
     sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *REINFORCE_PP, f"model.reward.function={flaky}:reward",
-            "model.reward.onError=skipSample", "algorithm.totalSteps=2", "checkpoint.path=null"]  # fmt: skip
+            "model.reward.onError=skipSample", "algorithm.totalSteps=2", "checkpoint.path=null",
+            "algorithm.epochs=1", "algorithm.klCoef=0"]  # fmt: skip
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.summary is not None
@@ -275,6 +284,10 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     for x in run.summary["steps"]:
         assert x["valid_samples"] + x["reward_errors"] == 16 * 8  # an errored sample is never trained on
         assert x["valid_samples"] > 0
+        # no old_logprobs (nor reference) phase, and the actor still trained on every valid sample, on-policy
+        assert "old_logprobs" not in x["phase_seconds"] and "reference" not in x["phase_seconds"], x
+        assert x["trained_tokens"] > 0 and x["training"]["optimizer_steps"] == 1, x
+        assert x["training"]["first_ratio_deviation"] == 0.0, x
     # /metrics counts the same errors (scraped every second: the last scrape may precede step 2's count)
     seen = {_value(t, "rlhf_reward_errors_total") for t in run.scrapes if "rlhf_reward_errors_total{" in t}
     assert max(seen) in (run.summary["steps"][0]["reward_errors"], errors) and max(seen) > 0, seen

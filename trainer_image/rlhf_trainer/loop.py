@@ -43,8 +43,9 @@ class StepReport:
     weight_sync_bytes: int = 0
     engines: list[int] = field(default_factory=list)
     checkpoint: str | None = None
-    # policy_loss, clip_frac, first_ratio_deviation, optimizer_steps; value_loss, first_value_deviation
-    # and explained_variance with a critic (global figures; deviations are the largest over ranks)
+    # policy_loss, clip_frac, first_ratio_deviation, optimizer_steps, rollout_logprob_gap; value_loss,
+    # first_value_deviation and explained_variance with a critic (global figures; deviations are the
+    # largest over ranks)
     training: dict[str, float] = field(default_factory=dict)
     rollout_digest: str = ""  # of every chunk's tokens, in chunk order
 
@@ -100,6 +101,8 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
         with timer.phase("old_logprobs"):
             placed.call_role("actor", "old_logprobs", shards, micro)
     with timer.phase("advantages"):
+        if algo["skip_old_logprobs"]:  # the actor ranks may not have pulled their shards yet
+            placed.call_role("actor", "load_shards", shards, micro)
         adv = placed.actor.call("advantages", rewards, ref_out, value_out, algo, num_returns=2)
         stats = ray.get([s for s, _ in adv])
     valid = int(sum(s["valid"] for s in stats))
@@ -174,7 +177,8 @@ def training_stats(
     first-micro-batch deviations are the largest over ranks."""
     out: dict[str, float] = {}
     if actor:
-        out.update({k: actor[0][k] for k in ("policy_loss", "clip_frac", "kl_loss", "optimizer_steps")})
+        keys = ("policy_loss", "clip_frac", "kl_loss", "optimizer_steps", "rollout_logprob_gap")
+        out.update({k: actor[0][k] for k in keys})
         out["first_ratio_deviation"] = max(s["first_ratio_deviation"] for s in actor)
     if critic:
         out["value_loss"] = critic[0]["value_loss"]

@@ -10,10 +10,12 @@ step. Shared by the actor and the critic; no Ray here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rlhf_trainer import algorithms
+from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.workers.deepspeed_utils import all_reduce_sum, world_size
 
@@ -32,6 +34,12 @@ class OptimSteps:
     mini_batches: list[list[tuple[int, int]]]
     normalisers: list[float]
     scale: float
+    offsets: torch.Tensor  # where each sample's response tokens start in packed per-token tensors
+    device: torch.device | None = None  # the model's (NCCL reduces device tensors only)
+
+    def tokens(self, start: int, end: int) -> slice:
+        """Packed per-token positions of samples [start, end)."""
+        return slice(int(self.offsets[start]), int(self.offsets[end]))
 
     @property
     def total(self) -> float:
@@ -62,7 +70,27 @@ def plan(
         dtype=torch.float64,
     )
     totals = all_reduce_sum(local, device) / sp_size
-    return OptimSteps(batches, [float(x) for x in totals], float(world_size() * grad_accum))
+    offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), lens]), 0)
+    return OptimSteps(batches, [float(x) for x in totals], float(world_size() * grad_accum), offsets, device)
+
+
+def for_engine(
+    engine: Any,
+    sp: SequenceParallel | None,
+    grad_accum: int,
+    rollout: PackedRollout,
+    valid: torch.Tensor,
+    *,
+    mini_batches: int,
+    micro_batch: int,
+    mode: str,
+) -> OptimSteps:
+    """`plan` for a trained role's engine (switched to train mode here)."""
+    engine.train()
+    return plan(
+        rollout, valid, mini_batches=mini_batches, micro_batch=micro_batch, grad_accum=grad_accum,
+        mode=mode, sp_size=sp.size if sp is not None else 1, device=next(engine.parameters()).device,
+    )  # fmt: skip
 
 
 def sequence_tokens(rollout: PackedRollout, valid: torch.Tensor, start: int, end: int) -> torch.Tensor:

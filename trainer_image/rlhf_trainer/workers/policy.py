@@ -60,23 +60,19 @@ class PolicyModel(ResponseScorer, TrainedRole):
         """PPO epochs over this rank's samples, `mini_batches` optimizer steps each; packed per-token
         tensors are in rollout order. `old_logprobs` None: the training pass's own detached log-probs
         (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1)."""
-        self.engine.train()
-        resp_lens = rollout.response_lens
-        offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), resp_lens]), 0)
-        sp_size = self.sp.size if self.sp is not None else 1
-        device = next(self.engine.parameters()).device
-        steps = optim_steps.plan(
-            rollout, valid, mini_batches=mini_batches, micro_batch=micro_batch,
-            grad_accum=int(self.s["grad_accum"]), mode=aggregation, sp_size=sp_size, device=device,
+        steps = optim_steps.for_engine(
+            self.engine, self.sp, int(self.s["grad_accum"]), rollout, valid,
+            mini_batches=mini_batches, micro_batch=micro_batch, mode=aggregation,
         )  # fmt: skip
-        # policy loss (aggregated), clipped tokens, KL loss (aggregated), k1 KL over tokens, valid tokens
-        sums = torch.zeros(5, dtype=torch.float64)
+        # policy loss (aggregated), clipped tokens, KL loss (aggregated), k1 KL over tokens, valid tokens,
+        # |log-prob - the engine's| and the tokens it is taken over (the first mini-batch, before any update)
+        sums = torch.zeros(7, dtype=torch.float64)
         first_ratio_dev = 0.0  # |ratio - 1| on the first micro-batch: dropout or a stale old log-prob shows
         t0 = time.perf_counter()
         for epoch in range(epochs):
             for m, micro in enumerate(steps.mini_batches):
                 for s, e in micro:
-                    sl = slice(int(offsets[s]), int(offsets[e]))
+                    sl = steps.tokens(s, e)
                     out = response_logprobs(
                         self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp
                     )
@@ -88,6 +84,10 @@ class PolicyModel(ResponseScorer, TrainedRole):
                     )
                     if epoch == 0 and m == 0 and s == 0 and bool(mask.any()):
                         first_ratio_dev = float(((lp.detach() - old).exp() - 1.0).abs()[mask > 0].max())
+                    if epoch == 0 and m == 0:  # trainer vs engine on the same weights: the off-policy gap
+                        engine_lp = out.local(rollout.rollout_logprobs[sl])
+                        sums[5] += float(((lp.detach() - engine_lp).abs() * mask).sum())
+                        sums[6] += float(mask.sum())
                     seq_tokens = optim_steps.sequence_tokens(rollout, valid, s, e).to(act.device)
                     norm = steps.normalisers[m]
                     loss = algorithms.aggregate_loss(tok_loss, mask, aggregation, norm, seq_tokens)
@@ -114,7 +114,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
                         sums[4] += float(mask.sum())
         # Every rank reports the global figures. Under SP each rank counted only its columns, so the sum
         # over the world counts every token once, as it does the loss shares.
-        sums = all_reduce_sum(sums, device)
+        sums = all_reduce_sum(sums, steps.device)
         tokens = max(float(sums[4]), 1.0)
         stats = {
             "policy_loss": float(sums[0]) / max(epochs * len(steps.mini_batches), 1),
@@ -122,6 +122,9 @@ class PolicyModel(ResponseScorer, TrainedRole):
             "kl_loss": float(sums[2]) / max(epochs * len(steps.mini_batches), 1),
             "kl": float(sums[3]) / tokens,
             "first_ratio_deviation": first_ratio_dev,
+            # mean |trainer log-prob - vLLM's processed log-prob| of the sampled tokens: numerics only
+            # when both use the same distribution (temperature applied on both sides)
+            "rollout_logprob_gap": float(sums[5]) / max(float(sums[6]), 1.0),
             "optimizer_steps": float(epochs * len(steps.mini_batches)),
         }
         stats["seconds"] = time.perf_counter() - t0

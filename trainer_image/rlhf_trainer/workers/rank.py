@@ -142,6 +142,13 @@ class ModelRank:
             self.local[s]["values"] = v
         return out if self.reports else {}
 
+    def load_shards(self, shard_refs: dict[int, list[Any]], micro_batch: int) -> int:
+        """Pull this step's shards when no experience phase did (grpo without a reference and with the
+        old log-probs skipped); returns the samples held. `micro_batch`: call_role's signature."""
+        del micro_batch
+        self._load_shards(shard_refs)
+        return sum(r.num_samples for r in self.shards.values())
+
     def old_logprobs(self, shard_refs: dict[int, list[Any]], micro_batch: int) -> int:
         self._load_shards(shard_refs)
         model = self.models["actor"]

@@ -57,14 +57,9 @@ class ValueModel(TrainedRole):
         aggregation: str = "token-mean",
     ) -> dict[str, float]:
         """Clipped value-loss epochs, `mini_batches` optimizer steps each, normalised like the actor's."""
-        self.engine.train()
-        resp_lens = rollout.response_lens
-        offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), resp_lens]), 0)
-        sp_size = self.sp.size if self.sp is not None else 1
-        device = next(self.engine.parameters()).device
-        steps = optim_steps.plan(
-            rollout, valid, mini_batches=mini_batches, micro_batch=micro_batch,
-            grad_accum=int(self.s["grad_accum"]), mode=aggregation, sp_size=sp_size, device=device,
+        steps = optim_steps.for_engine(
+            self.engine, self.sp, int(self.s["grad_accum"]), rollout, valid,
+            mini_batches=mini_batches, micro_batch=micro_batch, mode=aggregation,
         )  # fmt: skip
         total = torch.zeros(1, dtype=torch.float64)
         first_value_dev = 0.0  # |V - V_old| on the first micro-batch: dropout in the critic shows here
@@ -72,7 +67,7 @@ class ValueModel(TrainedRole):
         for epoch in range(epochs):
             for m, micro in enumerate(steps.mini_batches):
                 for s, e in micro:
-                    sl = slice(int(offsets[s]), int(offsets[e]))
+                    sl = steps.tokens(s, e)
                     out = token_values(self.engine, rollout, s, e, self.pad_id, self.sp)
                     mask = out.mask * valid[s:e].float().unsqueeze(1).to(out.mask.device)
                     old = out.local(old_values[sl])
@@ -86,7 +81,7 @@ class ValueModel(TrainedRole):
                     self.engine.backward(loss * steps.scale)  # the global mean (see PolicyModel.train)
                     self.engine.step()
                     total += float(loss.detach())
-        total = all_reduce_sum(total, device)
+        total = all_reduce_sum(total, steps.device)
         return {
             "value_loss": float(total[0]) / max(epochs * len(steps.mini_batches), 1),
             "first_value_deviation": first_value_dev,
