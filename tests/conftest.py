@@ -169,6 +169,7 @@ def rlhf_crd(cluster: Cluster) -> str:
                 "crd/rlhfjobs.rlhf.dev",
                 "-o",
                 "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                check=False,  # kubectl's jsonpath filter errors while there are no conditions at all
             ).stdout
             or None
         ),

@@ -224,10 +224,44 @@ def rollout_group_replicas(raycluster: dict[str, Any]) -> int | None:
     return None
 
 
+def stall_events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The `Stalled` Events the operator recorded for the RLHFJob `name`."""
+    return [
+        e
+        for e in cluster.list("events", namespace)
+        if e["involvedObject"].get("name") == name and e["reason"] == "Stalled"
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_ranks(target: Callable[..., None], world: int, args: tuple[Any, ...], timeout: float) -> None:
+    """Run `target(rank, *args)` in `world` spawned processes and fail unless each exits 0 in time.
+
+    A rank still alive at the deadline is killed: a hung one left behind would keep the pytest process
+    from exiting (multiprocessing joins its children at exit) and load the cores of every later test.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    assert codes == [0] * world, (
+        f"{world}-rank run: a rank failed or hung past {timeout:.0f} s (exit codes {codes}; None = killed)"
+    )
 
 
 def tiny_job(name: str, model: Path, ckpt: Path, steps: int, **spec: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ operator killed fires RLHFOperatorDown, which resolves when it is back. Two trai
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime
 from pathlib import Path
@@ -25,7 +26,7 @@ from monitored import (
     seconds,
 )
 from rlhf_operator import rayjobs
-from support import ROOT, Cluster, RayHead, tiny_job, wait_for
+from support import ROOT, Cluster, RayHead, ray_job_logs, stall_events, step_reports, tiny_job, wait_for
 
 pytestmark = pytest.mark.alerting
 
@@ -251,6 +252,24 @@ def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
         print(f"recovery: stuck attempt stopped at +0 s; the restarted attempt completed a step at +{step_done - t_restart:.1f} s; "
               f"resolved notification at +{resolved[0] - t_restart:.1f} s ({resolved[0] - step_done:+.1f} s from the step)")  # fmt: skip
         assert resolved[0] - step_done <= seconds(FOR) + 2 * SCRAPE_INTERVAL_SECONDS + 30, resolved
+
+        # The operator's side of the same stall: a Warning Event naming the phase, and the restarted
+        # attempt resumed from the stuck attempt's last checkpoint (one a step), so no completed step
+        # ran again and none was skipped.
+        warnings = stall_events(cluster, ns, name)
+        assert any(e["type"] == "Warning" and "reward" in e["message"] for e in warnings), warnings
+        sid = job_status(cluster, ns, name)["submissionId"]
+        assert sid != stuck_sid, "the restart submitted no new attempt"
+        before = [r["step"] for r in step_reports(ray_job_logs(stuck_sid))]
+        logs = ray_job_logs(sid)
+        resumed = re.search(r"resumed from \S+ \(step (\d+)\)", logs)
+        assert resumed, logs[-3000:]
+        after = [r["step"] for r in step_reports(logs)]
+        assert before == list(range(1, len(before) + 1)), before
+        assert int(resumed.group(1)) == before[-1], (before, resumed.group(0))
+        assert after and after == list(range(before[-1] + 1, before[-1] + 1 + len(after))), (before, after)
+        print(f"resume: the stuck attempt completed steps 1-{before[-1]}; the restarted one resumed from "
+              f"step {resumed.group(1)} and ran {after[0]}-{after[-1]}")  # fmt: skip
 
         # 4. The restart started the trainer's counters again: neither rate() nor increase() may read
         # that as new reward errors.

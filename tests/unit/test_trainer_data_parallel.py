@@ -11,14 +11,13 @@ reproduces the old log-probs and values exactly) and that trainer.offload trains
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support import free_port, run_ranks
 
 pytestmark = pytest.mark.unit
 PAD = 0
@@ -72,13 +71,12 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})  # fmt: skip
     torch.set_num_threads(1)
-    import deepspeed
     from rlhf_trainer import experience
-    from rlhf_trainer.workers.deepspeed_utils import all_reduce_sum
+    from rlhf_trainer.workers.deepspeed_utils import all_reduce_sum, init_distributed
     from rlhf_trainer.workers.policy import PolicyModel
     from rlhf_trainer.workers.value import ValueModel
 
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    init_distributed("gloo")
     full = _rollout()
     mine = list(range(rank * 4 // world, (rank + 1) * 4 // world))
     rollout = full.select(mine)
@@ -148,22 +146,8 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
     torch.save(res, Path(out) / f"w{world}-rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(world: int, *args: str) -> None:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_run, args=(r, world, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world, f"{world}-rank run: a rank failed or hung, exit codes {codes}"
+    run_ranks(_run, world, (world, free_port(), *args), timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,13 @@ micro-batch has right padding and an odd length that gets padded to a multiple o
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support import free_port, run_ranks
 
 pytestmark = pytest.mark.unit
 WORLD = 2
@@ -116,12 +115,6 @@ def _run(rank: int, port: int, lm_dir: str, critic_dir: str, out_dir: str) -> No
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def critic_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a value head (seeded), saved once so both ranks load identical weights."""
@@ -136,16 +129,9 @@ def critic_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def test_sp2_matches_sp1_logprobs_values_loss_and_gradients(
     tiny_model: Path, critic_dir: Path, tmp_path: Path
 ) -> None:
-    ctx = mp.get_context("spawn")
-    args = (_free_port(), str(tiny_model / "model"), str(critic_dir), str(tmp_path))
+    args = (free_port(), str(tiny_model / "model"), str(critic_dir), str(tmp_path))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_run, args=(r, *args)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * WORLD, f"a rank failed or hung: exit codes {codes}"
+    run_ranks(_run, WORLD, args, timeout=120)
     for rank in range(WORLD):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["a2a_forward_exact"], f"rank {rank}: all-to-all did not deliver each rank's head block"

@@ -9,7 +9,6 @@ dtypes, and packing in place into the channel's staging memory.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 from rlhf_trainer.weight_sync.bucketing import pack_bucket, plan_buckets, unpack_bucket
 from rlhf_trainer.weight_sync.channels import Rendezvous, open_channel
+from support import free_port, run_ranks
 
 pytestmark = pytest.mark.unit
 WORLD = 3  # the trainer's rank 0 and two engines
@@ -59,24 +59,12 @@ def _run(rank: int, wire: dict[str, Any], shm_dir: str, results: Any) -> None:
     results.put((rank, len(plan), mismatched))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
 def test_every_engine_receives_every_tensor_bit_for_bit(backend: str, tmp_path: Path) -> None:
-    wire = Rendezvous(backend, "127.0.0.1", _free_port(), WORLD, f"t-{backend}").to_wire()
+    wire = Rendezvous(backend, "127.0.0.1", free_port(), WORLD, f"t-{backend}").to_wire()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, wire, str(tmp_path), results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * WORLD, f"a rank failed or hung: exit codes {codes}"
+    run_ranks(_run, WORLD, (wire, str(tmp_path), results), timeout=120)
     got = sorted(results.get(timeout=5) for _ in range(WORLD))
     n_buckets = got[0][1]
     assert n_buckets > 4, "the plan should span several buckets of both dtypes"

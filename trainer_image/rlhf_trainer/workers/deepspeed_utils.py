@@ -109,6 +109,22 @@ def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype)
     return disable_dropout(model), keepalive
 
 
+def init_distributed(backend: str) -> None:
+    """DeepSpeed's process group, without its shared-memory all-reduce op.
+
+    On the CPU accelerator DeepSpeed JIT-compiles `deepspeed_shm_comm` (g++, ninja) at every first
+    start. That op serves inference all-reduce only; ZeRO-3 training never calls it. The build needs a
+    compiler in the image, costs tens of seconds, and holds a file lock in the torch extensions cache:
+    a rank killed mid-build (node loss, a preemption) leaves the lock behind and every later start waits
+    on it forever. Marking the op incompatible makes DeepSpeed skip it.
+    """
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
 def all_reduce_sum(values: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """Sum of a small CPU tensor over every rank of the default process group (a copy; unchanged with
     one rank or no group). NCCL reduces device tensors only: pass the model's device there."""

@@ -18,7 +18,7 @@ from rlhf_trainer import device, experience, sequence_parallel
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import plan_bytes
 from rlhf_trainer.weight_sync.channels import Rendezvous, WeightChannel, open_channel
-from rlhf_trainer.workers.deepspeed_utils import all_reduce_sum
+from rlhf_trainer.workers.deepspeed_utils import all_reduce_sum, init_distributed
 from rlhf_trainer.workers.policy import PolicyModel
 from rlhf_trainer.workers.reference import ReferenceModel
 from rlhf_trainer.workers.value import ValueModel
@@ -70,7 +70,6 @@ class ModelRank:
     def setup(
         self, master_addr: str, master_port: int, settings: dict[str, dict[str, Any]]
     ) -> dict[str, Any]:
-        import deepspeed
 
         t0 = time.perf_counter()
         os.environ.update(
@@ -85,7 +84,7 @@ class ModelRank:
         )
         if self.info.kind == "cuda":
             torch.cuda.set_device(0)
-        deepspeed.init_distributed(dist_backend=self.info.dist_backend, auto_mpi_discovery=False)
+        init_distributed(self.info.dist_backend)
         if self.sp_size > 1:
             self.sp = sequence_parallel.init_groups(self.sp_size)
         for role in self.roles:
