@@ -224,6 +224,11 @@ def rollout_group_replicas(raycluster: dict[str, Any]) -> int | None:
     return None
 
 
+# Arms the trainer's start-up fault (rlhf_trainer.faults): every attempt fails at once, exiting 1 like a
+# crash, so the operator restarts it. The tests' fast restartable failure (spec.pods.env).
+START_FAULT = {"name": "RLHF_TRAINER_FAULTS", "value": "start@0"}
+
+
 def stall_events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     """The `Stalled` Events the operator recorded for the RLHFJob `name`."""
     return [

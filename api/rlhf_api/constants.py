@@ -14,3 +14,7 @@ DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/rlhf-operator/trainer:0.1.0"
 TRAINER_RESOURCE: Final = "rlhf_trainer_slot"
 # Advertised by the rollout worker group's pods; the engine pool counts them to size itself.
 ROLLOUT_RESOURCE: Final = "rlhf_rollout_slot"
+# The trainer driver's exit status for bad input it found at run time (a model path that does not exist,
+# a reward function that does not import, a checkpoint of another run): the operator fails the job with
+# the driver's `error:` line and does not restart it, since every attempt would fail the same way.
+INPUT_ERROR_EXIT_CODE: Final = 2

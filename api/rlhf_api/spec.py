@@ -530,7 +530,9 @@ class RunPolicySpec(_Spec):
         description="Suspend the job: its RayCluster is deleted, and recreated on resume (Kueue-compatible).",
     )
     backoff_limit: int = Field(
-        default=3, ge=0, description="Restarts from the last checkpoint before the job fails."
+        default=3,
+        ge=0,
+        description="Restarts from the last checkpoint before the job fails. Bad input the trainer finds at run time (it exits 2: a model path that does not exist, a reward function that does not import) fails the job at once, reason InvalidInput, with no restart.",
     )
     active_deadline_seconds: int | None = Field(
         default=None,

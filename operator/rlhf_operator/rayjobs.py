@@ -31,6 +31,7 @@ class RayJobInfo:
     message: str
     start_time: float | None
     end_time: float | None
+    driver_exit_code: int | None = None  # the entrypoint's exit status, once it has exited
 
     @classmethod
     def from_api(cls, data: dict[str, Any]) -> RayJobInfo:
@@ -43,6 +44,7 @@ class RayJobInfo:
             message=str(data.get("message") or ""),
             start_time=secs(data.get("start_time")),
             end_time=secs(data.get("end_time")),
+            driver_exit_code=code if isinstance(code := data.get("driver_exit_code"), int) else None,
         )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
 from rlhf_api.spec import RLHFJob
 
 from rlhf_operator import rayjobs
@@ -29,6 +30,24 @@ Action = Literal[
     "delete_cluster",  # the job finished: release the RayCluster's GPUs
     "delete_job",  # ttlSecondsAfterFinished elapsed
 ]
+
+
+def input_error(job_info: rayjobs.RayJobInfo) -> str | None:
+    """The driver's own `error:` line when it failed on bad input (exit INPUT_ERROR_EXIT_CODE), else None.
+
+    Such a failure is permanent (a model path that does not exist, a reward function that does not
+    import, another run's checkpoint): restarting would fail the same way, so the job fails at once and
+    keeps its backoffLimit for failures a restart can cure. Ray's message ends with the log's tail; the
+    driver's last line there is `error: <what and where>`.
+    """
+    if job_info.status != rayjobs.FAILED or job_info.driver_exit_code != INPUT_ERROR_EXIT_CODE:
+        return None
+    lines = [ln.strip() for ln in job_info.message.splitlines()]
+    at = [i for i, ln in enumerate(lines) if ln.startswith("error:")]
+    if not at:
+        return job_info.message.strip()[-300:] or f"exit {INPUT_ERROR_EXIT_CODE}"
+    said = "\n".join(ln for ln in lines[at[-1] :] if ln).removeprefix("error:").strip()
+    return said if len(said) <= 1000 else said[:1000] + " ..."  # a multi-line InputError: every issue
 
 
 @dataclass(frozen=True)
@@ -275,6 +294,10 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             f"trained {spec.algorithm.total_steps} steps"
             + (f"; model exported to {exported}" if exported else ""),
         )
+
+    bad_input = input_error(job_info)
+    if bad_input is not None:
+        return finish("Failed", "InvalidInput", f"the trainer refused its input (not restarted): {bad_input}")
 
     if job_info.status in (rayjobs.FAILED, rayjobs.STOPPED):
         reason = (

@@ -1,8 +1,10 @@
 """The operator against the real control plane: RayCluster creation, phases, restarts, suspend, TTL, delete.
 
 The trainer runs on the local Ray head (the dev override maps every RayCluster head to it). Jobs here
-use a reward function that cannot be imported, so the real trainer entrypoint fails fast: that is the
-failure path the operator must handle (restarts, backoff, TTL) without minutes of training.
+arm the trainer's `start@0` fault (rlhf_trainer.faults), so the real trainer entrypoint fails fast,
+exiting 1 like a crash: that is the failure path the operator must handle (restarts, backoff, TTL)
+without minutes of training. Bad input the trainer finds at run time (exit 2) is the other path: Failed
+at once, no restart.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
+import support
 import yaml
-from support import RAY_DASHBOARD_PORT, Cluster, OperatorProcess, audited_creates, wait_for
+from support import RAY_DASHBOARD_PORT, START_FAULT, Cluster, OperatorProcess, audited_creates, wait_for
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +37,8 @@ def tiny_job(name: str, **overrides: Any) -> dict[str, Any]:
 
 
 def failing_job(name: str, **overrides: Any) -> dict[str, Any]:
-    """A job whose trainer exits at start-up: its reward function's module does not exist."""
-    return tiny_job(name, **{"spec.model.reward.function": "rlhf_no_such_module:reward", **overrides})
+    """A job whose trainer fails at start-up in every attempt, as a crash (restartable)."""
+    return tiny_job(name, **{"spec.pods.env": [START_FAULT], **overrides})
 
 
 def job_status(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
@@ -124,6 +127,31 @@ def test_failed_trainer_is_restarted_up_to_backoff_limit(
     wait_for(
         lambda: cluster.get("raycluster", "flaky", namespace) is None or None, 60, "the RayCluster deleted"
     )
+
+
+def test_bad_input_found_by_the_trainer_fails_the_job_at_once_naming_it(
+    cluster: Cluster, namespace: str, operator: OperatorProcess, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A reward function that does not import passes admission (the image's modules are not known
+    there); the trainer exits 2 naming it, and retrying could only fail the same way. (The model and the
+    prompts exist, so the reward is what the trainer refuses.)"""
+    bad = support.tiny_job("typo", tiny_model, tmp_path / "ckpt", steps=2, runPolicy={"backoffLimit": 3})
+    bad["spec"]["model"]["reward"]["function"] = "rlhf_no_such_module:reward"
+    cluster.apply(bad, namespace)
+    st = wait_for(
+        lambda: phase_is(cluster, namespace, "typo", "Failed", "Restarting"), 180, "the job to fail"
+    )
+    assert st["phase"] == "Failed", st
+    assert st.get("restarts", 0) == 0, st
+    assert "rlhf_no_such_module" in st["message"] and "not restarted" in st["message"], st["message"]
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidInput", failed
+    warned = [e for e in events(cluster, namespace, "typo") if e["type"] == "Warning"]
+    assert any("rlhf_no_such_module" in e["message"] for e in warned), warned
+    job = cluster.get("rlhfjob", "typo", namespace)
+    assert job is not None
+    uid = job["metadata"]["uid"][:8]
+    assert ray_submissions(f"rlhf-{namespace}-typo-{uid}-") == [f"rlhf-{namespace}-typo-{uid}-0"]
 
 
 def test_ttl_after_finished_deletes_the_job(

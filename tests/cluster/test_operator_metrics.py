@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support import Cluster, MetricsWatcher, OperatorProcess, free_port, metric_samples, wait_for
+from support import START_FAULT, Cluster, MetricsWatcher, OperatorProcess, free_port, metric_samples, wait_for
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ PHASES = ["Pending", "Provisioning", "Running", "Stalled", "Restarting", "Succee
 def failing_job(name: str, suspend: bool) -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
     doc["metadata"] = {"name": name}
-    doc["spec"]["model"]["reward"]["function"] = "rlhf_no_such_module:reward"
+    doc["spec"].setdefault("pods", {})["env"] = [START_FAULT]
     doc["spec"]["runPolicy"] = {"backoffLimit": 0, "suspend": suspend}
     return doc
 

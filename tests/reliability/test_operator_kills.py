@@ -23,6 +23,7 @@ from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests, rayjobs
 from support import (
     RAY_DASHBOARD_PORT,
+    START_FAULT,
     Cluster,
     OperatorProcess,
     PhaseWatch,
@@ -234,7 +235,7 @@ def test_a_kube_apiserver_restart_neither_duplicates_nor_loses_an_action(
     try:
         for name in names:
             doc = tiny_job(name, tiny_model, tmp_path / name, steps=2, runPolicy={"backoffLimit": 1})
-            doc["spec"]["model"]["reward"]["function"] = "rlhf_no_such_module:reward"
+            doc["spec"].setdefault("pods", {})["env"] = [START_FAULT]
             cluster.apply(doc, namespace)
         wait_for(
             lambda: all((cluster.get("rlhfjob", n, namespace) or {}).get("status", {}).get("submissionId")

@@ -36,8 +36,8 @@ def cluster(state: str | None = "ready", suspend: bool = False, **status: Any) -
     return {"metadata": {"name": "tiny", "namespace": "ns"}, "spec": {"suspend": suspend}, "status": st}
 
 
-def ray(status: str, sid: str = SID, message: str = "") -> RayJobInfo:
-    return RayJobInfo(sid, status, message, None, None)
+def ray(status: str, sid: str = SID, message: str = "", exit_code: int | None = None) -> RayJobInfo:
+    return RayJobInfo(sid, status, message, None, None, exit_code)
 
 
 def obs(**kw: Any) -> Observed:
@@ -183,6 +183,48 @@ def test_failure_restarts_within_backoff_limit_then_fails() -> None:
     d2 = decide(job({"phase": "Running", "restarts": 1}, backoffLimit=1), obs(ray_job=ray("FAILED")), SID)
     assert d2.status["phase"] == "Failed"
     assert "backoffLimit 1 reached" in d2.status["message"]
+
+
+# What Ray's Jobs API says of a driver that exited 2 on bad input: the log's tail, the error last.
+INPUT_FAILURE = (
+    "Job entrypoint command failed with exit code 2, last available logs (truncated to 20,000 chars):\n"
+    "[rlhf] loading the spec\n"
+    "error: spec.model.reward.function: cannot import module 'rlhf_no_such_module'\n"
+    "  (No module named 'rlhf_no_such_module')\n"
+)
+
+
+def test_bad_input_found_at_run_time_fails_at_once_with_the_drivers_words() -> None:
+    d = decide(
+        job({"phase": "Running", "restarts": 0}, backoffLimit=3),
+        obs(ray_job=ray("FAILED", message=INPUT_FAILURE, exit_code=2)),
+        SID,
+    )
+    assert d.status["phase"] == "Failed", d.status
+    assert d.status.get("restarts", 0) == 0
+    msg = d.status["message"]
+    assert "spec.model.reward.function: cannot import module 'rlhf_no_such_module'" in msg, msg
+    assert "No module named" in msg and "Job entrypoint" not in msg and "error:" not in msg, msg
+    cond = next(c for c in d.status["conditions"] if c["type"] == "Failed")
+    assert cond["reason"] == "InvalidInput"
+    assert any(e[0] == "Warning" and "rlhf_no_such_module" in e[2] for e in d.events), d.events
+    assert "delete_cluster" in d.actions  # a failed job releases its GPUs
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [("FAILED", 1), ("FAILED", None), ("STOPPED", None), ("FAILED", 137)]
+)
+def test_other_failures_still_restart(status: str, code: int | None) -> None:
+    d = decide(
+        job({"phase": "Running", "restarts": 0}, backoffLimit=3),
+        obs(
+            ray_job=ray(
+                status, message=INPUT_FAILURE.replace("exit code 2", f"exit code {code}"), exit_code=code
+            )
+        ),
+        SID,
+    )
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 1, d.status
 
 
 def test_suspend_stops_the_trainer_and_suspends_the_cluster() -> None:

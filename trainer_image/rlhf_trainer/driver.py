@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
 from rlhf_api.spec import RLHFJobSpec
 
 from rlhf_trainer import device
@@ -26,7 +27,7 @@ from rlhf_trainer.checkpoint import Checkpointer, resume_point
 from rlhf_trainer.config import InputError, load_spec_arg, preflight
 from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.export import EXPORT_INFO, export_actor
-from rlhf_trainer.faults import FaultInjector
+from rlhf_trainer.faults import FaultInjector, fail_at_start
 from rlhf_trainer.loop import StepContext, StepReport, run_step
 from rlhf_trainer.metrics import TrainerExporter
 from rlhf_trainer.placement import Placed, place, process_count, start
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summary-json")
     args = p.parse_args(argv)
     try:
+        fail_at_start()
         spec = load_spec_arg(args)
         summary = run(
             spec,
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR_EXIT_CODE  # the operator fails the job with this line, without a restart
     except Exception as e:
         # Not a bad input: the trace says where (the job's log is where an operator will look).
         traceback.print_exc(file=sys.stderr)

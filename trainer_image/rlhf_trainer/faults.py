@@ -5,6 +5,10 @@ phase of a given step starts.
 marker per fault fired, written before the kill, so the attempt that resumes after it does not fire it
 again. Unset (every real run), `FaultInjector.from_env` gives None and nothing is checked. The kill is a real SIGKILL of a real actor
 process (the tests need the actor on this host); only its timing is chosen.
+
+`start@0` is the fast restartable failure of the operator's lifecycle tests: the driver fails at
+start-up, before any model loads, in every attempt (no marker), and exits 1 like any crash, not 2 like
+bad input (which the operator does not restart).
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ def armed(raw: str | None = None) -> list[tuple[str, int]]:
             raise ValueError(f"{ENV}: {item!r} is not phase@step")
         out.append((phase, int(step)))
     return out
+
+
+class InjectedFault(RuntimeError):
+    """A failure the tests asked for (RLHF_TRAINER_FAULTS), not a bug."""
+
+
+def fail_at_start() -> None:
+    """Raise InjectedFault when `start@0` is armed: the driver's first act, in every attempt."""
+    if ("start", 0) in armed():
+        raise InjectedFault(f"{ENV}=start@0: the driver fails at start-up")
 
 
 class FaultInjector:
