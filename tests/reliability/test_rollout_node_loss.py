@@ -116,14 +116,16 @@ def test_rollout_node_lost_job_goes_on_with_the_engines_left_regains_one_and_fol
         assert len(set(placed.values())) == 2, f"both rollout pods on one node: {placed}"
         lost_pod, deleted_node = sorted(placed.items())[0]
 
-        # Strike while the engines generate (most of a step): the lost engine's chunks must be redone on
-        # the other. (A node lost after its chunks were generated, before the ranks fetched them, fails
-        # the step and restarts the attempt: docs/reliability.md.)
+        # Strike while the engines generate: the lost engine's chunks are redone on the other, during
+        # generation or, if it had finished them, when the scorer finds them gone. (A node lost after
+        # its chunks were scored, before the ranks fetched them, fails the step and restarts the attempt:
+        # docs/reliability.md.) The Ray container goes first, at once: kubectl takes a second or more
+        # here, and a tiny step's generation is about one second.
         wait_for(lambda: generating(metrics_url) or None, 120, "the trainer in a generation phase", 0.1)
         t0 = time.monotonic()
         lost_at_step = status().get("step") or 0
-        cluster.kubectl("delete", "node", deleted_node, "--wait=false")
         nodes.kill(0)  # the lost pod's Ray container goes with its node
+        cluster.kubectl("delete", "node", deleted_node, "--wait=false")
 
         def replaced() -> dict[str, str] | None:
             m = two_running()

@@ -52,9 +52,12 @@ class FakeEngine:
         self.index = index
         self.die_after = die_after
         self.ends_early = ends_early
+        self.scoring_fails = False  # the scorer fails on its chunks while the engine still answers
         self.unreachable_in_wait = False  # ray.wait on its stream raises (the actor's node is gone)
+        self.dead = False  # lost after its stream ended: its finished chunks' tokens are gone
         self.batches: list[list[int]] = []
         self.generate_chunks = self
+        self.ready = Probe(self)
 
     def options(self, **_: Any) -> FakeEngine:
         return self
@@ -62,6 +65,16 @@ class FakeEngine:
     def remote(self, batch: list[dict[str, Any]], sampling: dict[str, Any]) -> FakeStream:
         self.batches.append([job["chunk"] for job in batch])
         return FakeStream(self, batch)
+
+
+class Probe:
+    """`engine.ready.remote()`: the ref of the engine's answer, an error when it is lost."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    def remote(self) -> tuple[str, Any]:
+        return ("ready", self.engine)
 
 
 class FakeScorer:
@@ -86,15 +99,29 @@ def fake_seam() -> RaySeam:
                 raise Gone(f"engine {s.engine.index} unreachable")
         return streams[:num_returns], streams[num_returns:]
 
-    def get(ref: tuple[str, Any]) -> Any:
-        kind, value = ref
+    def get(ref: tuple[Any, ...], timeout: float | None = None) -> Any:
+        kind, value = ref[0], ref[1]
+        if kind == "ready":  # the liveness probe
+            if value.dead:
+                raise Gone(f"engine {value.index} unreachable")
+            return {"ready": True}
+        if kind == "reward-meta":  # the scorer read the chunk's tokens from its engine's node
+            engine = ENGINES[int(ref[2].split(":")[1])]
+            if engine.dead or engine.scoring_fails:
+                raise Gone(f"chunk {value}: an argument could not be computed")
+            return {"chunk": value, "packed": ref[2]}
         assert kind == "meta", "the dispatcher fetched something other than a chunk's metadata"
         return value
 
     return RaySeam(wait=wait, get=get, gone=(Gone,))
 
 
+ENGINES: dict[int, FakeEngine] = {}  # the fakes of the running test, by index, for the fake ray.get
+
+
 def dispatch(engines: list[FakeEngine], n_prompts: int = 8, shards: int = 2) -> tuple[Any, ...]:
+    ENGINES.clear()
+    ENGINES.update({e.index: e for e in engines})
     slots = [EngineSlot(index=e.index, handle=e, state="ready") for e in engines]
     scorer = FakeScorer()
     lost: list[int] = []
@@ -167,3 +194,45 @@ def test_with_no_engine_left_the_step_fails() -> None:
     engines = [FakeEngine(0, die_after=0), FakeEngine(1, die_after=1)]
     with pytest.raises(RuntimeError, match=r"step 3: every rollout engine was lost \(last: Gone"):
         dispatch(engines)
+
+
+def test_scored_gives_every_chunks_reward_meta_in_chunk_order() -> None:
+    engines = [FakeEngine(0), FakeEngine(1)]
+    d, rollout, _, lost, _, _ = dispatch(engines)
+    again, metas = d.scored()
+    assert [m["chunk"] for m in metas] == [0, 1, 2, 3] and again.packed == rollout.packed and lost == []
+
+
+def test_an_engine_lost_after_its_stream_ended_has_its_chunks_generated_again_when_scoring_finds_them_gone() -> (
+    None
+):
+    """Engine 0 finished chunks 0 and 2, then its node went: the streams never said so, the scorer cannot
+    read those chunks. They are generated again on engine 1 and scored again; the step goes on."""
+    engines = [FakeEngine(0), FakeEngine(1)]
+    d, _, scorer, lost, logs, _ = dispatch(engines)
+    engines[0].dead = True
+    rollout, metas = d.scored()
+    assert lost == [0]
+    assert engines[1].batches == [[1, 3], [0, 2]]
+    assert rollout.packed == ["packed:1:0", "packed:1:1", "packed:1:2", "packed:1:3"]
+    assert [m["packed"] for m in metas] == rollout.packed
+    assert [m.engine for m in rollout.metas] == [1, 1, 1, 1]
+    assert (0, "packed:1:0") in scorer.scored and (2, "packed:1:2") in scorer.scored
+    assert logs == ["step 3: rollout engine 0 lost (Gone); 2 chunk(s) generated again on engine(s) [1]"]
+
+
+def test_a_scoring_failure_while_the_engine_answers_is_raised_not_taken_for_a_loss() -> None:
+    engines = [FakeEngine(0), FakeEngine(1)]
+    d, _, _, lost, _, _ = dispatch(engines)
+    engines[1].scoring_fails = True
+    with pytest.raises(Gone, match="chunk 1"):
+        d.scored()
+    assert lost == [] and engines[0].batches == [[0, 2]]
+
+
+def test_scoring_that_finds_every_engine_gone_fails_the_step() -> None:
+    engines = [FakeEngine(0), FakeEngine(1)]
+    d, *_ = dispatch(engines)
+    engines[0].dead = engines[1].dead = True
+    with pytest.raises(RuntimeError, match="every rollout engine was lost"):
+        d.scored()

@@ -74,12 +74,12 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
     placed.new_step()
 
     with timer.phase("generation"):  # rewards start as soon as each chunk is generated
-        rollout = generate(ctx, step, chunks, prompts, labels)
-        ctx.sync.engines_sleep(
-            True
-        )  # rollout.enableSleep (GPU): engines free their memory while models train
+        dispatcher = generate(ctx, step, chunks, prompts, labels)
     with timer.phase("reward"):  # only the part of scoring not hidden behind generation
-        reward_metas = ray.get([meta_ref for meta_ref, _ in rollout.reward_calls])
+        # A chunk whose engine was lost after finishing it is generated again here, so the engines sleep
+        # (rollout.enableSleep, GPU: they free their memory while models train) only after it.
+        rollout, reward_metas = dispatcher.scored()
+    ctx.sync.engines_sleep(True)
     errors = sum(m.errors for m in reward_metas)
     ctx.metrics.reward_errors.labels(ctx.job).inc(errors)
     if errors and spec.model.reward.on_error == "failStep":
@@ -154,8 +154,9 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
 
 def generate(
     ctx: StepContext, step: int, chunks: list[Chunk], prompts: list[str], labels: list[Any]
-) -> Rollout:
-    """The generation phase's work: stream the chunks out of the ready engines, scoring each at once."""
+) -> ChunkDispatcher:
+    """The generation phase's work: stream the chunks out of the ready engines, scoring each at once.
+    The dispatcher it returns gathers the scores (`scored`), regenerating what a lost engine held."""
     pool, metrics = ctx.placed.pool, ctx.metrics
 
     def engine_lost(slot: EngineSlot, err: BaseException) -> None:
@@ -165,7 +166,7 @@ def generate(
     dispatcher = ChunkDispatcher(step, pool.ready(), ctx.placed.reward, sampling(ctx.spec), engine_lost)
     rollout = dispatcher.run(chunks, prompts, labels)
     metrics.generated_tokens.labels(ctx.job).inc(sum(m.response_tokens for m in rollout.metas))
-    return rollout
+    return dispatcher
 
 
 def training_stats(

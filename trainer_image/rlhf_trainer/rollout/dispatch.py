@@ -1,7 +1,8 @@
 """One step's generation: chunks streamed out of the engines, each finished chunk scored at once.
 
 Owns which engine generates which chunk, reading the engines' streams, handing each finished chunk to the
-reward scorer, and engine loss mid-generation (a lost engine's chunks are generated again on the others).
+reward scorer, and engine loss (a lost engine's chunks are generated again on the others), both
+mid-generation and after an engine finished its chunks, when the scorer finds their tokens gone.
 Must not fetch tokens: only chunk metadata is read here; packed rollouts stay in the object store.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ObjectLostError, RayActorError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
 from rlhf_trainer.rollout.pool import EngineSlot
 from rlhf_trainer.transfer import ChunkMeta
@@ -31,8 +32,9 @@ class RaySeam:
     """The Ray calls the dispatcher makes on streams and refs (tests pass fakes: no Ray needed)."""
 
     wait: Callable[..., tuple[list[Any], list[Any]]] = ray.wait
-    get: Callable[[Any], Any] = ray.get
+    get: Callable[..., Any] = ray.get
     gone: tuple[type[BaseException], ...] = (RayActorError, ObjectLostError)  # an engine is unreachable
+    timeout: tuple[type[BaseException], ...] = (GetTimeoutError,)
 
 
 @dataclass
@@ -82,6 +84,44 @@ class ChunkDispatcher:
             self.assigned.setdefault(engine, []).append(job)
         for e, batch in self.assigned.items():
             self._launch(e, list(batch))  # a stream's own chunks: `assigned` grows when chunks move
+        return self._drain()
+
+    def scored(self) -> tuple[Rollout, list[Any]]:
+        """The reward phase: every chunk's reward meta, and the rollout they score.
+
+        A finished chunk's tokens live in its engine's object store. If the engine is lost after its
+        stream ended, the dispatcher never saw it, and the scorer cannot read the chunk. Such a chunk is
+        generated again on the engines left and scored again, like a loss mid-stream, and the step goes
+        on. A scoring failure whose engine still answers is not an engine loss: it is raised.
+        """
+        while True:
+            metas: list[Any] = []
+            failed: dict[int, BaseException] = {}
+            for c, call in enumerate(self.reward_calls):
+                assert call is not None, f"chunk {c} was never scored"
+                try:
+                    metas.append(self.ray_seam.get(call[0]))
+                except self.ray_seam.gone as gone:
+                    owner = next(e for e, jobs in self.assigned.items() if any(j["chunk"] == c for j in jobs))
+                    if owner not in failed and self._answers(owner):
+                        raise
+                    failed.setdefault(owner, gone)
+            if not failed:
+                return self._rollout(), metas
+            for owner, error in failed.items():
+                self._engine_lost(owner, error)
+            self._drain()
+
+    def _answers(self, e: int) -> bool:
+        """Whether engine `e` still answers a call (within 30 s)."""
+        try:
+            self.ray_seam.get(self.engines[e].handle.ready.remote(), timeout=30)
+        except (*self.ray_seam.gone, *self.ray_seam.timeout):
+            return False
+        return True
+
+    def _drain(self) -> Rollout:
+        """Read the open streams to their ends; raises if an engine returned none for some chunk."""
         while self.streams:
             try:
                 ready, _ = self.ray_seam.wait(list(self.streams), num_returns=1)
@@ -94,6 +134,9 @@ class ChunkDispatcher:
         missing = [c for c, m in enumerate(self.metas) if m is None]
         if missing:
             raise RuntimeError(f"step {self.step}: engines returned no rollout for chunks {missing}")
+        return self._rollout()
+
+    def _rollout(self) -> Rollout:
         return Rollout(
             list(self.packed),
             [m for m in self.metas if m is not None],
@@ -137,7 +180,7 @@ class ChunkDispatcher:
                     self._engine_lost(self.streams[stream][0], err)
 
     def _engine_lost(self, e: int, err: BaseException) -> None:
-        """An engine died mid-generation (its pod or node is gone): the step goes on with the others.
+        """An engine died (its pod or node is gone): the step goes on with the others.
 
         Every chunk it had is generated again, including the finished ones: their tokens lived in the
         lost node's object store. With no engine left the step fails, and so does the attempt, which
