@@ -34,7 +34,6 @@ class RaySeam:
     wait: Callable[..., tuple[list[Any], list[Any]]] = ray.wait
     get: Callable[..., Any] = ray.get
     gone: tuple[type[BaseException], ...] = (RayActorError, ObjectLostError)  # an engine is unreachable
-    timeout: tuple[type[BaseException], ...] = (GetTimeoutError,)
 
 
 @dataclass
@@ -116,7 +115,9 @@ class ChunkDispatcher:
         """Whether engine `e` still answers a call (within 30 s)."""
         try:
             self.ray_seam.get(self.engines[e].handle.ready.remote(), timeout=30)
-        except (*self.ray_seam.gone, *self.ray_seam.timeout):
+        except self.ray_seam.gone:
+            return False
+        except GetTimeoutError:
             return False
         return True
 

@@ -70,7 +70,6 @@ class ModelRank:
     def setup(
         self, master_addr: str, master_port: int, settings: dict[str, dict[str, Any]]
     ) -> dict[str, Any]:
-
         t0 = time.perf_counter()
         os.environ.update(
             {
