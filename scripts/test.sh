@@ -48,6 +48,7 @@ stage cluster-up python3 devcluster/devcluster.py up || { summary; exit 1; }
 stage lint make -s lint || status=1
 pytest_stage unit tests -m unit || status=1
 pytest_stage cluster tests -m cluster || status=1
+pytest_stage security tests -m security || status=1
 pytest_stage alerting tests -m alerting || status=1
 pytest_stage trainer tests -m trainer || status=1
 pytest_stage reliability tests -m reliability || status=1

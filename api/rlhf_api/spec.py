@@ -559,6 +559,25 @@ class RunPolicySpec(_Spec):
     )
 
 
+class SecuritySpec(_Spec):
+    """Who may reach the job's Ray cluster (docs/security.md). Both are on by default; turning one off is an
+    explicit choice the operator records with a Warning Event. Read when a RayCluster is created (a restart
+    or a resume creates the next one with the values then in the spec)."""
+
+    ray_authentication: Literal["Token", "Disabled"] = Field(
+        default="Token",
+        description="`Token`: the head and workers start with Ray's token authentication (RAY_AUTH_MODE=token) "
+        "and a token of this job only, in a Secret the job owns; the operator's Jobs API calls carry it. "
+        "`Disabled`: anyone who reaches the head's ports can run code as the trainer.",
+    )
+    network_policy: Literal["Enabled", "Disabled"] = Field(
+        default="Enabled",
+        description="`Enabled`: a NetworkPolicy the job owns admits to its pods only the job's own pods, the "
+        "operator's pods (Jobs API and metrics ports) and the metrics scrapers the chart names "
+        "(networkPolicy.metricsFrom; the job's namespace by default). `Disabled`: no policy is created.",
+    )
+
+
 class ResourceRequirements(_Spec):
     """CPU and memory of a pod's container, as in a container's resources. GPUs come from the placements
     (under the role's gpuResourceName): do not set them here."""
@@ -715,6 +734,10 @@ class RLHFJobSpec(_Spec):
         default_factory=RunPolicySpec, description="Suspend, restarts and deadlines."
     )
     pods: PodsSpec = Field(default_factory=PodsSpec, description="Pod template overrides.")
+    security: SecuritySpec = Field(
+        default_factory=SecuritySpec,
+        description="Ray token authentication and the job's NetworkPolicy (both on by default).",
+    )
 
     def model_roles(self) -> list[Role]:
         """The models this run loads: actor always; critic for gae; reference when klCoef > 0; reward when

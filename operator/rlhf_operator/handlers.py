@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from rlhf_api import constants
 from rlhf_api.spec import GROUP, PLURAL, TERMINAL_JOB_PHASES, VERSION, RLHFJob
 
-from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape
+from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape, security
 from rlhf_operator.conditions import parse_time
 from rlhf_operator.status import Decision, Observed, cluster_rejected, decide, status_patch
 
@@ -39,6 +39,10 @@ DEV_HEAD_HOST = os.environ.get("RLHF_DEV_HEAD_HOST", "")
 DEFAULT_TRAINER_IMAGE = (
     os.environ.get("RLHF_DEFAULT_TRAINER_IMAGE", "").strip() or constants.DEFAULT_TRAINER_IMAGE
 )
+
+# Who may reach a job's pods besides the job itself (the operator's namespace and labels, the metrics
+# scrapers): the chart sets these; read once.
+POLICY_ACCESS = security.policy_access_from_env(os.environ)
 
 # kopf's thread pool for sync handlers; the API client keeps a connection for each of them, since a
 # smaller pool drops connections under load and every new one costs a TLS handshake on both sides.
@@ -90,7 +94,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.background.cancellation_polling = 1.0
     port = int(os.environ.get("RLHF_OPERATOR_METRICS_PORT", "8000"))
     if port:
-        metrics.serve(port)
+        metrics.serve(port, os.environ.get("RLHF_OPERATOR_METRICS_ADDR") or "127.0.0.1")
 
 
 def _parse(body: kopf.Body) -> RLHFJob | str:
@@ -134,7 +138,37 @@ def _get_cluster(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
+def _ensure_security_objects(body: kopf.Body, job: RLHFJob) -> None:
+    """Create the job's token Secret and NetworkPolicy, owned by the job, if they do not exist yet.
+
+    Create only: the operator never reads a Secret (docs/security.md), and both objects are deterministic
+    (the token is derived from the job's uid), so an existing one (409) is the one this would make.
+    """
+    namespace = body.metadata.namespace or "default"
+    for obj in manifests.security_objects(job, rayjobs.token_key(), POLICY_ACCESS):
+        kopf.adopt(obj, owner=body)
+        try:
+            if obj["kind"] == "Secret":
+                k8s.CoreV1Api(api()).create_namespaced_secret(namespace, obj)  # type: ignore[arg-type]
+            else:
+                k8s.NetworkingV1Api(api()).create_namespaced_network_policy(namespace, obj)  # type: ignore[arg-type]
+        except ApiException as e:
+            if e.status != 409:
+                raise ClusterRefused(
+                    e.status, f"{obj['kind']} {obj['metadata']['name']}: {_api_message(e)}"
+                ) from e
+
+
+def ray_token(body: kopf.Body) -> str:
+    """The job's Ray token, sent on every Jobs API call (a head without token authentication ignores it)."""
+    meta = body.metadata
+    return security.job_token(
+        rayjobs.token_key(), meta.namespace or "default", meta.name or "", meta.uid or ""
+    )
+
+
 def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
+    _ensure_security_objects(body, job)
     manifest = manifests.build_raycluster(job, default_image=DEFAULT_TRAINER_IMAGE)
     kopf.adopt(manifest, owner=body)  # owner reference: deleting the job deletes the cluster
     namespace = body.metadata.namespace or "default"
@@ -152,6 +186,8 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
             reason="RayClusterCreated",
             message=f"created RayCluster {manifest['metadata']['name']}",
         )
+        for warning in security.disabled_warnings(job):
+            kopf.event(body, type="Warning", reason="SecurityDisabled", message=warning)
         return created
     except ApiException as e:
         if e.status == 409:  # created by an earlier incarnation of this operator: adopt it
@@ -234,7 +270,7 @@ def _awaiting_own_write(body: kopf.Body) -> bool:
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def ensure_cluster(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+def ensure_cluster(body: kopf.Body, patch: kopf.Patch, reason: str = "", **_: Any) -> None:
     """Create the RayCluster as soon as the job appears (the timer would too, but later)."""
     job = _parse(body)
     if isinstance(job, str):
@@ -243,7 +279,14 @@ def ensure_cluster(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     if body.status.get("phase") in ("Succeeded", "Failed"):
         return
     namespace = body.metadata.namespace or "default"
-    if _get_cluster(namespace, manifests.raycluster_name(job.name)) is None:
+    exists = _get_cluster(namespace, manifests.raycluster_name(job.name)) is not None
+    if exists and reason == kopf.Reason.RESUME:
+        # A job from before this operator version (or whose policy was deleted) gets its objects now.
+        try:
+            _ensure_security_objects(body, job)
+        except ClusterRefused as e:
+            log.warning("%s/%s: security objects not created: %s", namespace, job.name, e)
+    if not exists:
         try:
             _create_cluster(body, job)
         except ClusterRefused as refusal:
@@ -279,7 +322,7 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
         obs["pods"] = _cluster_pods(namespace, cluster["metadata"]["name"])
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":
         try:
-            with rayjobs.RayJobsClient(dashboard_url(cluster)) as rj:
+            with rayjobs.RayJobsClient(dashboard_url(cluster), token=ray_token(body)) as rj:
                 obs["ray_job"] = rj.get(body.status.get("submissionId") or submission)
         except rayjobs.RayJobsError as e:
             obs["ray_job_error"] = str(e)
@@ -336,7 +379,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             _create_cluster(body, job)
         elif action == "submit" and cluster is not None and decision.submission_id:
             failpoints.hit("before_submit")
-            with rayjobs.RayJobsClient(dashboard_url(cluster)) as rj:
+            with rayjobs.RayJobsClient(dashboard_url(cluster), token=ray_token(body)) as rj:
                 rj.submit(
                     decision.submission_id,
                     manifests.trainer_entrypoint(job),
@@ -346,7 +389,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             failpoints.hit("after_submit")
         elif action == "stop" and cluster is not None and decision.stop_submission_id:
             try:
-                with rayjobs.RayJobsClient(dashboard_url(cluster)) as rj:
+                with rayjobs.RayJobsClient(dashboard_url(cluster), token=ray_token(body)) as rj:
                     rj.stop(decision.stop_submission_id)
             except rayjobs.RayJobsError as e:
                 log.warning("stopping %s: %s", decision.stop_submission_id, e)
@@ -498,7 +541,7 @@ def stop_trainer(body: kopf.Body, **_: Any) -> None:
     if not sid or not DEV_HEAD_HOST:
         return  # in a real cluster the RayCluster's deletion ends the job with it
     try:
-        with rayjobs.RayJobsClient(dashboard_url(None)) as rj:
+        with rayjobs.RayJobsClient(dashboard_url(None), token=ray_token(body)) as rj:
             rj.stop(sid)
     except rayjobs.RayJobsError as e:
         log.warning("could not stop %s: %s", sid, e)

@@ -18,12 +18,13 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
+from wsgiref.simple_server import WSGIServer
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
+from rlhf_api import read_only_http
 
 from rlhf_operator.election import Lease, can_take, from_spec, released, taken, to_spec
 from rlhf_operator.handlers import api
@@ -168,23 +169,17 @@ def _exit(why: str) -> None:
     os._exit(3)
 
 
-class _Standby(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.end_headers()
-        self.wfile.write(b"standby: waiting for the leader Lease\n")
-
-    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: not logged
-        return
+def _standby(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"standby: waiting for the leader Lease\n"]
 
 
-def standby_health(liveness_url: str | None) -> ThreadingHTTPServer | None:
+def standby_health(liveness_url: str | None) -> WSGIServer | None:
     """Answer the liveness and readiness probes while this replica waits for the Lease (kopf serves
-    them once it runs): a follower is healthy, not a crash loop. Shut it down before kopf starts."""
+    them once it runs): a follower is healthy, not a crash loop. Shut it down before kopf starts.
+    Like kopf's endpoint, it serves GET on the liveness path only."""
     if not liveness_url:
         return None
     parsed = urlparse(liveness_url)
-    server = ThreadingHTTPServer((parsed.hostname or "0.0.0.0", parsed.port or 80), _Standby)
-    threading.Thread(target=server.serve_forever, name="standby-health", daemon=True).start()
-    return server
+    app = read_only_http.guard(_standby, [parsed.path or "/"])
+    return read_only_http.serve(app, parsed.hostname or "0.0.0.0", parsed.port or 80)

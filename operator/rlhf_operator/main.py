@@ -29,6 +29,11 @@ def main(argv: list[str]) -> int:
         help="port of the operator's own /metrics (0 disables)",
     )
     parser.add_argument(
+        "--metrics-addr",
+        default=os.environ.get("RLHF_OPERATOR_METRICS_ADDR", "127.0.0.1"),
+        help="address the /metrics port binds (the chart: 0.0.0.0, every address of the pod)",
+    )
+    parser.add_argument(
         "--log-format", choices=["plain", "json"], default=os.environ.get("RLHF_LOG_FORMAT", "plain")
     )
     parser.add_argument("--verbose", "-v", action="store_true")
@@ -46,6 +51,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     os.environ["RLHF_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
+    os.environ["RLHF_OPERATOR_METRICS_ADDR"] = args.metrics_addr
     kopf.configure(
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN,

@@ -18,13 +18,14 @@ from rlhf_api.constants import DEFAULT_TRAINER_IMAGE, ROLLOUT_RESOURCE, TRAINER_
 from rlhf_api.pod_settings import PodRole
 from rlhf_api.spec import GROUP, PodSettings, RLHFJob, RLHFJobSpec
 
+from rlhf_operator import security
 from rlhf_operator.scaling import clamp_request
 
 JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlhf-operator"}
 SHM_VOLUME = "rlhf-dev-shm"
-DASHBOARD_PORT = 8265
+DASHBOARD_PORT = security.DASHBOARD_PORT
 # Labels of the job that are never copied to children (they describe the RLHFJob object itself).
 _NOT_PROPAGATED_PREFIXES = ("kopf.zalando.org/",)
 
@@ -118,6 +119,7 @@ def _pod_template(
     env = [
         {"name": "RLHF_JOB_NAME", "value": job.name},
         {"name": "RLHF_ROLE", "value": role},
+        *security.auth_env(job),
         *(pods.env or []),
     ]
     container: dict[str, Any] = {
@@ -244,6 +246,24 @@ def build_raycluster(
             "workerGroupSpecs": worker_groups,
         },
     }
+
+
+def job_selector(job: RLHFJob) -> dict[str, str]:
+    """Selects every pod of the job (each carries child_labels), and nothing else the operator makes."""
+    return {JOB_LABEL: job.name, **MANAGED_BY}
+
+
+def security_objects(job: RLHFJob, token_key: bytes, access: security.PolicyAccess) -> list[dict[str, Any]]:
+    """What must exist before the job's RayCluster: the Secret with its Ray token (when token
+    authentication is on) and its NetworkPolicy (when enabled). Owner references are the caller's."""
+    objects: list[dict[str, Any]] = []
+    labels = child_labels(job)
+    if security.token_enabled(job):
+        objects.append(security.token_secret(job, security.token_of(token_key, job), labels))
+    if job.spec.security.network_policy == "Enabled":
+        name = raycluster_name(job.name)
+        objects.append(security.network_policy(job, name, labels, job_selector(job), access))
+    return objects
 
 
 def scale_patch(raycluster: dict[str, Any], replicas: int) -> list[dict[str, Any]] | None:

@@ -9,7 +9,8 @@ import contextlib
 from datetime import datetime
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from rlhf_api import read_only_http
 from rlhf_api.spec import JOB_PHASES
 
 JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase, as last reconciled.", ["namespace", "phase"])
@@ -86,5 +87,6 @@ def record_open_stall(namespace: str, name: str, open_stall: dict[str, Any] | No
         _stall_by_job[key] = phase
 
 
-def serve(port: int) -> None:
-    start_http_server(port)
+def serve(port: int, addr: str) -> None:
+    """/metrics only, read-only (docs/security.md), on `addr` (the chart: every address of the pod)."""
+    read_only_http.serve(read_only_http.guard(make_wsgi_app(), ["/metrics"]), addr, port)

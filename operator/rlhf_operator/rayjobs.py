@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,19 +57,40 @@ def tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def auth_token() -> str | None:
-    """The Ray token for clusters with token authentication (Ray's RAY_AUTH_MODE=token), if configured.
+TOKEN_KEY_ENV = "RLHF_RAY_TOKEN_KEY_FILE"
 
-    `RLHF_RAY_AUTH_TOKEN`, or the file named by `RLHF_RAY_AUTH_TOKEN_PATH` (a mounted Secret).
+
+@functools.cache
+def token_key() -> bytes:
+    """The operator's key for the jobs' Ray tokens (security.job_token).
+
+    The file named by RLHF_RAY_TOKEN_KEY_FILE (the chart mounts a Secret there), which must exist and hold
+    at least 32 bytes; unset (a development run on a workstation), a key of this user's kept in
+    ~/.cache/rlhf-operator/ray-token-key, made on first use, so restarts keep every job's token.
     """
-    token = os.environ.get("RLHF_RAY_AUTH_TOKEN", "").strip()
-    path = os.environ.get("RLHF_RAY_AUTH_TOKEN_PATH", "")
-    if not token and path:
+    configured = os.environ.get(TOKEN_KEY_ENV, "")
+    path = Path(configured) if configured else _default_key_path()
+    if not configured and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            token = Path(path).read_text().strip()
-        except OSError as e:
-            raise RayJobsError(f"reading the Ray auth token from {path}: {e}") from e
-    return token or None
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another operator process on this machine made it first
+            pass
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+    try:
+        key = path.read_bytes().strip()
+    except OSError as e:
+        raise RayJobsError(f"reading the Ray token key ({TOKEN_KEY_ENV}={path}): {e}") from e
+    if len(key) < 32:
+        raise RayJobsError(f"the Ray token key in {path} is {len(key)} bytes; it needs at least 32")
+    return key
+
+
+def _default_key_path() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "rlhf-operator" / "ray-token-key"
 
 
 class RayJobsClient:
@@ -76,7 +98,6 @@ class RayJobsClient:
 
     def __init__(self, dashboard_url: str, timeout: float = 10.0, token: str | None = None) -> None:
         self.base = dashboard_url.rstrip("/")
-        token = token if token is not None else auth_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(timeout=timeout, headers=headers, verify=tls_context())
 

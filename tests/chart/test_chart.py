@@ -49,6 +49,8 @@ OPERATOR_NAMESPACED_RULES = {
     ("ray.io", "rayclusters/status"): {"get"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "services"): {"get", "list", "watch"},
+    ("", "secrets"): {"create"},  # each job's Ray token (docs/security.md; tests/security/test_rbac.py)
+    ("networking.k8s.io", "networkpolicies"): {"create"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
@@ -123,6 +125,7 @@ def test_default_render() -> None:
         "RoleBinding",
         "Service",
         "Deployment",
+        "Secret",  # the key of the jobs' Ray tokens (templates/ray-token-key.yaml)
     }
     for obj in objects:
         labels = obj["metadata"]["labels"]
@@ -204,17 +207,50 @@ def test_schema_accepts_the_documented_examples() -> None:
 
 
 @pytest.mark.parametrize("mode", [[], WATCH_ARGS], ids=["cluster-wide", "watch-namespaces"])
-def test_rbac_has_no_wildcards_and_no_secrets(mode: list[str]) -> None:
+def test_rbac_has_no_wildcards_and_reads_no_secrets(mode: list[str]) -> None:
     roles = [o for o in render(*mode) if o["kind"] in RBAC_KINDS]
     assert roles
     for role in roles:
         for rule in role["rules"]:
             for key in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
                 assert "*" not in rule.get(key, []), f"{role['metadata']['name']}: wildcard in {key}: {rule}"
-            assert not {"secrets", "configmaps", "serviceaccounts/token"} & set(rule.get("resources", [])), (
+            assert not {"configmaps", "serviceaccounts/token"} & set(rule.get("resources", [])), (
                 f"{role['metadata']['name']}: {rule}"
             )
+            if "secrets" in rule.get("resources", []):
+                assert rule["verbs"] == ["create"], f"{role['metadata']['name']}: {rule}"
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+
+
+def test_the_ray_token_key_is_made_once_or_named() -> None:
+    objects = render()
+    secret = one(objects, "Secret")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(secret["data"]["key"]) >= 64  # base64 of 64 random characters
+    dep = one(objects, "Deployment")
+    env = {e["name"]: e.get("value") for e in container(dep)["env"]}
+    assert env["RLHF_RAY_TOKEN_KEY_FILE"] == "/etc/rlhf-operator/ray-token-key/key"
+    assert json.loads(env["RLHF_OPERATOR_POD_LABELS"]) == {
+        "app.kubernetes.io/name": "rlhf-operator",
+        "app.kubernetes.io/instance": RELEASE,
+    }
+    assert json.loads(env["RLHF_METRICS_FROM"]) == []
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["ray-token-key"]["secret"]["secretName"] == secret["metadata"]["name"]
+
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    named = render(
+        "--set",
+        "security.rayTokenKey.existingSecret=mine",
+        "--set-json",
+        f"security.networkPolicy.metricsFrom={json.dumps(peers)}",
+    )
+    assert not by_kind(named, "Secret")
+    dep = one(named, "Deployment")
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["ray-token-key"]["secret"]["secretName"] == "mine"
+    env = {e["name"]: e.get("value") for e in container(dep)["env"]}
+    assert json.loads(env["RLHF_METRICS_FROM"]) == peers
 
 
 def test_cluster_wide_rbac_is_exactly_what_the_operator_uses() -> None:

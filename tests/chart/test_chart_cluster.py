@@ -7,10 +7,12 @@ by running the real operator with a token of the chart's ServiceAccount, as its 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
 import subprocess
+import tempfile
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -113,6 +115,9 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
             assert can_i(cluster, namespace, "create", "rayclusters.ray.io", "-n", ns)
             assert can_i(cluster, namespace, "create", "events", "-n", ns)
             assert not can_i(cluster, namespace, "get", "secrets", "-n", ns)
+            assert not can_i(cluster, namespace, "list", "secrets", "-n", ns)
+            assert can_i(cluster, namespace, "create", "secrets", "-n", ns)  # each job's Ray token
+            assert can_i(cluster, namespace, "create", "networkpolicies.networking.k8s.io", "-n", ns)
             assert not can_i(cluster, namespace, "create", "pods", "-n", ns)
             assert not can_i(cluster, namespace, "create", "rlhfjobs.rlhf.dev", "-n", ns)
         assert can_i(cluster, namespace, "list", "rlhfjobs.rlhf.dev", "-A")
@@ -288,6 +293,13 @@ def container_command(cluster: Cluster, namespace: str) -> tuple[list[str], dict
         ref = (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
         if ref:
             env[e["name"]] = fields[ref]
+    # The Ray token key's Secret volume, as the kubelet mounts it: the file the env names, in a temp dir.
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    secret = cluster.get("secret", volumes["ray-token-key"]["secret"]["secretName"], namespace)
+    assert secret is not None, "the chart's Ray token key Secret"
+    key_file = Path(tempfile.mkdtemp(prefix="rlhf-key-")) / "key"
+    key_file.write_bytes(base64.b64decode(secret["data"]["key"]))
+    env["RLHF_RAY_TOKEN_KEY_FILE"] = str(key_file)
     return list(container["args"]), env
 
 
@@ -487,7 +499,8 @@ def test_pod_monitor_selects_the_head_pod_kuberay_creates(cluster: Cluster, name
     from rlhf_operator import manifests
 
     job_manifest = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
-    job_manifest["metadata"] = {"name": "scrape-probe", "namespace": namespace}
+    # A stored job's uid: the pods reference the job's token Secret by a name that carries it.
+    job_manifest["metadata"] = {"name": "scrape-probe", "namespace": namespace, "uid": "5c09e0be-probe"}
     raycluster = manifests.build_raycluster(RLHFJob.model_validate(job_manifest))
     cluster.apply(raycluster, namespace)
 

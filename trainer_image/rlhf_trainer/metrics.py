@@ -7,11 +7,13 @@ to exported_job).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from rlhf_api import read_only_http
 
 PHASES = (
     "generation",
@@ -121,7 +123,10 @@ class TrainerExporter:
             g.labels(job)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+        """/metrics only, read-only (docs/security.md). Every address of the pod by default: Prometheus
+        and the operator scrape it from outside; RLHF_METRICS_ADDR narrows it (the tests' local head)."""
+        app = read_only_http.guard(make_wsgi_app(self.registry), ["/metrics"])
+        read_only_http.serve(app, os.environ.get("RLHF_METRICS_ADDR") or addr, port)
 
     def set_engines(self, counts: dict[str, int]) -> None:
         for state in ENGINE_STATES:

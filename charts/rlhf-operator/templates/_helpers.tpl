@@ -108,6 +108,15 @@ mode and by the Role in each watched namespace otherwise. Each rule says why the
 - apiGroups: ["ray.io"]
   resources: ["rayclusters/status"]
   verbs: ["get"]
+# Each job's Ray token Secret and NetworkPolicy (docs/security.md): created, owned by the job, removed
+# by garbage collection. Create only: the operator derives every token from its own key and never
+# reads, lists or changes a Secret. RBAC cannot narrow `create` by name (resourceNames does not apply).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create"]
 # Read-only: head pod readiness, and the head Service that carries the Ray dashboard and metrics ports.
 - apiGroups: [""]
   resources: ["pods", "services"]
