@@ -56,6 +56,14 @@ def head_url(raycluster: dict[str, Any] | None, port: int, dev_host: str = "") -
     return f"http://{service}.{meta['namespace']}.svc:{port}"
 
 
+def _child_metadata(job: RLHFJob, name: str) -> dict[str, Any]:
+    """Metadata of an object the job owns: its name, the job's labels, the job's namespace."""
+    metadata: dict[str, Any] = {"name": name, "labels": child_labels(job)}
+    if job.namespace:
+        metadata["namespace"] = job.namespace
+    return metadata
+
+
 def child_labels(job: RLHFJob) -> dict[str, str]:
     labels = {
         k: str(v)
@@ -228,13 +236,10 @@ def build_raycluster(
                 "template": _pod_template(job, "rollout", r.worker_gpus, [], default_image),
             }
         )
-    metadata: dict[str, Any] = {"name": raycluster_name(job.name), "labels": child_labels(job)}
-    if job.namespace:
-        metadata["namespace"] = job.namespace
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
-        "metadata": metadata,
+        "metadata": _child_metadata(job, raycluster_name(job.name)),
         "spec": {
             "rayVersion": spec.ray_version,
             "suspend": spec.run_policy.suspend,
@@ -257,12 +262,12 @@ def security_objects(job: RLHFJob, token_key: bytes, access: security.PolicyAcce
     """What must exist before the job's RayCluster: the Secret with its Ray token (when token
     authentication is on) and its NetworkPolicy (when enabled). Owner references are the caller's."""
     objects: list[dict[str, Any]] = []
-    labels = child_labels(job)
     if security.token_enabled(job):
-        objects.append(security.token_secret(job, security.token_of(token_key, job), labels))
+        metadata = _child_metadata(job, security.token_secret_name(job))
+        objects.append(security.token_secret(metadata, security.token_of(token_key, job)))
     if job.spec.security.network_policy == "Enabled":
-        name = raycluster_name(job.name)
-        objects.append(security.network_policy(job, name, labels, job_selector(job), access))
+        metadata = _child_metadata(job, raycluster_name(job.name))
+        objects.append(security.network_policy(job, metadata, job_selector(job), access))
     return objects
 
 

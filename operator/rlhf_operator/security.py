@@ -71,15 +71,13 @@ def auth_env(job: RLHFJob) -> list[dict[str, Any]]:
     ]
 
 
-def token_secret(job: RLHFJob, token: str, labels: Mapping[str, str]) -> dict[str, Any]:
-    """The Secret the pods read the token from (owner reference added by the caller)."""
-    metadata: dict[str, Any] = {"name": token_secret_name(job), "labels": dict(labels)}
-    if job.namespace:
-        metadata["namespace"] = job.namespace
+def token_secret(metadata: Mapping[str, Any], token: str) -> dict[str, Any]:
+    """The Secret the pods read the token from (`metadata` names it `token_secret_name`; owner reference
+    added by the caller)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": metadata,
+        "metadata": dict(metadata),
         "type": "Opaque",
         "immutable": True,
         "stringData": {TOKEN_SECRET_KEY: token},
@@ -119,7 +117,7 @@ def _tcp(*ports: int) -> list[dict[str, Any]]:
 
 
 def network_policy(
-    job: RLHFJob, name: str, labels: Mapping[str, str], job_selector: Mapping[str, str], access: PolicyAccess
+    job: RLHFJob, metadata: Mapping[str, Any], job_selector: Mapping[str, str], access: PolicyAccess
 ) -> dict[str, Any]:
     """Ingress to the job's pods: anything from the job's own pods (Ray's GCS, raylets, object stores);
     the Jobs API and metrics ports from the operator's pods; the metrics port from the scrapers.
@@ -130,13 +128,10 @@ def network_policy(
         "podSelector": {"matchLabels": dict(access.operator_pod_labels)},
     }
     scrapers = [dict(p) for p in access.metrics_from] or [{"podSelector": {}}]
-    metadata: dict[str, Any] = {"name": name, "labels": dict(labels)}
-    if job.namespace:
-        metadata["namespace"] = job.namespace
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": metadata,
+        "metadata": dict(metadata),
         "spec": {
             "podSelector": {"matchLabels": dict(job_selector)},
             "policyTypes": ["Ingress"],

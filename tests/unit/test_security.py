@@ -75,7 +75,7 @@ def test_the_policy_admits_the_job_the_operator_and_the_scrapers_only() -> None:
     j = job()
     port = j.spec.monitoring.metrics_port
     default = security.network_policy(
-        j, "j", {}, {"rlhf.dev/job": "j"}, security.PolicyAccess("ops", {"app": "op"})
+        j, {"name": "j"}, {"rlhf.dev/job": "j"}, security.PolicyAccess("ops", {"app": "op"})
     )
     ingress = default["spec"]["ingress"]
     assert ingress[0] == {"from": [{"podSelector": {"matchLabels": {"rlhf.dev/job": "j"}}}]}
