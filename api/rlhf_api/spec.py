@@ -848,6 +848,11 @@ class RLHFJobStatus(_Status):
     submission_id: str | None = Field(
         default=None, description="Ray Jobs submission id of the trainer entrypoint."
     )
+    head_pod: str | None = Field(
+        default=None,
+        description="The Ray head pod the current attempt's driver runs on. When the RayCluster reports "
+        "another head pod, or none, the driver and the GCS went with the old one and the attempt restarts.",
+    )
     current_phase: str | None = Field(
         default=None,
         description="Training phase in progress (generation, reward, actor_train, ...), from the metrics.",

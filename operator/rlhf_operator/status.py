@@ -81,6 +81,24 @@ def cluster_ready(raycluster: dict[str, Any] | None) -> bool:
     return bool(raycluster) and (raycluster or {}).get("status", {}).get("state") == "ready"
 
 
+def head_pod_name(raycluster: dict[str, Any] | None) -> str | None:
+    """The head pod KubeRay reports for the cluster now (status.head.podName), if any."""
+    return ((raycluster or {}).get("status", {}).get("head") or {}).get("podName") or None
+
+
+def head_lost(raycluster: dict[str, Any] | None, attempt_head: str | None) -> str | None:
+    """Why the current attempt's head pod is gone, or None. KubeRay keeps a RayCluster's state `ready`
+    after its first start, so a replaced head pod shows only here (kuberay#2161: a RayJob left Running)."""
+    if not attempt_head:
+        return None
+    now = head_pod_name(raycluster)
+    if now is None:
+        return f"the Ray head pod {attempt_head} is gone"
+    if now != attempt_head:
+        return f"the Ray head pod {attempt_head} was replaced by {now}"
+    return None
+
+
 def cluster_problem(raycluster: dict[str, Any] | None) -> str | None:
     """KubeRay's own failure report, if any (e.g. pods failing to be created)."""
     if not raycluster:
@@ -223,6 +241,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         return finish("Failed", "ProvisioningTimeout", why)
 
     if observed.raycluster is None:
+        st.pop("headPod", None)  # the next attempt's head is the new cluster's
         d.actions.append("create_cluster")
         if job_phase not in ("Pending", "Restarting"):
             go(
@@ -235,6 +254,13 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             go("Pending" if job_phase == "Pending" else job_phase, "creating the RayCluster")
         st["conditions"] = conds
         return d
+
+    # The head pod of a running attempt replaced or gone: its driver and the GCS went with it, whatever
+    # the RayCluster's state says. Restart from the last checkpoint rather than stay Running on nothing.
+    lost = head_lost(observed.raycluster, cur.get("headPod")) if job_phase in ("Running", "Stalled") else None
+    if lost:
+        st.pop("headPod", None)
+        return restart_or_fail(f"{lost}: the trainer's driver and the GCS went with it", "BackoffLimitExceeded")
 
     problem = cluster_problem(observed.raycluster)
     if not cluster_ready(observed.raycluster):
@@ -272,6 +298,7 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         d.actions.append("submit")
         d.submission_id = submission_id
         st["submissionId"] = submission_id
+        st["headPod"] = head_pod_name(observed.raycluster)
         conds = set_condition(conds, "JobSubmitted", True, "Submitted", f"submitted {submission_id}", now)
         st["conditions"] = conds
         if job_phase in ("Pending", "Provisioning"):
@@ -314,6 +341,8 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     # RUNNING.
     if not started:
         st["startTime"] = iso(now)
+    if not st.get("headPod"):
+        st["headPod"] = head_pod_name(observed.raycluster)
     if job_phase in ("Pending", "Provisioning", "Restarting", "Suspended"):
         go("Running", f"trainer job {job_info.submission_id} is running", "Running")
     conds = set_condition(conds, "Running", True, "Running", f"Ray job {job_info.submission_id} running", now)

@@ -303,3 +303,47 @@ def test_a_running_jobs_lost_cluster_is_recreated_then_the_same_attempt_resubmit
     assert ready.status.get("restarts", 0) == 0
     back = decide(job(ready.status), obs(ray_job=ray("RUNNING"), metrics_error="refused"), SID)
     assert back.status["phase"] == "Running" and back.status.get("restarts", 0) == 0
+
+
+def with_head(pod: str | None) -> dict[str, Any]:
+    return cluster(head={"podName": pod} if pod else {})
+
+
+def test_the_submitted_attempt_records_its_head_pod() -> None:
+    d = decide(job({"phase": "Provisioning", "restarts": 0}), obs(raycluster=with_head("tiny-head-a")), SID)
+    assert d.actions == ["submit"] and d.status["headPod"] == "tiny-head-a"
+
+
+@pytest.mark.parametrize(
+    ("now_head", "said"),
+    [(None, "the Ray head pod tiny-head-a is gone"), ("tiny-head-b", "replaced by tiny-head-b")],
+)
+def test_a_running_attempts_lost_head_pod_restarts_it_from_the_checkpoint(now_head: str | None, said: str) -> None:
+    """docs/reliability.md: the head pod deleted under a running job. KubeRay keeps the RayCluster
+    `ready` (kuberay#2161), so the operator reads the head pod's name: another one, or none, means the
+    driver and the GCS are gone. Restarting (counted, Warning), never Running on nothing."""
+    running = {"phase": "Running", "submissionId": SID, "restarts": 0, "startTime": iso(NOW), "headPod": "tiny-head-a"}
+    d = decide(job(running), obs(raycluster=with_head(now_head), ray_job_error="connection refused"), SID)
+    assert d.status["phase"] == "Restarting", d.status
+    assert d.status["restarts"] == 1 and "submissionId" not in d.status and "headPod" not in d.status
+    assert said in d.status["message"] and "driver and the GCS" in d.status["message"]
+    assert [(t, r) for t, r, _ in d.events] == [("Warning", "Restarting")]
+    # The next attempt is submitted on the new head, and records it.
+    nxt = decide(job(d.status), obs(raycluster=with_head("tiny-head-b")), "sid-1")
+    assert nxt.actions == ["submit"] and nxt.submission_id == "sid-1" and nxt.status["headPod"] == "tiny-head-b"
+
+
+def test_the_same_head_pod_is_no_loss_and_a_job_from_before_the_field_adopts_its_head() -> None:
+    running = {"phase": "Running", "submissionId": SID, "restarts": 0, "startTime": iso(NOW), "headPod": "tiny-head-a"}
+    same = decide(job(running), obs(raycluster=with_head("tiny-head-a"), ray_job=ray("RUNNING")), SID)
+    assert same.status["phase"] == "Running" and same.status["restarts"] == 0
+    older = {k: v for k, v in running.items() if k != "headPod"}
+    adopted = decide(job(older), obs(raycluster=with_head("tiny-head-a"), ray_job=ray("RUNNING")), SID)
+    assert adopted.status["phase"] == "Running" and adopted.status["headPod"] == "tiny-head-a"
+
+
+def test_a_head_pod_lost_while_provisioning_is_not_a_restart() -> None:
+    """Before the attempt runs (the recreated-cluster path) a new head is expected: no restart."""
+    prov = {"phase": "Provisioning", "submissionId": SID, "restarts": 0, "headPod": "tiny-head-a"}
+    d = decide(job(prov), obs(raycluster=with_head("tiny-head-b")), SID)
+    assert d.status["restarts"] == 0 and d.status["phase"] != "Restarting"

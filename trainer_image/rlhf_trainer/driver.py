@@ -16,13 +16,13 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import ray
 from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
 from rlhf_api.spec import RLHFJobSpec
 
-from rlhf_trainer import device
+from rlhf_trainer import container_log, device
 from rlhf_trainer.checkpoint import Checkpointer, resume_point
 from rlhf_trainer.config import InputError, load_spec_arg, preflight
 from rlhf_trainer.data import PromptDataset
@@ -200,6 +200,12 @@ def step_summary(report: StepReport) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def _say(line: str, stream: TextIO = sys.stdout) -> None:
+    """A line for the Ray job's log and, in a head pod, for `kubectl logs` too."""
+    print(line, file=stream, flush=True)
+    container_log.echo(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlhf_trainer.driver", description=__doc__)
     p.add_argument("--job-name", default=os.environ.get("RLHF_JOB_NAME", "local"))
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             spec,
             args.job_name,
             steps=args.steps,
-            on_step=lambda r: print(
+            on_step=lambda r: _say(
                 json.dumps(
                     {
                         "step": r.step,
@@ -224,17 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                         "phase_seconds": {k: round(v, 3) for k, v in r.phase_seconds.items()},
                         "engines": r.engines,
                     }
-                ),
-                flush=True,
+                )
             ),
         )
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}", sys.stderr)
         return INPUT_ERROR_EXIT_CODE  # the operator fails the job with this line, without a restart
     except Exception as e:
         # Not a bad input: the trace says where (the job's log is where an operator will look).
         traceback.print_exc(file=sys.stderr)
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        _say(f"error: {type(e).__name__}: {e}", sys.stderr)
         return 1
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=1))

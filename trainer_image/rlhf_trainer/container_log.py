@@ -1,0 +1,54 @@
+"""Echoes the driver's step and error lines to the head container's own log, so `kubectl logs` of the
+head pod shows them. Ray sends a job driver's output to the job's log file on the head, where a
+Kubernetes user does not look. Best effort: outside a head pod, or when the stream cannot be opened,
+it does nothing (the Ray job log keeps every line either way).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TextIO
+
+# The container's first process holds the stream the runtime collects as the pod's log.
+CONTAINER_STDOUT = "/proc/1/fd/1"
+
+_stream: TextIO | None = None
+_disabled = False
+
+
+def _open(path: str) -> TextIO | None:
+    global _disabled
+    if _disabled:
+        return None
+    if os.environ.get("RLHF_ROLE") != "head" or os.getpid() == 1:
+        _disabled = True
+        return None
+    try:
+        return open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - kept open for the run
+    except OSError:
+        _disabled = True
+        return None
+
+
+def echo(line: str, path: str = CONTAINER_STDOUT) -> bool:
+    """Writes one line to the head container's log; True if it was written."""
+    global _stream, _disabled
+    if _stream is None:
+        _stream = _open(path)
+        if _stream is None:
+            return False
+    try:
+        _stream.write(line.rstrip("\n") + "\n")
+        return True
+    except OSError:
+        _disabled = True
+        _stream = None
+        return False
+
+
+def reset() -> None:
+    """Forget the stream (tests)."""
+    global _stream, _disabled
+    if _stream is not None:
+        _stream.close()
+    _stream, _disabled = None, False
