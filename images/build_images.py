@@ -311,7 +311,8 @@ def build_image(spec: ImageSpec, base: str, rt: runtime.Runtime | None) -> str:
     args = [f"--build-arg={k}={v}" for k, v in sorted(recipe.build_args(spec, base).items())]
     cmd = buildah(
         "bud",
-        "--layers=false",
+        # Layers are cached: a change to our code rebuilds the small layers after the dependencies'.
+        "--layers=true",
         "--pull-never",
         f"--network={spec.network}",
         f"--volume={wheels}:/wheels:ro",

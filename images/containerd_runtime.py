@@ -65,6 +65,9 @@ disabled_plugins = [
 
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{sandbox_image}"
+  # This machine's root lacks CAP_SYS_RESOURCE, so no process may lower its oom_score_adj, and the
+  # kubelet asks -998 for every pod sandbox: clamp to containerd's own value instead of failing.
+  restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"

@@ -1,11 +1,15 @@
 """`make demo`: the whole product on one machine, as a new user first sees it.
 
-1. the local control plane (real etcd, kube-apiserver, controller-manager, scheduler, KWOK, KubeRay);
-2. `helm install` of charts/rlhf-operator (CRD, RBAC, Deployment, Service);
-3. the operator as a local process pointed at that cluster (pods cannot run containers here, so the
-   chart's Deployment has a fake-Running pod on a KWOK node and the real operator runs beside it), with a
-   local Ray head standing in for the RayCluster's head pod (RLHF_DEV_HEAD_HOST, docs/development.md);
-4. `kubectl apply -f examples/rlhfjob-tiny.yaml`, then live progress until the job Succeeds.
+1. the local control plane (real etcd, kube-apiserver, controller-manager, scheduler, KWOK, KubeRay)
+   and a real node (kubelet, containerd, kube-proxy, CoreDNS);
+2. `make images`: the operator and CPU trainer images, built here (no registry);
+3. `helm install` of charts/rlhf-operator with those images: the operator runs in its pod;
+4. `kubectl apply` of the tiny job (examples/rlhf-tiny-volume.yaml, examples/rlhfjob-tiny-pods.yaml):
+   KubeRay starts the head, trainer and rollout pods on the real node; live progress until it Succeeds.
+
+The fallback for a machine that cannot run containers (RLHF_REAL_NODE=0): KWOK nodes only, the
+operator as a local process, and a local Ray head standing in for the RayCluster's head pod (the
+development override, docs/development.md).
 
 Everything it starts lives under .demo/ (and /tmp/rlhf-tiny, the example's paths) on ports of its own,
 so it runs beside a test cluster. Ctrl-C, or any failure, cleans up; a second run starts clean.
@@ -37,6 +41,8 @@ RAY_PORT, DASHBOARD_PORT = 16379 + PORT_OFFSET, 18265 + PORT_OFFSET
 TINY = Path("/tmp/rlhf-tiny")  # the paths examples/rlhfjob-tiny.yaml names
 NAMESPACE, JOB, RELEASE = "default", "tiny", "rlhf-operator"
 TIMEOUT = float(os.environ.get("RLHF_DEMO_TIMEOUT", "1800"))
+REAL_NODE = os.environ.get("RLHF_REAL_NODE", "1") not in ("0", "false", "no")
+TRAINER_UID = 10001  # the trainer image's user: it reads the model and writes checkpoints
 PIDS = DEMO / "pids.json"
 
 console = Console()
@@ -65,6 +71,26 @@ def run(*cmd: str, quiet: bool = False, timeout: float = 1800) -> str:
     if not quiet and proc.stdout.strip():
         console.print(proc.stdout.rstrip(), highlight=False)
     return proc.stdout
+
+
+def run_live(*cmd: str, timeout: float = 5400) -> str:
+    """Runs a long command, showing its progress lines as they come (a cold build is many minutes)."""
+    out: list[str] = []
+    proc = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith(("[build]", "[images]", "[up]", "operator-image:", "trainer-image:", "error")):
+            console.print(f"  [dim]{line.rstrip()}[/]", highlight=False)
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise DemoError(f"`{' '.join(cmd)}` took longer than {timeout:.0f}s")
+    if proc.wait() != 0:
+        raise DemoError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{''.join(out[-40:])}")
+    return "".join(out)
 
 
 def step(title: str) -> float:
@@ -202,16 +228,23 @@ def render(job: dict[str, Any] | None, started: float) -> Group:
     return Group(Panel(head, title="rlhf-operator demo", border_style=colour), phases)
 
 
-def follow(started: float, operator: subprocess.Popen[bytes]) -> dict[str, Any]:
+def follow(started: float, operator: subprocess.Popen[bytes] | None) -> dict[str, Any]:
     deadline = time.monotonic() + TIMEOUT
     job = get_job()
+    shown_pods = False
     with Live(render(job, started), console=console, refresh_per_second=2, transient=False) as live:
         while time.monotonic() < deadline:
-            if operator.poll() is not None:
+            if operator is not None and operator.poll() is not None:
                 raise DemoError(f"the operator exited ({operator.returncode}); see .demo/operator.log")
             job = get_job()
             live.update(render(job, started))
             phase = ((job or {}).get("status") or {}).get("phase")
+            if phase == "Running" and REAL_NODE and not shown_pods:
+                shown_pods = True  # where the pods run, once, while they run
+                pods = run("kubectl", "get", "pods", "-n", NAMESPACE, "-o", "wide", quiet=True)
+                live.console.print(
+                    f"[bold]the job's pods[/] (kubectl get pods -o wide):\n{pods.rstrip()}", highlight=False
+                )
             if phase in ("Succeeded", "Failed"):
                 return job or {}
             time.sleep(1)
@@ -245,6 +278,56 @@ def summary(job: dict[str, Any], started: float) -> None:
 # ----------------------------------------------------------------------------------------------- main
 
 
+def real_pods(t_all: float) -> int:
+    """Steps 2-5 the way users run it: images built here, the operator in its pod, the job in pods."""
+    t0 = step("2/5 make images: the operator and CPU trainer images, built here (no registry)")
+    out = run_live(sys.executable, "images/build_images.py", "all", "--keep-runtime")
+    refs = dict(
+        line.split(": ", 1)
+        for line in out.splitlines()
+        if line.endswith(tuple("0123456789abcdef")) and "-image: " in line
+    )
+    operator_ref, trainer_ref = refs.get("operator-image", ""), refs.get("trainer-image", "")
+    if not operator_ref or not trainer_ref:
+        raise DemoError(f"make images did not name both images:\n{out[-2000:]}")
+    done(t0, f"{operator_ref}, {trainer_ref}")
+
+    t0 = step("3/5 helm install charts/rlhf-operator with those images")
+    op_repo, op_tag = operator_ref.rsplit(":", 1)
+    tr_repo, tr_tag = trainer_ref.rsplit(":", 1)
+    run(
+        "helm", "upgrade", "--install", RELEASE, "charts/rlhf-operator", "--namespace", "rlhf-system",
+        "--create-namespace", "--wait", "--timeout", "5m",
+        "--set", f"image.repository={op_repo}", "--set", f"image.tag={op_tag}",
+        "--set", f"jobDefaults.trainerImage.repository={tr_repo}", "--set", f"jobDefaults.trainerImage.tag={tr_tag}",
+        "--set", "nodeSelector.rlhf\\.dev/node=real",
+        "--set", "tolerations[0].key=rlhf.dev/real-node", "--set", "tolerations[0].operator=Exists",
+    )  # fmt: skip
+    run("kubectl", "get", "pods", "-n", "rlhf-system", "-o", "wide")
+    done(t0, "the operator runs in its pod (uid 10001, read-only root, its own ServiceAccount)")
+
+    t0 = step("4/5 kubectl apply -f examples/rlhf-tiny-volume.yaml -f examples/rlhfjob-tiny-pods.yaml")
+    shutil.rmtree(TINY / "checkpoints", ignore_errors=True)  # a fresh run, not a resume of the last demo
+    if not (TINY / "model" / "config.json").exists():
+        run(str(VENV_BIN / "rlhf"), "make-tiny-model", str(TINY))
+    for path in [TINY, *TINY.rglob("*")]:
+        os.chown(path, TRAINER_UID, TRAINER_UID)
+    run(
+        "kubectl", "delete", "pv", "rlhf-tiny", "--ignore-not-found", quiet=True
+    )  # a Released one from before
+    run("kubectl", "apply", "-f", "examples/rlhf-tiny-volume.yaml", "-f", "examples/rlhfjob-tiny-pods.yaml")
+    started = time.monotonic()
+    job = follow(started, None)
+    run("kubectl", "get", "rlhf", "-n", NAMESPACE, "-o", "wide")
+    summary(job, started)
+    ok = job.get("status", {}).get("phase") == "Succeeded"
+    console.rule("[bold]5/5 done")
+    console.print(
+        f"[{'green' if ok else 'red'}]demo {'succeeded' if ok else 'FAILED'}[/] in {time.monotonic() - t_all:.0f}s"
+    )
+    return 0 if ok else 1
+
+
 def main() -> int:
     DEMO.mkdir(exist_ok=True)
     cleanup(quiet=True)  # whatever an interrupted run left behind
@@ -252,9 +335,19 @@ def main() -> int:
     t_all = time.monotonic()
     try:
         t0 = step("1/5 local control plane (built once from the Go module proxy, then cached)")
-        run(sys.executable, "devcluster/devcluster.py", "build", quiet=True, timeout=3600)
-        run(sys.executable, "devcluster/devcluster.py", "up")
-        done(t0, "etcd, kube-apiserver, controller-manager, scheduler, KWOK (2 fake 8-GPU nodes), KubeRay")
+        run_live(sys.executable, "devcluster/devcluster.py", "build", timeout=5400)
+        run_live(sys.executable, "devcluster/devcluster.py", "up", timeout=1800)
+        done(
+            t0,
+            "etcd, kube-apiserver, controller-manager, scheduler, KWOK (2 fake 8-GPU nodes), KubeRay"
+            + (
+                ", and the real node rlhf-node-0 (kubelet, containerd, kube-proxy, CoreDNS)"
+                if REAL_NODE
+                else ""
+            ),
+        )
+        if REAL_NODE:
+            return real_pods(t_all)
 
         t0 = step("2/5 helm install charts/rlhf-operator")
         run(

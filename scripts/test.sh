@@ -52,6 +52,10 @@ pytest_stage security tests -m security || status=1
 pytest_stage alerting tests -m alerting || status=1
 pytest_stage trainer tests -m trainer || status=1
 pytest_stage reliability tests -m reliability || status=1
+# The user's path on the real node: the images built here (content-hashed, seconds when unchanged),
+# the chart installed with them, the tiny job in real pods (docs/development.md, "The real node").
+stage images python3 images/build_images.py all --keep-runtime || status=1
+pytest_stage realnode tests -m realnode || status=1
 
 if [ $started_cluster = 1 ] && [ "${KEEP_CLUSTER:-0}" != 1 ]; then
   python3 devcluster/devcluster.py down >/dev/null 2>&1 || true

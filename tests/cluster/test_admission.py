@@ -22,7 +22,7 @@ pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 INVALID = sorted((ROOT / "tests" / "data" / "invalid").glob("*.yaml"))
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").glob("rlhfjob-*.yaml"))  # RLHFJobs (not the volume example)
 RULE_MESSAGES = {rule.name: rule.message for rule in RULES}
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 INVALID = sorted((ROOT / "tests" / "data" / "invalid").glob("*.yaml"))
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").glob("rlhfjob-*.yaml"))  # RLHFJobs (not the volume example)
 RULES_BY_NAME = {rule.name: rule for rule in RULES}
 
 

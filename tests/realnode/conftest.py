@@ -1,0 +1,198 @@
+"""The real node's fixtures: the images built here, the chart installed with them (the operator in its
+own pod), and a local PersistentVolume holding the tiny model, prompts and checkpoints.
+
+Nothing here uses the development override: the operator reaches each head through its Service's DNS
+name, and the trainer runs in KubeRay's pods from the trainer image.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import ROOT, Cluster, wait_for
+
+sys.path.insert(0, str(ROOT / "devcluster"))
+
+import node
+
+RELEASE, OPERATOR_NAMESPACE = "rlhf-operator", "rlhf-system"
+DATA_UID = 10001  # the trainer image's user; the PersistentVolume's files belong to it
+STORAGE_CLASS = "rlhf-local"
+
+
+@dataclass(frozen=True)
+class Images:
+    operator: str
+    trainer: str
+
+
+@pytest.fixture(scope="session")
+def real_node(cluster: Cluster) -> str:
+    """The kubelet's node, Ready. A control plane started without it fails here with the reason."""
+    obj = cluster.get("node", node.NODE_NAME)
+    if obj is None:
+        pytest.fail(
+            f"no node {node.NODE_NAME}: the control plane runs without the real node "
+            "(RLHF_REAL_NODE=0, or `make cluster-up` could not start it: see .cluster/logs/kubelet.log)",
+            pytrace=False,
+        )
+    ready = [c for c in obj["status"].get("conditions", []) if c["type"] == "Ready"]
+    assert ready and ready[0]["status"] == "True", f"{node.NODE_NAME} is not Ready: {ready}"
+    return node.NODE_NAME
+
+
+@pytest.fixture(scope="session")
+def images(real_node: str) -> Images:
+    """`make images` (content-hashed: seconds when nothing changed), loaded into the node's containerd."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "images" / "build_images.py"), "all"],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    refs = dict(re.findall(r"^(operator|trainer)-image: (\S+)$", proc.stdout, re.M))
+    if proc.returncode != 0 or len(refs) != 2:
+        pytest.fail(f"make images failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n{proc.stdout[-2000:]}")
+    return Images(refs["operator"], refs["trainer"])
+
+
+def on_real_node() -> dict[str, Any]:
+    """Pod settings that put a pod on the real node (its label, its taint)."""
+    return {
+        "nodeSelector": {node.NODE_LABEL[0]: node.NODE_LABEL[1]},
+        "tolerations": [{"key": node.NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+    }
+
+
+@pytest.fixture(scope="session")
+def operator_release(
+    cluster: Cluster, images: Images, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """`helm install` of the chart with the operator image built here; the operator runs in its pod."""
+    op_repo, op_tag = images.operator.rsplit(":", 1)
+    tr_repo, tr_tag = images.trainer.rsplit(":", 1)
+    values = {
+        "image": {"repository": op_repo, "tag": op_tag, "pullPolicy": "Never"},
+        "jobDefaults": {"trainerImage": {"repository": tr_repo, "tag": tr_tag}},
+        "operator": {"logFormat": "json"},
+        **on_real_node(),
+    }
+    path = tmp_path_factory.mktemp("chart") / "values.json"
+    path.write_text(json.dumps(values))
+    chart = str(ROOT / "charts" / "rlhf-operator")
+    cluster.helm(
+        "upgrade", "--install", RELEASE, chart, "-n", OPERATOR_NAMESPACE, "--create-namespace",
+        "-f", str(path), "--wait", "--timeout", "300s", timeout=360,
+    )  # fmt: skip
+    yield RELEASE
+    logs = cluster.kubectl(
+        "logs", "-n", OPERATOR_NAMESPACE, f"deploy/{RELEASE}", "--tail=40", check=False
+    ).stdout
+    print(f"--- operator pod log tail ---\n{logs}")
+    cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", "--timeout", "120s", check=False)
+
+
+@pytest.fixture
+def local_data(
+    cluster: Cluster, namespace: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A PVC bound to a local PersistentVolume on the real node, holding the tiny model and prompts
+    (/data/model, /data/prompts.jsonl); checkpoints go to /data/ckpt. Returns the claim's name."""
+    root = tmp_path_factory.mktemp("pv")
+    root.chmod(0o755)
+    data = root / "data"
+    shutil.copytree(tiny_model, data)
+    for path in [data, *data.rglob("*")]:
+        shutil.chown(path, DATA_UID, DATA_UID)
+    pv = f"rlhf-data-{uuid.uuid4().hex[:8]}"
+    cluster.apply(
+        {
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": {"name": STORAGE_CLASS},
+            "provisioner": "kubernetes.io/no-provisioner",
+            "volumeBindingMode": "WaitForFirstConsumer",
+        }
+    )
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv},
+            "spec": {
+                "capacity": {"storage": "2Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": STORAGE_CLASS,
+                "local": {"path": str(data)},
+                "claimRef": {"namespace": namespace, "name": "tiny-data"},
+                "nodeAffinity": {
+                    "required": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {
+                                        "key": "kubernetes.io/hostname",
+                                        "operator": "In",
+                                        "values": [node.NODE_NAME],
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                },
+            },
+        }
+    )
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "tiny-data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": STORAGE_CLASS,
+                "resources": {"requests": {"storage": "2Gi"}},
+            },
+        },
+        namespace,
+    )
+    yield "tiny-data"
+    cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
+
+
+def realnode_job(name: str, claim: str, steps: int, interval: int, **spec: Any) -> dict[str, Any]:
+    """examples/rlhfjob-tiny.yaml as a real job: no image (the chart's default trainer image), every
+    pod on the real node with the data claim at /data."""
+    from support import tiny_job
+
+    doc = tiny_job(name, Path("/data"), Path("/data/ckpt"), steps)
+    s = doc["spec"]
+    s["checkpoint"].update(intervalSteps=interval, keepLast=2)
+    s["monitoring"].update(metricsPort=9400, scrapeIntervalSeconds=2)
+    s["pods"] = {
+        **on_real_node(),
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    for key, value in spec.items():
+        s[key] = {**s.get(key, {}), **value}
+    return doc
+
+
+def job_pods(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
+    return cluster.list("pods", namespace)
+
+
+def wait_no_pods(cluster: Cluster, namespace: str, timeout: float) -> None:
+    wait_for(lambda: not job_pods(cluster, namespace) or None, timeout, f"every pod of {namespace} gone")

@@ -1,0 +1,166 @@
+"""The user's path, for real: the chart installed with the images built here (the operator in its own
+pod), `kubectl apply` of the tiny RLHFJob, KubeRay's head, trainer and rollout pods started from the
+trainer image on the real node, the Ray cluster formed through the head Service, the driver submitted
+and the metrics scraped through that Service's DNS name. No development override anywhere.
+
+Two runs, one fault each: a rollout pod deleted mid-run (the engine pool goes on without it), and the
+head pod deleted mid-run (the driver and the GCS go with it: the operator must notice, restart from the
+last checkpoint, and never leave the job Running with nothing running, as kuberay#2161 reports).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from conftest import job_pods, realnode_job, wait_no_pods
+from support import Cluster, PhaseWatch, wait_for
+
+pytestmark = pytest.mark.realnode
+
+ROLE = "rlhf.dev/role"
+
+
+def status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    st: dict[str, Any] = (cluster.get("rlhfjob", name, namespace) or {}).get("status", {})
+    return st
+
+
+def pods_by_role(cluster: Cluster, namespace: str) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for pod in job_pods(cluster, namespace):
+        out.setdefault(pod["metadata"].get("labels", {}).get(ROLE, "?"), []).append(pod)
+    return out
+
+
+def all_running_on(
+    cluster: Cluster, namespace: str, node: str, rollout: int
+) -> dict[str, list[dict[str, Any]]] | None:
+    roles = pods_by_role(cluster, namespace)
+    want = {"head": 1, "trainer": 1, "rollout": rollout}
+    for role, n in want.items():
+        pods = [p for p in roles.get(role, []) if p["status"].get("phase") == "Running"]
+        if len(pods) < n:
+            return None
+    return roles
+
+
+def wait_step(cluster: Cluster, namespace: str, name: str, step: int, timeout: float) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        st = status(cluster, namespace, name)
+        assert st.get("phase") != "Failed", st
+        return st if (st.get("step") or 0) >= step else None
+
+    return wait_for(reached, timeout, f"{name} at step {step}", interval=1)
+
+
+def wait_succeeded(cluster: Cluster, namespace: str, name: str, timeout: float) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        st = status(cluster, namespace, name)
+        assert st.get("phase") != "Failed", st
+        return st if st.get("phase") == "Succeeded" else None
+
+    return wait_for(done, timeout, f"{name} Succeeded", interval=2)
+
+
+def head_pod(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    heads = pods_by_role(cluster, namespace).get("head", [])
+    assert len(heads) == 1, [p["metadata"]["name"] for p in heads]
+    return heads[0]
+
+
+def test_tiny_job_in_real_pods_survives_a_rollout_pod_loss(
+    cluster: Cluster, namespace: str, real_node: str, operator_release: str, local_data: str
+) -> None:
+    t0 = time.monotonic()
+    cluster.apply(realnode_job("tiny", local_data, steps=12, interval=4, rollout={"engines": 2}), namespace)
+    roles = wait_for(
+        lambda: all_running_on(cluster, namespace, real_node, rollout=2),
+        900,
+        "head, trainer and 2 rollout pods Running",
+    )
+    print(cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
+    nodes = {p["spec"]["nodeName"] for pods in roles.values() for p in pods}
+    assert nodes == {real_node}, nodes
+    # The operator in its pod scraped the trainer through the head Service's DNS name: the status has
+    # the trainer's timings.
+    st = wait_step(cluster, namespace, "tiny", 2, 900)
+    print(f"pods Running and step 2 in status after {time.monotonic() - t0:.0f}s")
+    assert st["phaseSeconds"].get("generation", 0) > 0, st
+    assert st["rollout"]["readyEngines"] == 2, st
+    assert st["restarts"] == 0, st
+
+    victim = roles["rollout"][0]["metadata"]["name"]
+    cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
+    deleted_at_step = status(cluster, namespace, "tiny").get("step")
+    st = wait_succeeded(cluster, namespace, "tiny", 1200)
+    print(
+        f"Succeeded after {time.monotonic() - t0:.0f}s; rollout pod {victim} deleted at step {deleted_at_step}"
+    )
+    # As docs/reliability.md promises for a lost rollout worker with 2 engines: no restart.
+    assert st["restarts"] == 0, st
+    assert st["step"] == 12, st
+
+    table = cluster.kubectl("get", "rlhf", "tiny", "-n", namespace).stdout
+    print(table)
+    assert "Succeeded" in table and "12/12" in table, table
+    logs = cluster.kubectl("logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]).stdout
+    steps = [json.loads(line)["step"] for line in logs.splitlines() if line.startswith('{"step":')]
+    assert steps == list(range(1, 13)), f"the head pod's log has step lines {steps}:\n{logs[-3000:]}"
+
+    cluster.kubectl("delete", "rlhfjob", "tiny", "-n", namespace)
+    wait_no_pods(cluster, namespace, 180)
+
+
+def test_head_pod_loss_restarts_the_job_from_its_checkpoint(
+    cluster: Cluster, namespace: str, real_node: str, operator_release: str, local_data: str
+) -> None:
+    cluster.apply(realnode_job("headloss", local_data, steps=8, interval=2), namespace)
+    wait_for(lambda: all_running_on(cluster, namespace, real_node, rollout=1), 900, "the job's pods Running")
+    watch = PhaseWatch(cluster, "rlhfjob", "headloss", namespace)
+    try:
+
+        def checkpointed() -> dict[str, Any] | None:
+            st = status(cluster, namespace, "headloss")
+            assert st.get("phase") != "Failed", st
+            return st if (st.get("lastCheckpointStep") or 0) >= 2 and st.get("phase") == "Running" else None
+
+        before = wait_for(checkpointed, 900, "a checkpoint at step 2 or later", interval=1)
+        head = head_pod(cluster, namespace)["metadata"]["name"]
+        cluster.kubectl("delete", "pod", head, "-n", namespace, "--wait=false")
+        deleted = time.monotonic()
+
+        def noticed() -> dict[str, Any] | None:
+            st = status(cluster, namespace, "headloss")
+            return st if st.get("phase") != "Running" or (st.get("restarts") or 0) > 0 else None
+
+        seen = wait_for(noticed, 300, "the operator noticing the head pod's loss", interval=0.5)
+        detection = time.monotonic() - deleted
+        st = wait_succeeded(cluster, namespace, "headloss", 1500)
+        recovery = time.monotonic() - deleted
+    finally:
+        phases = watch.stop()
+    print(
+        f"head pod {head} deleted at step {before['step']} (last checkpoint {before['lastCheckpointStep']}); "
+        f"noticed in {detection:.1f}s ({seen.get('phase')}: {seen.get('message')}); Succeeded {recovery:.0f}s "
+        f"after the delete; phases {phases}; restarts {st['restarts']}"
+    )
+    assert st["restarts"] == 1, st
+    assert st["step"] == 8, st
+    # Never Running with nothing running: between the loss and the new attempt the phase left Running.
+    assert phases[0] == "Running" and phases[-1] == "Succeeded", phases
+    assert any(p in ("Restarting", "Provisioning") for p in phases[1:-1]), phases
+    events = json.loads(
+        cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=headloss", "-o", "json"
+        ).stdout
+    )["items"]
+    warnings = [e for e in events if e.get("type") == "Warning"]
+    assert warnings, [e.get("reason") for e in events]
+    print("warnings:", [(e["reason"], e["message"]) for e in warnings])
+    # The restarted attempt resumed from the checkpoint: its first step in the head pod's log follows it.
+    logs = cluster.kubectl("logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]).stdout
+    steps = [json.loads(line)["step"] for line in logs.splitlines() if line.startswith('{"step":')]
+    assert steps and steps[0] == before["lastCheckpointStep"] + 1 and steps[-1] == 8, steps
