@@ -144,6 +144,8 @@ def _pod_template(
     if ports:
         container["ports"] = ports
     pod_spec: dict[str, Any] = {
+        # No Docker-link variables for every Service of the namespace: nothing here reads them.
+        "enableServiceLinks": False,
         "containers": [container],
         "securityContext": pod_security,
         "volumes": [*shm_volume, *(pods.volumes or [])],

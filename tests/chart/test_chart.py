@@ -354,6 +354,8 @@ def test_deployment_security() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 10001
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # Service links would set RLHF_OPERATOR_METRICS_PORT=tcp://... from the release's metrics Service.
+    assert pod["enableServiceLinks"] is False
     sc = container(dep)["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False
