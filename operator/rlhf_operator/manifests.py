@@ -197,8 +197,9 @@ def _spread_rollout_pods(job: RLHFJob) -> dict[str, Any]:
 
 
 def _ray_resources(name: str, amount: int) -> str:
-    # rayStartParams values are strings; `resources` is a JSON object inside that string.
-    return json.dumps({name: amount})
+    """`rayStartParams.resources`: KubeRay pastes each value into a bash command line unquoted
+    (` --resources=VALUE `), so the JSON object goes in single quotes, as KubeRay writes it itself."""
+    return f"'{json.dumps({name: amount})}'"
 
 
 def build_raycluster(

@@ -305,3 +305,19 @@ def test_effective_engines_clamp_a_request_outside_the_range_only_under_autoscal
         )
         assert manifests.effective_engines(job.spec) == expected, requested
     assert manifests.effective_engines(load("rlhfjob-tiny.yaml", **{"spec.rollout.engines": 9}).spec) == 9
+
+
+def test_ray_start_gets_each_groups_resources_as_one_json_argument() -> None:
+    """KubeRay builds `ray start ... --resources=VALUE` by pasting VALUE into a bash line; unquoted JSON
+    with a space split into two words and every worker pod crashed (`Got unexpected extra argument`)."""
+    import json
+    import shlex
+
+    rc = manifests.build_raycluster(load("rlhfjob-tiny.yaml"), default_image="img")
+    for group in rc["spec"]["workerGroupSpecs"]:
+        params = group["rayStartParams"]
+        line = "ray start " + "".join(f" --{k}={v} " for k, v in sorted(params.items()))  # KubeRay's format
+        words = shlex.split(line)
+        (arg,) = [w for w in words if w.startswith("--resources=")]
+        resources = json.loads(arg.removeprefix("--resources="))
+        assert list(resources) == [f"rlhf_{group['groupName']}_slot"] and resources[list(resources)[0]] >= 1
