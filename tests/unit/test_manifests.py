@@ -320,4 +320,5 @@ def test_ray_start_gets_each_groups_resources_as_one_json_argument() -> None:
         words = shlex.split(line)
         (arg,) = [w for w in words if w.startswith("--resources=")]
         resources = json.loads(arg.removeprefix("--resources="))
-        assert list(resources) == [f"rlhf_{group['groupName']}_slot"] and resources[list(resources)[0]] >= 1
+        ((name, amount),) = resources.items()
+        assert name == f"rlhf_{group['groupName']}_slot" and amount >= 1

@@ -318,11 +318,19 @@ def test_the_submitted_attempt_records_its_head_pod() -> None:
     ("now_head", "said"),
     [(None, "the Ray head pod tiny-head-a is gone"), ("tiny-head-b", "replaced by tiny-head-b")],
 )
-def test_a_running_attempts_lost_head_pod_restarts_it_from_the_checkpoint(now_head: str | None, said: str) -> None:
+def test_a_running_attempts_lost_head_pod_restarts_it_from_the_checkpoint(
+    now_head: str | None, said: str
+) -> None:
     """docs/reliability.md: the head pod deleted under a running job. KubeRay keeps the RayCluster
     `ready` (kuberay#2161), so the operator reads the head pod's name: another one, or none, means the
     driver and the GCS are gone. Restarting (counted, Warning), never Running on nothing."""
-    running = {"phase": "Running", "submissionId": SID, "restarts": 0, "startTime": iso(NOW), "headPod": "tiny-head-a"}
+    running = {
+        "phase": "Running",
+        "submissionId": SID,
+        "restarts": 0,
+        "startTime": iso(NOW),
+        "headPod": "tiny-head-a",
+    }
     d = decide(job(running), obs(raycluster=with_head(now_head), ray_job_error="connection refused"), SID)
     assert d.status["phase"] == "Restarting", d.status
     assert d.status["restarts"] == 1 and "submissionId" not in d.status and "headPod" not in d.status
@@ -330,11 +338,19 @@ def test_a_running_attempts_lost_head_pod_restarts_it_from_the_checkpoint(now_he
     assert [(t, r) for t, r, _ in d.events] == [("Warning", "Restarting")]
     # The next attempt is submitted on the new head, and records it.
     nxt = decide(job(d.status), obs(raycluster=with_head("tiny-head-b")), "sid-1")
-    assert nxt.actions == ["submit"] and nxt.submission_id == "sid-1" and nxt.status["headPod"] == "tiny-head-b"
+    assert (
+        nxt.actions == ["submit"] and nxt.submission_id == "sid-1" and nxt.status["headPod"] == "tiny-head-b"
+    )
 
 
 def test_the_same_head_pod_is_no_loss_and_a_job_from_before_the_field_adopts_its_head() -> None:
-    running = {"phase": "Running", "submissionId": SID, "restarts": 0, "startTime": iso(NOW), "headPod": "tiny-head-a"}
+    running = {
+        "phase": "Running",
+        "submissionId": SID,
+        "restarts": 0,
+        "startTime": iso(NOW),
+        "headPod": "tiny-head-a",
+    }
     same = decide(job(running), obs(raycluster=with_head("tiny-head-a"), ray_job=ray("RUNNING")), SID)
     assert same.status["phase"] == "Running" and same.status["restarts"] == 0
     older = {k: v for k, v in running.items() if k != "headPod"}

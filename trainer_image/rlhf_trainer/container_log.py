@@ -24,7 +24,7 @@ def _open(path: str) -> TextIO | None:
         _disabled = True
         return None
     try:
-        return open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        return open(path, "a", buffering=1, encoding="utf-8")  # kept open for the run
     except OSError:
         _disabled = True
         return None
