@@ -260,7 +260,9 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     lost = head_lost(observed.raycluster, cur.get("headPod")) if job_phase in ("Running", "Stalled") else None
     if lost:
         st.pop("headPod", None)
-        return restart_or_fail(f"{lost}: the trainer's driver and the GCS went with it", "BackoffLimitExceeded")
+        return restart_or_fail(
+            f"{lost}: the trainer's driver and the GCS went with it", "BackoffLimitExceeded"
+        )
 
     problem = cluster_problem(observed.raycluster)
     if not cluster_ready(observed.raycluster):
