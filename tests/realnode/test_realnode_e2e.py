@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import job_pods, realnode_job, wait_no_pods
+from conftest import Images, job_pods, on_real_node, realnode_job, wait_no_pods
 from support import Cluster, PhaseWatch, wait_for
 
 pytestmark = pytest.mark.realnode
@@ -65,14 +66,70 @@ def wait_succeeded(cluster: Cluster, namespace: str, name: str, timeout: float) 
     return wait_for(done, timeout, f"{name} Succeeded", interval=2)
 
 
+def data_dir(cluster: Cluster, namespace: str, claim: str) -> Path:
+    """The host directory behind the job's claim (a local PersistentVolume on this machine)."""
+    pvc = cluster.get("pvc", claim, namespace)
+    assert pvc and pvc["spec"].get("volumeName"), pvc
+    pv = cluster.get("pv", pvc["spec"]["volumeName"])
+    assert pv is not None
+    return Path(pv["spec"]["local"]["path"])
+
+
 def head_pod(cluster: Cluster, namespace: str) -> dict[str, Any]:
     heads = pods_by_role(cluster, namespace).get("head", [])
     assert len(heads) == 1, [p["metadata"]["name"] for p in heads]
     return heads[0]
 
 
+def unauthenticated_submission(cluster: Cluster, namespace: str, image: str, job: str) -> int:
+    """The HTTP status a pod outside the job gets for a Jobs API submission to the job's head."""
+    url = f"http://{job}-head-svc.{namespace}.svc:8265/api/jobs/"
+    script = (
+        "import json, urllib.request, urllib.error\n"
+        f"req = urllib.request.Request({url!r}, data=json.dumps({{'entrypoint': 'id'}}).encode(),"
+        " headers={'Content-Type': 'application/json'})\n"
+        "try:\n    print(urllib.request.urlopen(req, timeout=20).status)\n"
+        "except urllib.error.HTTPError as e:\n    print(e.code)\n"
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "outsider"},
+        "spec": {
+            **on_real_node(),
+            "restartPolicy": "Never",
+            "enableServiceLinks": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 10001,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "probe",
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "command": ["python3", "-c", script],
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }
+            ],
+        },
+    }
+    cluster.apply(pod, namespace)
+
+    def finished() -> str | None:
+        phase = ((cluster.get("pod", "outsider", namespace) or {}).get("status") or {}).get("phase")
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = wait_for(finished, 120, "the outsider pod to finish")
+    out = cluster.kubectl("logs", "outsider", "-n", namespace).stdout.strip()
+    cluster.kubectl("delete", "pod", "outsider", "-n", namespace, "--wait=false")
+    assert phase == "Succeeded" and out.isdigit(), f"outsider pod {phase}: {out}"
+    return int(out)
+
+
 def test_tiny_job_in_real_pods_survives_a_rollout_pod_loss(
-    cluster: Cluster, namespace: str, real_node: str, operator_release: str, local_data: str
+    cluster: Cluster, namespace: str, real_node: str, images: Images, operator_release: str, local_data: str
 ) -> None:
     t0 = time.monotonic()
     cluster.apply(realnode_job("tiny", local_data, steps=12, interval=4, rollout={"engines": 2}), namespace)
@@ -88,9 +145,19 @@ def test_tiny_job_in_real_pods_survives_a_rollout_pod_loss(
     # the trainer's timings.
     st = wait_step(cluster, namespace, "tiny", 2, 900)
     print(f"pods Running and step 2 in status after {time.monotonic() - t0:.0f}s")
-    assert st["phaseSeconds"].get("generation", 0) > 0, st
+    # The scraped timings: every phase of a gae step, weight sync and reward as phases of their own.
+    # (The tiny task's reward is a string function: microseconds, so only its presence is checked.)
+    assert "reward" in st["phaseSeconds"], st["phaseSeconds"]
+    for phase in ("generation", "actor_train", "critic_train", "weight_sync", "reference", "old_logprobs"):
+        assert st["phaseSeconds"].get(phase, 0) > 0, st["phaseSeconds"]
+    assert 0 < st["generationShare"] < 1 and st["lastStepTime"] and st["startTime"], st
     assert st["rollout"]["readyEngines"] == 2, st
     assert st["restarts"] == 0, st
+
+    # Secure by default, in real pods: a pod outside the job reaches the head (the bridge CNI does not
+    # enforce the job's NetworkPolicy, docs/security.md) but the Jobs API refuses it without the token.
+    code = unauthenticated_submission(cluster, namespace, images.operator, "tiny")
+    assert code in (401, 403), f"an unauthenticated Jobs API submission from another pod got HTTP {code}"
 
     victim = roles["rollout"][0]["metadata"]["name"]
     cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
@@ -103,6 +170,14 @@ def test_tiny_job_in_real_pods_survives_a_rollout_pod_loss(
     assert st["restarts"] == 0, st
     assert st["step"] == 12, st
 
+    assert st["completionTime"], st
+    # The last step's checkpoint is on the volume, complete; a finished job releases its pods.
+    assert (
+        data_dir(cluster, namespace, local_data) / "ckpt" / "step-00000012" / "trainer_state.json"
+    ).exists()
+    wait_for(
+        lambda: cluster.get("raycluster", "tiny", namespace) is None or None, 120, "the RayCluster deleted"
+    )
     table = cluster.kubectl("get", "rlhf", "tiny", "-n", namespace).stdout
     print(table)
     assert "Succeeded" in table and "12/12" in table, table
@@ -117,7 +192,7 @@ def test_tiny_job_in_real_pods_survives_a_rollout_pod_loss(
 def test_head_pod_loss_restarts_the_job_from_its_checkpoint(
     cluster: Cluster, namespace: str, real_node: str, operator_release: str, local_data: str
 ) -> None:
-    cluster.apply(realnode_job("headloss", local_data, steps=8, interval=2), namespace)
+    cluster.apply(realnode_job("headloss", local_data, steps=16, interval=2), namespace)
     wait_for(lambda: all_running_on(cluster, namespace, real_node, rollout=1), 900, "the job's pods Running")
     watch = PhaseWatch(cluster, "rlhfjob", "headloss", namespace)
     try:
@@ -129,7 +204,10 @@ def test_head_pod_loss_restarts_the_job_from_its_checkpoint(
 
         before = wait_for(checkpointed, 900, "a checkpoint at step 2 or later", interval=1)
         head = head_pod(cluster, namespace)["metadata"]["name"]
-        cluster.kubectl("delete", "pod", head, "-n", namespace, "--wait=false")
+        # Gone at once, as when its node dies: a graceful delete leaves the head up for its 30 s grace
+        # (KubeRay's `bash -c` is the container's PID 1 and ignores SIGTERM), long enough for the tiny
+        # job to finish.
+        cluster.kubectl("delete", "pod", head, "-n", namespace, "--grace-period=0", "--force", "--wait=false")
         deleted = time.monotonic()
 
         def noticed() -> dict[str, Any] | None:
@@ -148,10 +226,10 @@ def test_head_pod_loss_restarts_the_job_from_its_checkpoint(
         f"after the delete; phases {phases}; restarts {st['restarts']}"
     )
     assert st["restarts"] == 1, st
-    assert st["step"] == 8, st
+    assert st["step"] == 16, st
     # Never Running with nothing running: between the loss and the new attempt the phase left Running.
-    assert phases[0] == "Running" and phases[-1] == "Succeeded", phases
-    assert any(p in ("Restarting", "Provisioning") for p in phases[1:-1]), phases
+    # (the watch starts once the pods run; the job may still be Provisioning then)
+    assert phases[-4:] == ["Running", "Restarting", "Running", "Succeeded"], phases
     events = json.loads(
         cluster.kubectl(
             "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=headloss", "-o", "json"
@@ -163,4 +241,5 @@ def test_head_pod_loss_restarts_the_job_from_its_checkpoint(
     # The restarted attempt resumed from the checkpoint: its first step in the head pod's log follows it.
     logs = cluster.kubectl("logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]).stdout
     steps = [json.loads(line)["step"] for line in logs.splitlines() if line.startswith('{"step":')]
-    assert steps and steps[0] == before["lastCheckpointStep"] + 1 and steps[-1] == 8, steps
+    assert steps and steps[0] - 1 >= before["lastCheckpointStep"] and (steps[0] - 1) % 2 == 0, steps
+    assert steps == list(range(steps[0], 17)), steps
