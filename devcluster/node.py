@@ -274,15 +274,13 @@ def install_packages() -> None:
     if not packages or os.geteuid() != 0:
         return
     print(f"[node] apt-get install {' '.join(packages)}", flush=True)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    lock = ["-o", "DPkg::Lock::Timeout=600"]
-    for cmd in (
-        ["apt-get", *lock, "update", "-qq"],
-        ["apt-get", *lock, "install", "-y", "-qq", "--no-install-recommends", *packages],
-    ):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-        if proc.returncode != 0:
-            raise NodeError(f"`{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
+    sys.path.insert(0, str(IMAGES_DIR))
+    import build_images
+
+    try:
+        build_images.apt_install(packages)
+    except build_images.Missing as e:
+        raise NodeError(str(e)) from None
 
 
 def setup_network(paths: NodePaths, cni_conf_dir: Path) -> None:

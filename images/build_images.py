@@ -104,6 +104,19 @@ def kernel_problems(
     return problems
 
 
+def apt_install(packages: Sequence[str]) -> None:
+    """Debian's packages by name (root only; waits for another apt-get's lock); Missing on failure."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    lock = ["-o", "DPkg::Lock::Timeout=600"]
+    for cmd in (
+        ["apt-get", *lock, "update", "-qq"],
+        ["apt-get", *lock, "install", "-y", "-qq", "--no-install-recommends", *packages],
+    ):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+        if proc.returncode != 0:
+            raise Missing(f"{' '.join(packages)}: `{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
+
+
 def ensure_prerequisites() -> None:
     if os.geteuid() != 0:
         raise Missing("building and running containers here needs root (buildah and containerd run rootful)")
@@ -111,15 +124,7 @@ def ensure_prerequisites() -> None:
     if missing:
         packages = sorted({TOOLS[t] for t in missing})
         log(f"installing Debian packages {' '.join(packages)} (missing: {' '.join(missing)})")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        lock = ["-o", "DPkg::Lock::Timeout=600"]
-        for cmd in (
-            ["apt-get", *lock, "update", "-qq"],
-            ["apt-get", *lock, "install", "-y", "-qq", "--no-install-recommends", *packages],
-        ):
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-            if proc.returncode != 0:
-                raise Missing(f"{' '.join(missing)}: `{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
+        apt_install(packages)
         still = missing_tools(shutil.which)
         if still:
             raise Missing(f"still missing after apt-get: {' '.join(still)}")

@@ -317,7 +317,11 @@ def real_pods(t_all: float) -> int:
     )  # a Released one from before
     run("kubectl", "apply", "-f", "examples/rlhf-tiny-volume.yaml", "-f", "examples/rlhfjob-tiny-pods.yaml")
     started = time.monotonic()
-    job = follow(started, None)
+    return finish(follow(started, None), started, t_all)
+
+
+def finish(job: dict[str, Any], started: float, t_all: float) -> int:
+    """Step 5: the job's row, the summary, and the verdict (the exit code)."""
     run("kubectl", "get", "rlhf", "-n", NAMESPACE, "-o", "wide")
     summary(job, started)
     ok = job.get("status", {}).get("phase") == "Succeeded"
@@ -407,16 +411,7 @@ def main() -> int:
         t0 = step("4/5 kubectl apply -f examples/rlhfjob-tiny.yaml")
         run("kubectl", "apply", "-n", NAMESPACE, "-f", "examples/rlhfjob-tiny.yaml")
         started = time.monotonic()
-        job = follow(started, operator)
-        run("kubectl", "get", "rlhf", "-n", NAMESPACE, "-o", "wide")
-        summary(job, started)
-        ok = job.get("status", {}).get("phase") == "Succeeded"
-        console.rule("[bold]5/5 done")
-        console.print(
-            f"[{'green' if ok else 'red'}]demo {'succeeded' if ok else 'FAILED'}[/] in "
-            f"{time.monotonic() - t_all:.0f}s"
-        )
-        return 0 if ok else 1
+        return finish(follow(started, operator), started, t_all)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         return 130
