@@ -137,6 +137,36 @@ CONTROL_PLANE_BINARIES = (
 )
 
 
+# Built for tests only, not run by `up`: Prometheus (the alerting stage) and the floor API server.
+TEST_BINARIES = ("prometheus", "kube-apiserver-floor")
+NODE_BINARIES = ("kubelet", "kube-proxy", "coredns")
+
+
+def up_binaries(real_node: bool) -> list[str]:
+    """What `up` runs, plus kubectl and helm: not the test-only binaries."""
+    return [*CONTROL_PLANE_BINARIES, *(NODE_BINARIES if real_node else ())]
+
+
+def binary_names(groups: Iterable[str]) -> list[str] | None:
+    """`build`'s arguments: binary names or the groups `up` (what `up` runs) and `test` (TEST_BINARIES);
+    none means every binary."""
+    names: list[str] = []
+    for g in groups:
+        if g == "up":
+            names += up_binaries(node.enabled())
+        elif g == "test":
+            names += TEST_BINARIES
+        elif any(b.name == g for b in BINARIES):
+            names.append(g)
+        else:
+            raise ClusterError(
+                f"build: unknown binary or group {g!r} (groups: up, test; binaries: "
+                + ", ".join(b.name for b in BINARIES)
+                + ")"
+            )
+    return names or None
+
+
 @dataclass
 class Component:
     """A process of the control plane: how to start it, where it listens, and how to tell it is healthy."""
@@ -843,9 +873,7 @@ def up() -> None:
                 "the real node cannot run on this machine: missing " + "; ".join(problems) + ".\n"
                 "Set RLHF_REAL_NODE=0 to start the control plane with KWOK nodes only."
             )
-    # What `up` runs, plus kubectl and helm: not the test-only binaries (Prometheus, the floor API server).
-    node_bins = ["kubelet", "kube-proxy", "coredns"] if real_node else []
-    bins = build(names=[*CONTROL_PLANE_BINARIES, *node_bins])
+    bins = build(names=up_binaries(real_node))
     ports = Ports.from_env()
     comps = components(bins, ports, real_node)
     for comp in comps:
@@ -1107,12 +1135,16 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("command", choices=["build", "up", "down", "status", "env", "restart"])
-    parser.add_argument("component", nargs="?", help="restart: the component to restart")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        help="build: binaries or groups to build (up, test; default all); restart: the component",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
             with _timed("build"):
-                build()
+                build(names=binary_names(args.names))
         elif args.command == "up":
             up()
         elif args.command == "down":
@@ -1120,7 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             return status()
         elif args.command == "restart":
-            print(f"{args.component} healthy again after {restart(args.component or ''):.1f}s")
+            component = args.names[0] if args.names else ""
+            print(f"{component} healthy again after {restart(component):.1f}s")
         elif args.command == "env":
             print(f"export KUBECONFIG={STATE / 'kubeconfig'}\nexport PATH={STATE / 'bin'}:$PATH")
     except ClusterError as e:

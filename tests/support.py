@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
@@ -399,95 +397,3 @@ METRICS_CONTRACT = [
     "rlhf_rollout_engines",
     "rlhf_last_checkpoint_step",
 ]
-
-
-class RolloutNodes:
-    """Local Ray worker nodes standing in for a RayCluster's rollout pods (one `rlhf_rollout_slot` each).
-
-    KWOK runs pods without containers, so nothing joins Ray when a rollout pod starts. A test mirrors
-    the rollout pods into these nodes: `ray start --address=<local head>` advertising the one slot a
-    rollout pod's container advertises (rlhf_operator.manifests). Node i uses worker ports 31000+100i.
-    """
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.slots: dict[int, tuple[str, int]] = {}  # node -> (resource, slots) of the live stand-ins
-
-    def start(self, i: int, resource: str = "rlhf_rollout_slot", slots: int = 1) -> None:
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-        env.pop("RAY_ADDRESS", None)
-        log = (self.log_dir / f"rollout-node-{i}-{time.monotonic_ns()}.log").open("wb")
-        self.procs[i] = subprocess.Popen(
-            [
-                str(VENV_BIN / "ray"),
-                "start",
-                "--block",
-                f"--address=127.0.0.1:{RAY_PORT}",
-                "--num-cpus=4",  # logical: room for an engine whatever else Ray packs there
-                f"--resources={json.dumps({resource: slots})}",
-                f"--min-worker-port={31000 + 100 * i}",
-                f"--max-worker-port={31099 + 100 * i}",
-                f"--temp-dir={tempfile.mkdtemp(prefix='rlhf-rn-')}",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.slots[i] = (resource, slots)
-        want = sum(n for r, n in self.slots.values() if r == resource)  # the live stand-ins' slots
-        wait_for(lambda: resource_total(resource) >= want or None, 120, f"stand-in node {i} in Ray")
-
-    def start_trainer_node(self, slots: int) -> None:
-        """A node standing in for the trainer pods: it advertises `rlhf_trainer_slot`, so the trainer's
-        ranks go there (as on a real RayCluster) and never onto a rollout node. Key 9 in `procs` (worker ports 31900-31999)."""
-        self.start(9, resource="rlhf_trainer_slot", slots=slots)
-
-    def scale_to(self, n: int) -> None:
-        for i in range(n):
-            if i not in self.procs:
-                self.start(i)
-
-    def kill(self, i: int) -> None:
-        """SIGKILL node i's raylet and workers at once, as a node that vanishes takes them."""
-        p = self.procs.pop(i)
-        self.slots.pop(i, None)
-        _killpg(p, (signal.SIGKILL,))
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            _killpg(p, (signal.SIGTERM, signal.SIGKILL))
-        self.procs.clear()
-        self.slots.clear()
-        # Later tests share the head: wait until Ray has dropped the slots, or an engine would wait for one.
-        wait_for(
-            lambda: (rollout_slots() == 0 and resource_total("rlhf_trainer_slot") == 0) or None,
-            120,
-            "the stand-in nodes gone from Ray",
-        )
-
-
-def _killpg(p: subprocess.Popen[bytes], signals: tuple[signal.Signals, ...]) -> None:
-    for sig in signals:
-        try:
-            os.killpg(p.pid, sig)
-            p.wait(20)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def rollout_slots() -> int:
-    """Rollout slots of the alive nodes of the local Ray head, as its dashboard reports them."""
-    return resource_total("rlhf_rollout_slot")
-
-
-def resource_total(name: str) -> int:
-    """A custom resource summed over the alive nodes of the local Ray head."""
-    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/v0/nodes", timeout=10)
-    resp.raise_for_status()
-    nodes = resp.json()["data"]["result"]["result"]
-    return int(sum(n.get("resources_total", {}).get(name, 0) for n in nodes if n.get("state") == "ALIVE"))

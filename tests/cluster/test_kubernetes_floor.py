@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # mypy sees devcluster/ as a namespace package; conftest puts
 else:
     import devcluster
 
-pytestmark = pytest.mark.cluster
+# Its own stage, last in `make test`: its API server is built in the background while other stages run.
+pytestmark = pytest.mark.floor
 
 FLOOR_BINARY = "kube-apiserver-floor"
 FLOOR_MODULE = devcluster.GO_DIR / "kubernetes-floor" / "go.mod"
