@@ -137,7 +137,7 @@ def head_steps(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
 
 # Enough steps for the whole scenario (the replacement rollout pod's engine is ready about a minute after
 # the loss, a scale-down's pod goes after its 30 s grace): the test fails, saying so, if the run ends first.
-STEPS = 40
+STEPS = 48
 
 
 @pytest.mark.security
