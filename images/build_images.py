@@ -408,7 +408,7 @@ def load(rt: runtime.Runtime, refs: Sequence[str]) -> None:
                 f"containerd: {ref} loaded in {time.monotonic() - t0:.0f}s "
                 f"(export {t1 - t0:.0f}s, import and unpack {time.monotonic() - t1:.0f}s)"
             )
-        runtime.remove_images(rt, stale)
+        runtime.remove_images(rt, runtime.names_to_remove(runtime.image_targets(rt), ref, stale))
 
 
 def main(argv: Sequence[str]) -> int:

@@ -156,10 +156,25 @@ def stop(rt: Runtime, timeout: float = 30) -> bool:
 
 
 def image_refs(rt: Runtime) -> set[str]:
-    proc = ctr(rt, "images", "ls", "-q")
+    return set(image_targets(rt))
+
+
+def image_targets(rt: Runtime) -> dict[str, str]:
+    """Every image name in the k8s.io namespace and the digest it points to. Besides our tags there are
+    the CRI plugin's own names, `sha256:<image id>`, pointing to the same digest as the tag."""
+    proc = ctr(rt, "images", "ls")
     if proc.returncode != 0:
         raise RuntimeError(f"ctr images ls: {proc.stderr.strip()}")
-    return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    return {row[0]: row[2] for row in rows if len(row) >= 3}
+
+
+def names_to_remove(targets: dict[str, str], keep: str, stale: list[str]) -> list[str]:
+    """`stale` and the CRI plugin's `sha256:` names of the same images (unless `keep` points there too):
+    such a name alone keeps a stale image's layers and unpacked snapshots, 7 GB for the trainer."""
+    gone = {targets[r] for r in stale if r in targets} - {targets.get(keep)}
+    cri_names = [r for r, digest in targets.items() if r.startswith("sha256:") and digest in gone]
+    return [*stale, *sorted(cri_names)]
 
 
 def import_archive(rt: Runtime, archive: Path, timeout: float = 1800) -> None:

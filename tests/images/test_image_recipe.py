@@ -193,3 +193,25 @@ def test_containerd_config_keeps_everything_under_its_home(tmp_path: Path) -> No
         "k8s.io",
     ]
     assert containerd_runtime.running_pid(rt) is None  # no pid file: not running
+
+
+def test_a_stale_image_goes_with_the_cri_plugins_name_for_it() -> None:
+    """A replaced trainer image left under the CRI plugin's `sha256:<id>` name kept its 7 GB of layers and
+    snapshots (a disk filled up that way): that name goes with the stale tag, the kept image's stays."""
+    targets = {
+        "localhost/rlhf-trainer:cpu-new": "sha256:m-new",
+        "sha256:id-new": "sha256:m-new",
+        "localhost/rlhf-trainer:cpu-old": "sha256:m-old",
+        "sha256:id-old": "sha256:m-old",
+        "localhost/rlhf-operator:x": "sha256:m-op",
+        "sha256:id-op": "sha256:m-op",
+    }
+    removed = containerd_runtime.names_to_remove(
+        targets, "localhost/rlhf-trainer:cpu-new", ["localhost/rlhf-trainer:cpu-old"]
+    )
+    assert removed == ["localhost/rlhf-trainer:cpu-old", "sha256:id-old"]
+    # A stale tag of the very image kept (same digest): its CRI name is the kept image's, and stays.
+    targets["localhost/rlhf-trainer:cpu-old"] = "sha256:m-new"
+    assert containerd_runtime.names_to_remove(
+        targets, "localhost/rlhf-trainer:cpu-new", ["localhost/rlhf-trainer:cpu-old"]
+    ) == ["localhost/rlhf-trainer:cpu-old"]
