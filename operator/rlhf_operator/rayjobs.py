@@ -78,7 +78,9 @@ def token_key() -> bytes:
             pass
         else:
             with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_bytes(32))
+                # Text, not raw bytes: the key is read stripped, and 32 random bytes begin or end with a
+                # whitespace byte about one time in twenty (a unit test failed that way).
+                f.write(secrets.token_hex(32).encode())
     try:
         key = path.read_bytes().strip()
     except OSError as e:

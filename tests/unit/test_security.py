@@ -113,7 +113,7 @@ def test_the_token_key_is_configured_or_made_once_per_user(
     rayjobs.token_key.cache_clear()
     made = rayjobs.token_key()
     path = tmp_path / "cache" / "rlhf-operator" / "ray-token-key"
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(made) == 32
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(made) == 64 and made.strip() == made
     rayjobs.token_key.cache_clear()
     assert rayjobs.token_key() == made  # a restart keeps every job's token
 
