@@ -5,8 +5,9 @@ and the metrics scraped through that Service's DNS name. No development override
 
 Two runs, one fault each: a rollout pod lost mid-run (the engine pool goes on without it, regains an
 engine on KubeRay's replacement pod, then follows the user's scale-down; this replaced the development
-override's node-loss test and its stand-in Ray containers), and the head pod deleted mid-run (the driver and the GCS go with it: the operator must notice, restart from the
-last checkpoint, and never leave the job Running with nothing running, as kuberay#2161 reports).
+override's node-loss test and its stand-in Ray containers), and the head pod deleted mid-run (the
+driver and the GCS go with it: the operator must notice, restart from the last checkpoint, and never
+leave the job Running with nothing running, as kuberay#2161 reports).
 """
 
 from __future__ import annotations
@@ -287,7 +288,6 @@ def test_head_pod_loss_restarts_the_job_from_its_checkpoint(
     assert warnings, [e.get("reason") for e in events]
     print("warnings:", [(e["reason"], e["message"]) for e in warnings])
     # The restarted attempt resumed from the checkpoint: its first step in the head pod's log follows it.
-    logs = cluster.kubectl("logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]).stdout
-    steps = [json.loads(line)["step"] for line in logs.splitlines() if line.startswith('{"step":')]
+    steps = [r["step"] for r in head_steps(cluster, namespace)]
     assert steps and steps[0] - 1 >= before["lastCheckpointStep"] and (steps[0] - 1) % 2 == 0, steps
     assert steps == list(range(steps[0], 17)), steps
