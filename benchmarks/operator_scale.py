@@ -1,13 +1,15 @@
-"""100 RLHFJobs at once against the local control plane: create -> RayCluster latency, API writes per job.
+"""RLHFJobs at a steady rate on realistic KWOK GPU nodes: create -> RayCluster latency, writes, CPU, memory.
 
 The real operator (`rlhf operator`, kopf) runs as a local process holding only a token of the chart's
 ServiceAccount, bound by the chart's own RBAC, so the API server's audit log names it: every
 create/update/patch/delete it makes is counted there, per job and per resource. The control plane is
 the project's own (etcd, kube-apiserver, controller-manager, scheduler, KWOK, KubeRay) in its own
-directory and ports. RayCluster pods are KWOK pods (nothing runs in them), and a stand-in Ray dashboard
-and trainer /metrics in a child process (the development head override, docs/development.md) let every
-job reach its steady state, `Running`, without Ray. There is no peer operator to compare against: the
-comparison is one job at a time on an idle operator vs 100 created together, in the same run.
+directory and ports, with KWOK nodes only. `--nodes N` adds N nodes shaped like a real 8-GPU machine
+(without it: a few huge nodes, as before). RayCluster pods are KWOK pods (nothing runs in them), and a
+stand-in Ray dashboard and trainer /metrics in a child process (the development head override,
+docs/development.md) let every job reach its steady state, `Running`, without Ray. There is no peer
+operator to compare against: the comparison is one job at a time on an idle operator vs `--jobs`
+created at `--qps`, in the same run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -24,7 +27,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -35,20 +38,54 @@ from typing import Any, cast
 from lib import common
 
 ROOT = common.ROOT
-# Our own control plane, never the one the tests use (.cluster, default ports).
+# Our own control plane, never the one the tests use (.cluster, default ports), and KWOK nodes only:
+# no RayCluster pod tolerates the real node's taint, so it would only cost start-up time and CPU.
 os.environ.setdefault("RLHF_CLUSTER_DIR", "/tmp/bench-cluster")
 os.environ.setdefault("RLHF_CLUSTER_PORT_OFFSET", "200")
+os.environ.setdefault("RLHF_REAL_NODE", "0")
 sys.path.insert(0, str(ROOT / "devcluster"))
 import devcluster  # noqa: E402  (reads RLHF_CLUSTER_DIR at import)
 
 WORK = Path("/tmp/rlhf-bench-opscale")
+STATE: Path = devcluster.STATE
 OPERATOR_NS = "rlhf-system"
 SOLO_NS, BURST_NS = "bench-solo", "bench-burst"
 WRITE_VERBS = ("create", "update", "patch", "delete", "deletecollection")
-# Extra fake nodes big enough for every job's pods (the control plane's own two hold 8 GPUs each).
-BENCH_NODES = 2
-NODE_CAPACITY = {"cpu": "2000", "memory": "16Ti", "pods": "400", "nvidia.com/gpu": "400"}
+GPU = "nvidia.com/gpu"
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+BENCH_LABEL = ("rlhf.dev/bench", "operator-scale")
+NODE_BASE = 100  # bench nodes are kwok-gpu-100, -101, ... (the control plane's own are kwok-gpu-0 and -1)
+PROGRESS_EVERY = 10.0
+Key = tuple[str, str]
 
+
+@dataclass(frozen=True)
+class NodeShape:
+    """A fake node's capacity and allocatable (what the scheduler fits pods into)."""
+
+    label: str
+    capacity: dict[str, str]
+    allocatable: dict[str, str]
+
+    @property
+    def gpus(self) -> int:
+        return int(self.allocatable[GPU])
+
+    @property
+    def pods(self) -> int:
+        return int(self.allocatable["pods"])
+
+
+# Without --nodes: a few huge nodes (two unless the jobs need more), as this benchmark always had.
+_BIG = {"cpu": "2000", "memory": "16Ti", "pods": "400", GPU: "400"}
+BIG_NODE = NodeShape("big (400 GPUs, 400 pods)", _BIG, _BIG)
+# With --nodes: a real 8-GPU machine (an AWS p4d.24xlarge: 96 vCPUs, 1152 GiB, 8 A100s), with the
+# allocatable a kubelet leaves after its system reservations, and the kubelet's default 110 pods.
+GPU_NODE = NodeShape(
+    "8 GPUs, 96 CPUs, 1152 GiB, 110 pods",
+    {"cpu": "96", "memory": "1152Gi", "ephemeral-storage": "7600Gi", "pods": "110", GPU: "8"},
+    {"cpu": "95690m", "memory": "1120Gi", "ephemeral-storage": "7000Gi", "pods": "110", GPU: "8"},
+)
 
 # ---------------------------------------------------------------------------------------------- stand-in Ray
 
@@ -141,17 +178,125 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def add_bench_nodes() -> None:
-    """Two big KWOK nodes, so every job's RayCluster can be scheduled and become ready."""
-    names = []
-    for i in range(BENCH_NODES):
-        node = devcluster.node_manifest(100 + i)
-        node["status"] = {"capacity": NODE_CAPACITY, "allocatable": NODE_CAPACITY}
-        kubectl("apply", "-f", "-", input=json.dumps(node))
-        names.append(str(node["metadata"]["name"]))  # type: ignore[index]
-    kubectl("wait", "--for=condition=Ready", "--timeout=60s", *[f"node/{n}" for n in names])
-    for n in names:  # the not-ready taint every new node gets (devcluster._register_nodes says why)
-        devcluster.kubectl("taint", "nodes", n, "node.kubernetes.io/not-ready:NoSchedule-", check=False)
+@contextlib.contextmanager
+def progress(describe: Callable[[], str], every: float = PROGRESS_EVERY) -> Iterator[None]:
+    """Print describe() every `every` seconds while the block runs, so a long run is never silent."""
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def loop() -> None:
+        while not stop.wait(every):
+            common.console.print(f"[dim]  +{time.monotonic() - t0:4.0f}s {describe()}[/dim]")
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def job_pod_gpus(template: dict[str, Any]) -> list[int]:
+    """The GPUs of each pod of one job's RayCluster (head included), as the operator builds it."""
+    from rlhf_api.spec import RLHFJob
+    from rlhf_operator.manifests import build_raycluster
+
+    spec = build_raycluster(RLHFJob.model_validate(template))["spec"]
+    out: list[int] = []
+    for group in [{**spec["headGroupSpec"], "replicas": 1}, *spec["workerGroupSpecs"]]:
+        containers = group["template"]["spec"]["containers"]
+        gpus = sum(int(c.get("resources", {}).get("requests", {}).get(GPU, 0)) for c in containers)
+        out += [gpus] * max(int(group.get("replicas", 1)), int(group.get("maxReplicas", 0)))
+    return out
+
+
+def fits_any_order(n: int, shape: NodeShape, pod_gpus: list[int], jobs: int) -> bool:
+    """Whether every pod of `jobs` jobs can be scheduled whatever the scheduler's choices: the nodes whose
+    pod slots could all be taken left out, the rest hold every GPU even with each one's last
+    (largest pod - 1) GPUs stranded."""
+    usable = n - jobs * len(pod_gpus) // shape.pods
+    return usable > 0 and jobs * sum(pod_gpus) <= usable * (shape.gpus - max(pod_gpus) + 1)
+
+
+def plan_nodes(nodes: int | None, pod_gpus: list[int], jobs: int) -> tuple[int, NodeShape]:
+    """(count, shape) of the bench nodes: `nodes` real 8-GPU ones, or (None) enough big ones, at least 2.
+    Raises if the jobs cannot fit; warns if 8-GPU nodes fit them only with a lucky placement."""
+    gpus, pods = jobs * sum(pod_gpus), jobs * len(pod_gpus)
+    if nodes is None:
+        shape = BIG_NODE
+        nodes = max(2, math.ceil(gpus / shape.gpus), math.ceil(pods / shape.pods))
+    else:
+        shape = GPU_NODE
+    if gpus > nodes * shape.gpus or pods > nodes * shape.pods or max(pod_gpus) > shape.gpus:
+        raise RuntimeError(
+            f"{jobs} jobs need {gpus} GPUs and {pods} pods ({pod_gpus} GPUs per pod): more than "
+            f"{nodes} nodes of {shape.label} hold"
+        )
+    if shape is GPU_NODE and not fits_any_order(nodes, shape, pod_gpus, jobs):
+        need = next(n for n in range(nodes, 100 * nodes) if fits_any_order(n, shape, pod_gpus, jobs))
+        common.console.print(
+            f"[yellow]{nodes} nodes fit the jobs only if the scheduler packs GPUs well; {need} always do[/yellow]"
+        )
+    return nodes, shape
+
+
+def node_body(i: int, shape: NodeShape) -> dict[str, Any]:
+    """A KWOK GPU node as the control plane's own (annotated for KWOK to manage it), of `shape`."""
+    node = cast(dict[str, Any], devcluster.node_manifest(NODE_BASE + i))
+    node["metadata"]["labels"][BENCH_LABEL[0]] = BENCH_LABEL[1]
+    node["status"] = {"capacity": shape.capacity, "allocatable": shape.allocatable}
+    return node
+
+
+def add_nodes(core: Any, n: int, shape: NodeShape, threads: int = 16) -> None:
+    """Create `n` KWOK nodes from a thread pool, then wait until each is Ready and without the not-ready
+    taint (the TaintNodesByCondition admission plugin gives it to every new node; the node lifecycle
+    controller, off here, is what would lift it)."""
+    t0 = time.monotonic()
+    state = {"created": 0, "schedulable": 0}
+
+    with (
+        ThreadPoolExecutor(threads) as pool,
+        progress(lambda: f"nodes: {state['created']}/{n} created, {state['schedulable']}/{n} schedulable"),
+    ):
+        for _ in pool.map(lambda i: core.create_node(node_body(i, shape)), range(n)):
+            state["created"] += 1
+        untaint_when_ready(core, pool, n, state, timeout=120 + n / 2)
+    common.console.print(
+        f"[dim]{n} nodes ({shape.label}) Ready and schedulable in {time.monotonic() - t0:.0f}s[/dim]"
+    )
+
+
+def untaint_when_ready(
+    core: Any, pool: ThreadPoolExecutor, n: int, state: dict[str, int], timeout: float
+) -> None:
+    """Remove the not-ready taint from each bench node once KWOK has marked it Ready, until all are done."""
+    done: set[str] = set()
+    deadline = time.monotonic() + timeout
+    selector = f"{BENCH_LABEL[0]}={BENCH_LABEL[1]}"
+    while len(done) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(done)} of {n} nodes Ready and schedulable in {timeout:.0f}s")
+        ready = [nd for nd in core.list_node(label_selector=selector).items if node_ready(nd)]
+        todo = [nd for nd in ready if nd.metadata.name not in done]
+        list(pool.map(lambda nd: untaint(core, nd), todo))
+        done.update(nd.metadata.name for nd in todo)
+        state["schedulable"] = len(done)
+        if len(done) < n:
+            time.sleep(2.0)
+
+
+def node_ready(node: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
+
+
+def untaint(core: Any, node: Any) -> None:
+    taints = node.spec.taints or []
+    keep = [t for t in taints if t.key != NOT_READY_TAINT]
+    if len(keep) < len(taints):
+        value = core.api_client.sanitize_for_serialization(keep)
+        core.patch_node(node.metadata.name, [{"op": "replace", "path": "/spec/taints", "value": value}])
 
 
 def install_rbac() -> str:
@@ -184,8 +329,8 @@ def install_rbac() -> str:
 def operator_kubeconfig(username: str) -> Path:
     """The admin kubeconfig's server with a fresh token of the operator's ServiceAccount instead."""
     sa = username.rsplit(":", 1)[1]
-    token = kubectl("-n", OPERATOR_NS, "create", "token", sa, "--duration=2h").strip()
-    admin = json.loads((devcluster.STATE / "kubeconfig").read_text())
+    token = kubectl("-n", OPERATOR_NS, "create", "token", sa, "--duration=6h").strip()
+    admin = json.loads((STATE / "kubeconfig").read_text())
     path = WORK / "operator.kubeconfig"
     path.write_text(
         json.dumps(
@@ -199,6 +344,23 @@ def operator_kubeconfig(username: str) -> Path:
     )
     path.chmod(0o600)
     return path
+
+
+def operator_env(
+    args: argparse.Namespace, base: dict[str, str], kubeconfig: Path, port: int
+) -> dict[str, str]:
+    """The operator's environment: the development head override (every RayCluster's "head" is the
+    stand-in), then --reconcile-interval, then each --operator-env KEY=VALUE."""
+    env = {
+        **base,
+        "KUBECONFIG": str(kubeconfig),
+        "RLHF_DEV_HEAD_HOST": "127.0.0.1",
+        "RLHF_DEV_DASHBOARD_PORT": str(port),
+    }
+    if args.reconcile_interval is not None:
+        env["RLHF_RECONCILE_INTERVAL"] = f"{args.reconcile_interval:g}"
+    env.update(dict(args.operator_env))
+    return env
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], what: str) -> None:
@@ -231,87 +393,216 @@ def process(cmd: list[str], env: dict[str, str], log: Path) -> Iterator[subproce
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-class ClusterWatch:
-    """When each RayCluster first appeared, from a watch on every namespace (this process's clock)."""
+def key_of(obj: dict[str, Any]) -> Key:
+    return (obj["metadata"]["namespace"], obj["metadata"]["name"])
+
+
+class Watcher:
+    """Watches on every namespace (this process's clock): when each RayCluster first appeared, and each
+    RLHFJob's phase and when it was first seen Running."""
 
     def __init__(self, kubeconfig: Path) -> None:
         from kubernetes import client, config
 
         self.api = client.CustomObjectsApi(config.new_client_from_config(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
-        self.seen: dict[tuple[str, str], float] = {}
+        self.clusters: dict[Key, float] = {}
+        self.phases: dict[Key, str] = {}
+        self.running: dict[Key, float] = {}
         self.cond = threading.Condition()
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.threads = [
+            threading.Thread(target=self._run, args=("ray.io", "v1", "rayclusters"), daemon=True),
+            threading.Thread(target=self._run, args=("rlhf.dev", "v1alpha1", "rlhfjobs"), daemon=True),
+        ]
 
     def start(self) -> None:
-        self.thread.start()
+        for t in self.threads:
+            t.start()
 
-    def _run(self) -> None:
+    def _run(self, group: str, version: str, plural: str) -> None:
+        """List once, then watch from there on (re-watching from the last version seen, relisting only
+        when the stream breaks or the version is gone), so no periodic full list loads the API server."""
         import urllib3
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
+        rv = ""
         while not self.stop.is_set():
             try:
-                listed = cast(
-                    dict[str, Any], self.api.list_cluster_custom_object("ray.io", "v1", "rayclusters")
-                )
-                self._record(listed["items"])
+                if not rv:
+                    listed = cast(dict[str, Any], self.api.list_cluster_custom_object(group, version, plural))
+                    self._record(plural, listed["items"])
+                    rv = str(listed["metadata"]["resourceVersion"])
                 w = watch.Watch()  # type: ignore[no-untyped-call]
                 for ev in w.stream(  # type: ignore[no-untyped-call]
                     self.api.list_cluster_custom_object,
-                    "ray.io",
-                    "v1",
-                    "rayclusters",
-                    resource_version=listed["metadata"]["resourceVersion"],
-                    timeout_seconds=30,
+                    group,
+                    version,
+                    plural,
+                    resource_version=rv,
+                    timeout_seconds=60,
+                    allow_watch_bookmarks=True,
                 ):
-                    self._record([ev["object"]])
+                    rv = str(w.resource_version or rv)
+                    if ev["type"] != "BOOKMARK":
+                        self._record(plural, [ev["object"]])
                     if self.stop.is_set():
                         w.stop()  # type: ignore[no-untyped-call]
             except (ApiException, OSError, ValueError, urllib3.exceptions.HTTPError):
-                time.sleep(0.2)  # 410 Gone or a dropped stream: list again
+                rv = ""  # 410 Gone or a dropped stream: list again
+                time.sleep(0.2)
 
-    def _record(self, items: list[dict[str, Any]]) -> None:
+    def _record(self, plural: str, items: list[dict[str, Any]]) -> None:
         now = time.time()
         with self.cond:
             for obj in items:
-                key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
-                self.seen.setdefault(key, now)
+                key = key_of(obj)
+                if plural == "rayclusters":
+                    self.clusters.setdefault(key, now)
+                    continue
+                phase = str((obj.get("status") or {}).get("phase") or "(none)")
+                self.phases[key] = phase
+                if phase == "Running":
+                    self.running.setdefault(key, now)
             self.cond.notify_all()
 
-    def wait_all(self, keys: list[tuple[str, str]], timeout: float) -> None:
+    def wait_for(
+        self, done: Callable[[], bool], timeout: float, what: str, check: Callable[[], None]
+    ) -> None:
+        """Until done() (called under the lock), calling check() each second (it raises to give up)."""
+        deadline = time.monotonic() + timeout
         with self.cond:
-            if not self.cond.wait_for(lambda: all(k in self.seen for k in keys), timeout):
-                missing = [k for k in keys if k not in self.seen]
-                raise RuntimeError(
-                    f"{len(missing)} RayCluster(s) not created in {timeout:.0f}s: {missing[:5]}"
-                )
+            while not done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what}: not done in {timeout:.0f}s")
+                self.cond.wait(1.0)
+                check()
+
+    def seen(self, keys: list[Key]) -> Callable[[], bool]:
+        return lambda: all(k in self.clusters for k in keys)
+
+    def all_running(self, jobs: list[Key]) -> Callable[[], bool]:
+        return lambda: all(self.phases.get(j) == "Running" for j in jobs)
+
+    def summary(self, ns: str, n: int) -> str:
+        """RayClusters seen, jobs Running, and the jobs' phases in a namespace (for progress lines)."""
+        with self.cond:
+            clusters = sum(1 for k in self.clusters if k[0] == ns)
+            phases = Counter(p for k, p in self.phases.items() if k[0] == ns)
+        return f"{clusters}/{n} RayClusters, {phases.get('Running', 0)}/{n} Running; phases {dict(phases)}"
 
 
-def job_manifest(name: str, namespace: str, port: int) -> dict[str, Any]:
+class AuditTail:
+    """One user's write entries from the API server's audit log, read while the server writes it. The log
+    backend renames audit.log at --audit-log-maxsize (200 MB here) and keeps one old part
+    (--audit-log-maxbackup=1): following the file as it grows loses nothing however often it rotates."""
+
+    def __init__(self, path: Path, username: str) -> None:
+        self.path, self.username = path, username
+        self.needle = username.encode()
+        self.writes: list[dict[str, Any]] = []
+        self.entries = self.bytes = self.rotations = 0
+        self._file: Any = None
+        self._inode = 0
+        self._partial = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop following and read what is left."""
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+        if self._file is not None:
+            self._file.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.poll()
+
+    def poll(self) -> None:
+        """Read what was appended; after a rotation finish the renamed part, then go on with the new file."""
+        if self._file is None:
+            try:
+                self._file = self.path.open("rb")
+            except FileNotFoundError:
+                return
+            self._inode = os.fstat(self._file.fileno()).st_ino
+        self._read()
+        with contextlib.suppress(FileNotFoundError):
+            if self.path.stat().st_ino != self._inode:
+                self._read()  # the renamed part is complete now
+                self._file.close()
+                self._file, self._partial = None, b""
+                self.rotations += 1
+                self.poll()
+
+    def _read(self) -> None:
+        while chunk := self._file.read(16 << 20):
+            self.bytes += len(chunk)
+            lines = (self._partial + chunk).split(b"\n")
+            self._partial = lines.pop()
+            self.entries += len(lines)
+            for line in lines:
+                if self.needle in line:
+                    self._keep(json.loads(line))
+
+    def _keep(self, ev: dict[str, Any]) -> None:
+        if ev.get("user", {}).get("username") == self.username and ev.get("verb") in WRITE_VERBS:
+            ev["_t"] = datetime.fromisoformat(ev["stageTimestamp"]).timestamp()
+            self.writes.append(ev)
+
+
+def job_template(port: int) -> dict[str, Any]:
     """examples/rlhfjob-tiny.yaml with its trainer metrics served by the stand-in."""
     import yaml
 
     doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
-    doc["metadata"] = {"name": name, "namespace": namespace}
+    doc["metadata"] = {"name": "tiny", "namespace": "default"}
     doc["spec"]["monitoring"].update(metricsPort=port, stallTimeoutSeconds=3600)
     return doc
 
 
+def job_body(template: dict[str, Any], name: str, namespace: str) -> dict[str, Any]:
+    return {**template, "metadata": {"name": name, "namespace": namespace}}
+
+
 @dataclass
 class Phase:
-    """One group of jobs: when each was created, when its RayCluster appeared, the window it covers."""
+    """One group of jobs: when each was created, when its RayCluster appeared and when it was Running."""
 
     namespace: str
     created: dict[str, float] = field(default_factory=dict)
     latency: dict[str, float] = field(default_factory=dict)
+    to_running: dict[str, float] = field(default_factory=dict)
     start: float = 0.0
     clusters_done: float = 0.0
     running_done: float = 0.0
     end: float = 0.0
-    # CPU seconds of each process at start, last RayCluster, all Running, end (where the time goes).
+    # CPU seconds of each process, and the wall time, at start, last RayCluster, all Running, end.
     cpu: list[dict[str, float]] = field(default_factory=list)
+    marks: list[float] = field(default_factory=list)
+
+    def checkpoint(self, pids: dict[str, int]) -> float:
+        self.cpu.append(cpu_seconds(pids))
+        self.marks.append(time.time())
+        return self.marks[-1]
+
+    def cpu_used(self, proc: str, i: int, j: int) -> float:
+        """CPU seconds `proc` used between checkpoints i and j."""
+        return self.cpu[j].get(proc, 0.0) - self.cpu[i].get(proc, 0.0)
+
+    def cores(self, proc: str, i: int, j: int) -> float:
+        """`proc`'s mean cores between checkpoints i and j."""
+        return self.cpu_used(proc, i, j) / max(self.marks[j] - self.marks[i], 1e-9)
+
+    def create_rate(self) -> float:
+        """Jobs POSTed per second, first POST to last."""
+        ts = sorted(self.created.values())
+        return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 and ts[-1] > ts[0] else float("nan")
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -323,6 +614,15 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             out[name] = (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def peak_rss_mib(pid: int) -> float:
+    """A process's peak resident memory so far (VmHWM in /proc/<pid>/status), MiB; NaN if unreadable."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -351,73 +651,92 @@ def event_reasons(core: Any, namespace: str) -> Counter[str]:
     return out
 
 
-def wait_running(custom: Any, namespace: str, n: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if phases_of(custom, namespace).get("Running", 0) == n:
-            return
-        time.sleep(0.5)
-    raise RuntimeError(
-        f"not every job in {namespace} Running in {timeout:.0f}s: {dict(phases_of(custom, namespace))}"
-    )
+def create_paced(names: list[str], create: Callable[[str], None], qps: float, threads: int) -> None:
+    """POST on a fixed schedule, job i at i/qps seconds after the first (qps 0: as fast as possible), from
+    `threads` client threads each taking the next job in turn."""
+    t0 = time.monotonic()
+    queue = iter(enumerate(names))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                item = next(queue, None)
+            if item is None:
+                return
+            i, name = item
+            if qps > 0 and (delay := t0 + i / qps - time.monotonic()) > 0:
+                time.sleep(delay)
+            create(name)
+
+    with ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(worker) for _ in range(threads)]:
+            f.result()
 
 
-def run_phase(
-    ph: Phase,
-    names: list[str],
-    watch: ClusterWatch,
-    custom: Any,
-    port: int,
-    parallel: int,
-    settle: float,
-    pids: dict[str, int],
-) -> None:
-    """Create the jobs (`parallel` at a time; 1 = each after the previous one's RayCluster exists), wait for
-    their clusters and for every job to be Running, then let the operator run `settle` more seconds."""
+def wait_timeout(jobs: int) -> float:
+    """How long a phase may take to get every RayCluster, then every job Running: 600 s for 100 jobs,
+    3,300 s for 1,000."""
+    return 300 + 3 * jobs
+
+
+@dataclass
+class Bench:
+    """What a phase needs: the watches, the API, the job template, the processes to account and check."""
+
+    watch: Watcher
+    custom: Any
+    template: dict[str, Any]
+    pids: dict[str, int]
+    operator: subprocess.Popen[bytes]
+
+    def check(self) -> None:
+        """Give up at once if the operator died or a job failed (a long wait would only time out)."""
+        if self.operator.poll() is not None:
+            raise RuntimeError(
+                f"the operator exited ({self.operator.returncode}); see {WORK / 'operator.log'}"
+            )
+        failed = [k for k, phase in self.watch.phases.items() if phase == "Failed"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} job(s) Failed, e.g. {failed[0]}; see {WORK / 'operator.log'}")
+
+
+def run_phase(b: Bench, ph: Phase, names: list[str], qps: float, threads: int, settle: float) -> None:
+    """Create the jobs (threads 1: each after the previous one's RayCluster exists, plus 1 s; otherwise at
+    `qps`), wait for their clusters and for every job to be Running, then let the operator run `settle`
+    more seconds."""
     from rlhf_operator.manifests import raycluster_name
 
+    ns, n = ph.namespace, len(names)
+    keys = {name: (ns, raycluster_name(name)) for name in names}
+    jobs = [(ns, name) for name in names]
+
     def create(name: str) -> None:
-        body = job_manifest(name, ph.namespace, port)
+        body = job_body(b.template, name, ns)
         ph.created[name] = time.time()  # before the POST
-        custom.create_namespaced_custom_object("rlhf.dev", "v1alpha1", ph.namespace, "rlhfjobs", body)
+        b.custom.create_namespaced_custom_object("rlhf.dev", "v1alpha1", ns, "rlhfjobs", body)
 
-    ph.cpu.append(cpu_seconds(pids))
-    ph.start = time.time()
-    if parallel == 1:
-        for name in names:
-            create(name)
-            watch.wait_all([(ph.namespace, raycluster_name(name))], 120)
-            time.sleep(1.0)  # the operator goes idle again before the next one
-    else:
-        with ThreadPoolExecutor(parallel) as pool:
-            list(pool.map(create, names))
-    keys = [(ph.namespace, raycluster_name(n)) for n in names]
-    watch.wait_all(keys, 600)
-    ph.cpu.append(cpu_seconds(pids))
-    ph.clusters_done = max(watch.seen[k] for k in keys)
-    ph.latency = {n: watch.seen[(ph.namespace, raycluster_name(n))] - ph.created[n] for n in names}
-    wait_running(custom, ph.namespace, len(names), 600)
-    ph.running_done = time.time()
-    ph.cpu.append(cpu_seconds(pids))
+    ph.start = ph.checkpoint(b.pids)
+    w, timeout = b.watch, wait_timeout(n)
+    with progress(lambda: f"{ns}: {len(ph.created)}/{n} created, {w.summary(ns, n)}"):
+        if threads == 1:
+            for name in names:
+                create(name)
+                w.wait_for(w.seen([keys[name]]), 120, f"RayCluster of {name}", b.check)
+                time.sleep(1.0)  # the operator goes idle again before the next one
+        else:
+            create_paced(names, create, qps, threads)
+        w.wait_for(w.seen(list(keys.values())), timeout, f"{ns}: every RayCluster", b.check)
+        ph.checkpoint(b.pids)
+        w.wait_for(w.all_running(jobs), timeout, f"{ns}: every job Running", b.check)
+        ph.running_done = ph.checkpoint(b.pids)
+    ph.clusters_done = max((b.watch.clusters[k] for k in keys.values()), default=ph.start)
+    ph.latency = {name: b.watch.clusters[keys[name]] - ph.created[name] for name in names}
+    ph.to_running = {name: b.watch.running[(ns, name)] - ph.created[name] for name in names}
+    common.console.print(f"[dim]{ns}: all {n} Running; {settle:.0f} s of steady state ...[/dim]")
     time.sleep(settle)
-    ph.end = time.time()
-    ph.cpu.append(cpu_seconds(pids))
-
-
-def audit_writes(username: str) -> list[dict[str, Any]]:
-    """Every write the API server recorded for `username` (the audit policy keeps writes only)."""
-    out = []
-    audit = devcluster.STATE / "logs" / "audit.log"
-    for path in sorted(audit.parent.glob("audit*.log")):  # a rotated part too, if any
-        with path.open(errors="replace") as f:
-            for line in f:
-                if username not in line:
-                    continue
-                ev = json.loads(line)
-                if ev.get("user", {}).get("username") == username and ev.get("verb") in WRITE_VERBS:
-                    ev["_t"] = datetime.fromisoformat(ev["stageTimestamp"]).timestamp()
-                    out.append(ev)
-    return out
+    b.check()
+    ph.end = ph.checkpoint(b.pids)
 
 
 def kind_of(ev: dict[str, Any]) -> str:
@@ -433,134 +752,301 @@ def in_window(writes: list[dict[str, Any]], ns: str, t0: float, t1: float) -> li
 # ---------------------------------------------------------------------------------------------- main
 
 
-def main() -> None:
+@dataclass
+class Plan:
+    """What the run is set to do, decided before the control plane starts."""
+
+    nodes: int
+    shape: NodeShape
+    threads: int
+    port: int  # the stand-in Ray dashboard and trainer /metrics
+    health: int  # the operator's liveness endpoint
+    template: dict[str, Any]
+    pod_gpus: list[int]
+
+
+@dataclass
+class Run:
+    """What the run measured."""
+
+    solo: Phase
+    burst: Phase
+    writes: list[dict[str, Any]]
+    final: dict[str, Counter[str]]
+    events: dict[str, Counter[str]]
+    rss: dict[str, float]
+    audit: AuditTail
+    idle: Phase
+
+
+def env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--jobs", type=int, default=100, help="RLHFJobs created together")
+    p.add_argument("--jobs", type=int, default=100, help="RLHFJobs created in the burst")
+    p.add_argument(
+        "--nodes", type=int, help="KWOK nodes shaped like a real 8-GPU machine (default: a few huge nodes)"
+    )
+    p.add_argument("--qps", type=float, default=100.0, help="burst creation rate, jobs/s (0: unpaced)")
+    p.add_argument("--parallel", type=int, help="client threads creating the burst (default: qps, >= 8)")
     p.add_argument("--solo", type=int, default=5, help="RLHFJobs created one at a time first (idle operator)")
     p.add_argument(
         "--settle", type=float, default=30.0, help="seconds the operator runs on after all are Running"
     )
-    p.add_argument("--parallel", type=int, default=8, help="client threads creating the burst")
+    p.add_argument(
+        "--reconcile-interval",
+        type=float,
+        help="RLHF_RECONCILE_INTERVAL (seconds) for the operator (default: unset, the operator's own)",
+    )
+    p.add_argument(
+        "--operator-env",
+        type=env_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more operator environment, after --reconcile-interval (repeatable)",
+    )
     p.add_argument("--operator-verbose", action="store_true", help="kopf debug log (its patches) in the log")
     p.add_argument("--keep-cluster", action="store_true", help="leave the control plane up (for inspection)")
     p.add_argument("--serve-stand-in", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.jobs < 1 or args.solo < 0 or args.qps < 0 or (args.nodes is not None and args.nodes < 1):
+        p.error("--jobs and --nodes must be at least 1, --solo and --qps at least 0")
+    return args
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    template = job_template(free_port())
+    pod_gpus = job_pod_gpus(template)
+    nodes, shape = plan_nodes(args.nodes, pod_gpus, args.jobs + args.solo)
+    # Open loop: enough threads that each POST starts on schedule while up to 1 s of earlier ones are still
+    # being served (the API server took 0.3-0.9 s per RLHFJob POST at 100/s on 2 cores).
+    threads = args.parallel or max(8, math.ceil(args.qps))
+    port = int(template["spec"]["monitoring"]["metricsPort"])
+    return Plan(nodes, shape, threads, port, free_port(), template, pod_gpus)
+
+
+def header(args: argparse.Namespace, plan: Plan) -> None:
+    rate = f"{args.qps:g} jobs/s" if args.qps > 0 else "unpaced"
+    interval = f"{args.reconcile_interval:g} s" if args.reconcile_interval is not None else "operator default"
+    extra = " ".join(f"{k}={v}" for k, v in args.operator_env) or "none"
+    common.console.print(
+        f"operator_scale: {args.jobs} jobs at {rate} ({plan.threads} client threads) after {args.solo} one "
+        f"at a time; {plan.nodes} KWOK nodes of {plan.shape.label} (a job's pods: {plan.pod_gpus} GPUs); "
+        f"settle {args.settle:g} s; reconcile interval: {interval}; more operator env: {extra}"
+    )
+
+
+def main() -> None:
+    args = parse_args()
     if args.serve_stand_in:
         serve_stand_in(args.serve_stand_in)
         return
 
     common.print_machine()
+    try:
+        plan = make_plan(args)
+    except RuntimeError as e:
+        common.fail(str(e))
+    header(args, plan)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
-    common.console.print(f"[dim]control plane in {devcluster.STATE}; logs and audit extract in {WORK}[/dim]")
+    common.console.print(f"[dim]control plane in {STATE}; logs and audit extract in {WORK}[/dim]")
     try:
         if devcluster.read_state():
             devcluster.down(quiet=True)  # a leftover of an interrupted run: start clean
         devcluster.up()
-        measured = measure(args)
+        run = measure(args, plan)
     except (devcluster.ClusterError, RuntimeError, subprocess.CalledProcessError) as e:
         common.fail(f"{e}\n(operator log: {WORK / 'operator.log'})")
     finally:
-        audit = devcluster.STATE / "logs" / "audit.log"
-        if audit.exists():
-            shutil.copy(audit, WORK / "audit.log")
+        for part in (STATE / "logs").glob("audit*.log"):
+            shutil.copy(part, WORK / part.name)
         if not args.keep_cluster:
             devcluster.down(quiet=True)
-    report(args, *measured)
+    report(args, plan, run)
 
 
-def measure(
-    args: argparse.Namespace,
-) -> tuple[Phase, Phase, list[dict[str, Any]], dict[str, Counter[str]], dict[str, Counter[str]]]:
+def api_clients(threads: int) -> tuple[Any, Any]:
+    """(CustomObjectsApi, CoreV1Api) as admin, with a connection per client thread."""
     from kubernetes import client, config
 
-    admin = devcluster.STATE / "kubeconfig"
-    add_bench_nodes()
-    kubectl(
-        "apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "rlhfjobs.rlhf.dev.yaml")
-    )
+    api_client = config.new_client_from_config(config_file=str(STATE / "kubeconfig"))  # type: ignore[no-untyped-call]
+    api_client.configuration.connection_pool_maxsize = max(16, threads) + 4
+    api_client.rest_client = client.rest.RESTClientObject(api_client.configuration)
+    return client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+
+
+def prepare(core: Any, plan: Plan) -> tuple[str, Path]:
+    """The CRD, the nodes, the operator's RBAC and token, the namespaces; returns (user name, kubeconfig)."""
+    crd = ROOT / "crds" / "rlhfjobs.rlhf.dev.yaml"
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+    add_nodes(core, plan.nodes, plan.shape)  # meanwhile the CRD's status gets its conditions
     kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev")
     username = install_rbac()
     kubeconfig = operator_kubeconfig(username)
     for ns in (SOLO_NS, BURST_NS):
         kubectl("create", "namespace", ns)
+    return username, kubeconfig
 
-    api_client = config.new_client_from_config(config_file=str(admin))  # type: ignore[no-untyped-call]
-    api_client.configuration.connection_pool_maxsize = max(8, args.parallel * 2)
-    api_client.rest_client = client.rest.RESTClientObject(api_client.configuration)
-    custom = client.CustomObjectsApi(api_client)
-    port, health = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RLHF_", "KUBECONFIG"))}
-    op_env = {
-        **env,
-        "KUBECONFIG": str(kubeconfig),
-        # The development head override: every RayCluster's "head" is the stand-in.
-        "RLHF_DEV_HEAD_HOST": "127.0.0.1",
-        "RLHF_DEV_DASHBOARD_PORT": str(port),
-    }
+
+def idle_baseline(pids: dict[str, int], seconds: float = 10.0) -> Phase:
+    """The control plane's CPU with every node up but no operator or job yet: KWOK renews each node's
+    Lease every 10 s, which the API server and etcd serve in every window below too."""
+    common.console.print(f"[dim]{seconds:.0f} s idle (the control plane's CPU with no jobs) ...[/dim]")
+    idle = Phase("idle")
+    idle.checkpoint(pids)
+    time.sleep(seconds)
+    idle.checkpoint(pids)
+    return idle
+
+
+def operator_cmd(args: argparse.Namespace, plan: Plan) -> list[str]:
     rlhf = str(Path(sys.executable).parent / "rlhf")
-    op_cmd = [rlhf, "operator", "--all-namespaces", "--metrics-port", "0"]
-    op_cmd += ["--liveness", f"http://127.0.0.1:{health}/healthz"]
-    op_cmd += ["--verbose"] if args.operator_verbose else []
-    stand_in = [sys.executable, __file__, "--serve-stand-in", str(port)]
-    with (
-        process(stand_in, env, WORK / "stand-in.log") as si,
-        process(op_cmd, op_env, WORK / "operator.log") as op,
-    ):
-        wait_http(f"http://127.0.0.1:{port}/metrics", 30, si, "the stand-in Ray dashboard")
-        wait_http(f"http://127.0.0.1:{health}/healthz", 60, op, "the operator")
-        watch = ClusterWatch(admin)
-        watch.start()
-        pids = {str(k): int(v) for k, v in (devcluster.read_state() or {})["pids"].items()}
-        pids.update({"rlhf operator": op.pid, "stand-in Ray": si.pid})
-        solo, burst = Phase(SOLO_NS), Phase(BURST_NS)
-        common.console.print(f"[dim]{args.solo} jobs one at a time ...[/dim]")
-        names = [f"solo-{i}" for i in range(args.solo)]
-        run_phase(solo, names, watch, custom, port, 1, args.settle, pids)
-        common.console.print(f"[dim]{args.jobs} jobs at once ...[/dim]")
-        names = [f"job-{i:03d}" for i in range(args.jobs)]
-        run_phase(burst, names, watch, custom, port, args.parallel, args.settle, pids)
-        final = {ns: phases_of(custom, ns) for ns in (SOLO_NS, BURST_NS)}
-        core = client.CoreV1Api(api_client)
-        events = {ns: event_reasons(core, ns) for ns in (SOLO_NS, BURST_NS)}
-        watch.stop.set()
-        if op.poll() is not None:
-            raise RuntimeError(f"the operator exited ({op.returncode}); see {WORK / 'operator.log'}")
-    time.sleep(1.0)  # the audit log is written asynchronously (batch backend off: within ms)
-    writes = audit_writes(username)
+    cmd = [rlhf, "operator", "--all-namespaces", "--metrics-port", "0"]
+    cmd += ["--liveness", f"http://127.0.0.1:{plan.health}/healthz"]
+    return cmd + (["--verbose"] if args.operator_verbose else [])
+
+
+def run_phases(args: argparse.Namespace, plan: Plan, b: Bench) -> tuple[Phase, Phase]:
+    """The solo jobs one at a time, then the burst at --qps; returns (solo, burst)."""
+    solo, burst = Phase(SOLO_NS), Phase(BURST_NS)
+    common.console.print(f"[dim]{args.solo} jobs one at a time ...[/dim]")
+    run_phase(b, solo, [f"solo-{i}" for i in range(args.solo)], 0, 1, args.settle)
+    common.console.print(f"[dim]{args.jobs} jobs at {args.qps:g} jobs/s ...[/dim]")
+    width = max(3, len(str(args.jobs - 1)))
+    names = [f"job-{i:0{width}d}" for i in range(args.jobs)]
+    run_phase(b, burst, names, args.qps, plan.threads, args.settle)
+    b.check()
+    return solo, burst
+
+
+def measure(args: argparse.Namespace, plan: Plan) -> Run:
+    custom, core = api_clients(plan.threads)
+    username, kubeconfig = prepare(core, plan)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RLHF_", "KUBECONFIG"))}
+    stand_in = [sys.executable, __file__, "--serve-stand-in", str(plan.port)]
+    state = cast(dict[str, Any], devcluster.read_state() or {})
+    pids = {str(k): int(v) for k, v in state["pids"].items()}
+    idle = idle_baseline(pids)
+    audit = AuditTail(STATE / "logs" / "audit.log", username)
+    audit.start()
+    try:
+        with (
+            process(stand_in, env, WORK / "stand-in.log") as si,
+            process(
+                operator_cmd(args, plan),
+                operator_env(args, env, kubeconfig, plan.port),
+                WORK / "operator.log",
+            ) as op,
+        ):
+            wait_http(f"http://127.0.0.1:{plan.port}/metrics", 30, si, "the stand-in Ray dashboard")
+            wait_http(f"http://127.0.0.1:{plan.health}/healthz", 60, op, "the operator")
+            watch = Watcher(STATE / "kubeconfig")
+            watch.start()
+            pids.update({"rlhf operator": op.pid, "stand-in Ray": si.pid})
+            solo, burst = run_phases(args, plan, Bench(watch, custom, plan.template, pids, op))
+            rss = {p: peak_rss_mib(pids[p]) for p in ("rlhf operator", "kube-apiserver")}
+            final = {ns: phases_of(custom, ns) for ns in (SOLO_NS, BURST_NS)}
+            events = {ns: event_reasons(core, ns) for ns in (SOLO_NS, BURST_NS)}
+            watch.stop.set()
+    finally:
+        time.sleep(1.0)  # the audit log is written asynchronously (batch backend off: within ms)
+        audit.close()
     with (WORK / "operator-writes.jsonl").open("w") as f:
-        for e in writes:
+        for e in audit.writes:
             f.write(json.dumps(e) + "\n")
-    refused = [e for e in writes if e.get("responseStatus", {}).get("code") == 403]
+    refused = [e for e in audit.writes if e.get("responseStatus", {}).get("code") == 403]
     if refused:
         raise RuntimeError(
             f"the API server refused {len(refused)} operator writes, e.g. {kind_of(refused[0])}"
         )
-    return solo, burst, writes, final, events
+    return Run(solo, burst, audit.writes, final, events, rss, audit, idle)
 
 
-def report(
-    args: argparse.Namespace,
-    solo: Phase,
-    burst: Phase,
-    writes: list[dict[str, Any]],
-    final: dict[str, Counter[str]],
-    events: dict[str, Counter[str]],
-) -> None:
-    n_solo, n_burst = len(solo.latency), len(burst.latency)
-    s_lat, b_lat = list(solo.latency.values()), list(burst.latency.values())
+# ---------------------------------------------------------------------------------------------- report
+
+
+def report(args: argparse.Namespace, plan: Plan, run: Run) -> None:
+    solo, burst = run.solo, run.burst
     windows = {
-        "solo": (solo, in_window(writes, SOLO_NS, solo.start, solo.end)),
-        "burst": (burst, in_window(writes, BURST_NS, burst.start, burst.end)),
+        SOLO_NS: in_window(run.writes, SOLO_NS, solo.start, solo.end),
+        BURST_NS: in_window(run.writes, BURST_NS, burst.start, burst.end),
     }
+    latency_table(args, run)
+    b_parts = writes_table(args, run, windows)
+    events_table(run)
+    cpu_table(burst)
+    notes(args, run, windows)
+    n_burst = len(burst.latency)
+    s_lat, b_lat = list(solo.latency.values()), list(burst.latency.values())
+    steady_s = burst.end - burst.running_done
+    steady = sum(b_parts[2].values()) / n_burst / steady_s * 60
+    common.result(
+        {
+            "p50_s": rounded(percentile(b_lat, 50), 3),
+            "p99_s": rounded(percentile(b_lat, 99), 3),
+            "writes_per_job": rounded(len(windows[BURST_NS]) / n_burst, 2),
+            # the same without requests the API server refused (409 duplicates, kopf's 422 stale-finalizer
+            # patch): what was written
+            "applied_writes_per_job": rounded(
+                sum(1 for e in windows[BURST_NS] if e.get("responseStatus", {}).get("code", 200) < 300)
+                / n_burst,
+                2,
+            ),
+            "writes_window_s": rounded(burst.end - burst.start, 1),
+            "steady_writes_per_job_per_min": rounded(steady, 2),
+            "solo_p50_s": rounded(percentile(s_lat, 50), 3),
+            "solo_writes_per_job": rounded(len(windows[SOLO_NS]) / max(len(solo.latency), 1), 2),
+            "jobs": n_burst,
+            "nodes": plan.nodes,
+            "node_gpus": plan.shape.gpus,
+            "qps": args.qps,
+            "qps_achieved": rounded(burst.create_rate(), 1),
+            "last_cluster_s": rounded(burst.clusters_done - burst.start, 1),
+            "all_running_s": rounded(burst.running_done - burst.start, 1),
+            "running_p50_s": rounded(percentile(list(burst.to_running.values()), 50), 2),
+            "running_p99_s": rounded(percentile(list(burst.to_running.values()), 99), 2),
+            "operator_rss_mib": rounded(run.rss["rlhf operator"], 1),
+            "operator_cpu_steady_cores": rounded(burst.cores("rlhf operator", 2, 3), 3),
+            "operator_cpu_burst_cores": rounded(burst.cores("rlhf operator", 0, 2), 3),
+            "apiserver_cpu_steady_cores": rounded(burst.cores("kube-apiserver", 2, 3), 3),
+            "apiserver_cpu_to_clusters_cores": rounded(burst.cores("kube-apiserver", 0, 1), 3),
+            "apiserver_cpu_to_running_cores": rounded(burst.cores("kube-apiserver", 1, 2), 3),
+            "apiserver_cpu_idle_cores": rounded(run.idle.cores("kube-apiserver", 0, 1), 3),
+            "apiserver_rss_mib": rounded(run.rss["kube-apiserver"], 1),
+            "settle_s": rounded(steady_s, 1),
+            "solo": len(solo.latency),
+            "reconcile_interval_s": args.reconcile_interval,
+            "operator_env": dict(args.operator_env),
+        }
+    )
+
+
+def rounded(x: float, digits: int) -> float | None:
+    """For the RESULT line: NaN (no samples, e.g. --solo 0) as null, which strict JSON parsers accept."""
+    return None if math.isnan(x) else round(x, digits)
+
+
+def latency_table(args: argparse.Namespace, run: Run) -> None:
+    solo, burst = run.solo, run.burst
+    s_lat, b_lat = list(solo.latency.values()), list(burst.latency.values())
+    s_run, b_run = list(solo.to_running.values()), list(burst.to_running.values())
+    rate = f"at {args.qps:g}/s" if args.qps > 0 else "unpaced"
     common.table(
-        "Create -> RayCluster exists (seconds; the client's clock before the POST to the watch event)",
-        ["", f"one at a time (n={n_solo})", f"{n_burst} at once"],
+        "Create -> RayCluster exists, and -> Running (seconds; the client's clock before the POST to the "
+        "watch event)",
+        ["", f"one at a time (n={len(s_lat)})", f"{len(b_lat)} {rate}"],
         [
-            ["p50", percentile(s_lat, 50), percentile(b_lat, 50)],
-            ["p90", percentile(s_lat, 90), percentile(b_lat, 90)],
-            ["p99", percentile(s_lat, 99), percentile(b_lat, 99)],
-            ["max", max(s_lat), max(b_lat)],
+            *[[f"RayCluster p{q}", percentile(s_lat, q), percentile(b_lat, q)] for q in (50, 90, 99)],
+            ["RayCluster max", max(s_lat, default=math.nan), max(b_lat)],
+            *[[f"Running p{q}", percentile(s_run, q), percentile(b_run, q)] for q in (50, 99)],
+            ["jobs created per second (first POST to last)", solo.create_rate(), burst.create_rate()],
             [
                 "last RayCluster after first create",
                 solo.clusters_done - solo.start,
@@ -571,22 +1057,27 @@ def report(
                 solo.running_done - solo.start,
                 burst.running_done - burst.start,
             ],
-            ["final phases", dict(final[SOLO_NS]), dict(final[BURST_NS])],
+            ["final phases", dict(run.final[SOLO_NS]), dict(run.final[BURST_NS])],
         ],
     )
 
-    # Writes per job by resource and verb, in three windows: create -> last RayCluster, -> all Running,
-    # and the settle window after that (steady state).
-    def split(ph: Phase, evs: list[dict[str, Any]]) -> list[Counter[str]]:
-        parts: list[Counter[str]] = [Counter(), Counter(), Counter()]
-        for e in evs:
-            parts[0 if e["_t"] < ph.clusters_done else 1 if e["_t"] < ph.running_done else 2][kind_of(e)] += 1
-        return parts
 
-    s_parts, b_parts = split(*windows["solo"]), split(*windows["burst"])
-    kinds = sorted(set().union(*s_parts, *b_parts))
+def split(ph: Phase, evs: list[dict[str, Any]]) -> list[Counter[str]]:
+    """Writes by kind in three windows: create -> last RayCluster, -> all Running, the settle window."""
+    parts: list[Counter[str]] = [Counter(), Counter(), Counter()]
+    for e in evs:
+        parts[0 if e["_t"] < ph.clusters_done else 1 if e["_t"] < ph.running_done else 2][kind_of(e)] += 1
+    return parts
+
+
+def writes_table(
+    args: argparse.Namespace, run: Run, windows: dict[str, list[dict[str, Any]]]
+) -> list[Counter[str]]:
+    """Writes per job by resource and verb in each window; returns the burst's split."""
+    n_solo, n_burst = max(len(run.solo.latency), 1), len(run.burst.latency)
+    s_parts, b_parts = split(run.solo, windows[SOLO_NS]), split(run.burst, windows[BURST_NS])
     rows: list[list[Any]] = []
-    for k in kinds:
+    for k in sorted(set().union(*s_parts, *b_parts)):
         rows.append(
             [k]
             + [s_parts[i][k] / n_solo for i in range(3)]
@@ -594,12 +1085,10 @@ def report(
             + [b_parts[i][k] / n_burst for i in range(3)]
             + [sum(c[k] for c in b_parts) / n_burst]
         )
-    tot = (
-        ["total"] + [sum(s_parts[i].values()) / n_solo for i in range(3)] + [len(windows["solo"][1]) / n_solo]
-    )
-    tot += [sum(b_parts[i].values()) / n_burst for i in range(3)] + [len(windows["burst"][1]) / n_burst]
+    tot = ["total"] + [sum(s_parts[i].values()) / n_solo for i in range(3)] + [len(windows[SOLO_NS]) / n_solo]
+    tot += [sum(b_parts[i].values()) / n_burst for i in range(3)] + [len(windows[BURST_NS]) / n_burst]
     rows.append(tot)
-    s_win, b_win = solo.end - solo.start, burst.end - burst.start
+    s_win, b_win = run.solo.end - run.solo.start, run.burst.end - run.burst.start
     common.table(
         f"Operator API writes per job (audit log, ServiceAccount {OPERATOR_NS}/rlhf-operator). Windows: "
         f"to last RayCluster | to all Running | {args.settle:.0f} s settle; whole window "
@@ -617,53 +1106,65 @@ def report(
         ],
         rows,
     )
-    reasons = sorted(set(events[SOLO_NS]) | set(events[BURST_NS]))
+    return b_parts
+
+
+def events_table(run: Run) -> None:
+    n_solo, n_burst = max(len(run.solo.latency), 1), len(run.burst.latency)
+    reasons = sorted(set(run.events[SOLO_NS]) | set(run.events[BURST_NS]))
     common.table(
         "Events about RLHFJobs per job, by reason (the `create events` rows; whole run)",
         ["reason (kopf's `Logging` Events: the message)", "solo", "burst"],
-        [[r, events[SOLO_NS][r] / n_solo, events[BURST_NS][r] / n_burst] for r in reasons],
+        [[r, run.events[SOLO_NS][r] / n_solo, run.events[BURST_NS][r] / n_burst] for r in reasons],
     )
-    # Where the time goes: CPU seconds per process in each window of the burst, against the machine's.
-    cpu = burst.cpu
-    walls = [
-        burst.clusters_done - burst.start,
-        burst.running_done - burst.clusters_done,
-        burst.end - burst.running_done,
-    ]
+
+
+def cpu_table(burst: Phase) -> None:
+    """Where the time goes: CPU seconds and mean cores per process in each window of the burst."""
     nproc = os.cpu_count() or 1
-    procs = sorted(cpu[0], key=lambda k: cpu[0][k] - cpu[-1][k])
-    rows = [[k] + [cpu[i + 1][k] - cpu[i][k] for i in range(3)] for k in procs]
-    rows.append(["all of the above"] + [sum(cpu[i + 1][k] - cpu[i][k] for k in procs) for i in range(3)])
-    rows.append([f"machine capacity ({nproc} CPUs x wall)"] + [w * nproc for w in walls])
+    procs = sorted(burst.cpu[0], key=lambda k: -burst.cpu_used(k, 0, 3))
+    windows = [(0, 1), (1, 2), (2, 3)]
+    rows: list[list[Any]] = []
+    for k in procs:
+        rows.append([k, *[x for i, j in windows for x in (burst.cpu_used(k, i, j), burst.cores(k, i, j))]])
+    total = [sum(burst.cpu_used(k, i, j) for k in procs) for i, j in windows]
+    walls = [burst.marks[j] - burst.marks[i] for i, j in windows]
+    rows.append(["all of the above", *[x for t, w in zip(total, walls, strict=True) for x in (t, t / w)]])
+    rows.append([f"machine capacity ({nproc} CPUs)", *[x for w in walls for x in (w * nproc, float(nproc))]])
     common.table(
-        "Burst: CPU seconds by process (where the time goes)",
-        ["process", "create -> last RayCluster", "-> all Running", "settle"],
+        "Burst: CPU seconds and mean cores by process (where the time goes); windows of "
+        + ", ".join(f"{w:.0f} s" for w in walls),
+        ["process", "create -> last RayCluster", "cores", "-> all Running", "cores", "settle", "cores"],
         rows,
     )
+
+
+def notes(args: argparse.Namespace, run: Run, windows: dict[str, list[dict[str, Any]]]) -> None:
+    rate = run.burst.create_rate()
+    if args.qps > 0 and rate < 0.9 * args.qps:
+        common.console.print(
+            f"[yellow]the burst was created at {rate:.0f} jobs/s, not {args.qps:g}: POSTs took longer than "
+            "client threads / qps seconds; raise --parallel[/yellow]"
+        )
     failed = Counter(
         f"{kind_of(e)} {e['responseStatus'].get('code')}"
-        for _, evs in windows.values()
+        for evs in windows.values()
         for e in evs
         if e.get("responseStatus", {}).get("code", 200) >= 300
     )
     if failed:
         common.console.print(f"[yellow]non-2xx operator writes (counted above): {dict(failed)}[/yellow]")
-    elsewhere = [e for e in writes if e.get("objectRef", {}).get("namespace") not in (SOLO_NS, BURST_NS)]
+    elsewhere = [e for e in run.writes if e.get("objectRef", {}).get("namespace") not in (SOLO_NS, BURST_NS)]
     common.console.print(
         f"[dim]operator writes outside the job namespaces (not per job): {dict(Counter(kind_of(e) for e in elsewhere))}[/dim]"
     )
-    steady = sum(b_parts[2].values()) / n_burst / args.settle * 60
-    common.result(
-        {
-            "p50_s": round(percentile(b_lat, 50), 3),
-            "p99_s": round(percentile(b_lat, 99), 3),
-            "writes_per_job": round(len(windows["burst"][1]) / n_burst, 2),
-            "writes_window_s": round(b_win, 1),
-            "steady_writes_per_job_per_min": round(steady, 2),
-            "solo_p50_s": round(percentile(s_lat, 50), 3),
-            "solo_writes_per_job": round(len(windows["solo"][1]) / n_solo, 2),
-            "jobs": n_burst,
-        }
+    idle = ", ".join(f"{p} {run.idle.cores(p, 0, 1):.3f}" for p in ("kube-apiserver", "etcd", "kwok"))
+    common.console.print(f"[dim]cores before the operator started (nodes up, no jobs): {idle}[/dim]")
+    a = run.audit
+    common.console.print(
+        f"[dim]audit log read while written: {a.bytes / 2**20:.0f} MiB, {a.entries} entries (all users), "
+        f"{a.rotations} rotation(s) followed; operator peak RSS {run.rss['rlhf operator']:.0f} MiB, "
+        f"kube-apiserver {run.rss['kube-apiserver']:.0f} MiB[/dim]"
     )
 
 

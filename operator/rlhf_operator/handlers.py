@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -23,7 +24,7 @@ from pydantic import ValidationError
 from rlhf_api import constants
 from rlhf_api.spec import GROUP, PLURAL, TERMINAL_JOB_PHASES, VERSION, RLHFJob
 
-from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape, security
+from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape, security, throttle
 from rlhf_operator.conditions import parse_time
 from rlhf_operator.status import Decision, Observed, cluster_rejected, decide, status_patch
 
@@ -32,6 +33,8 @@ log = logging.getLogger("rlhf_operator")
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 JSON_PATCH = "application/json-patch+json"
 RECONCILE_INTERVAL = float(os.environ.get("RLHF_RECONCILE_INTERVAL", "2"))
+# Calls to Ray heads (Jobs API, trainer /metrics): capped in total and per host (throttle.py).
+REMOTE = throttle.from_env()
 # Development override (docs/development.md): reach every RayCluster head at this host instead of its
 # Service DNS name, because pods never run here and the Ray workload runs on a local Ray head.
 DEV_HEAD_HOST = os.environ.get("RLHF_DEV_HEAD_HOST", "")
@@ -46,7 +49,7 @@ POLICY_ACCESS = security.policy_access_from_env(os.environ)
 
 # kopf's thread pool for sync handlers; the API client keeps a connection for each of them, since a
 # smaller pool drops connections under load and every new one costs a TLS handshake on both sides.
-HANDLER_THREADS = 20
+HANDLER_THREADS = int(os.environ.get("RLHF_HANDLER_THREADS") or "20")
 _api: k8s.ApiClient | None = None
 
 # kopf hands a timer the latest body its watch has delivered, which under load (100 jobs on 2 CPUs) can
@@ -97,8 +100,24 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         metrics.serve(port, os.environ.get("RLHF_OPERATOR_METRICS_ADDR") or "127.0.0.1")
 
 
+# The last parse of each job (uid -> (resourceVersion, result)): a round on an unchanged body, the steady
+# state, reuses it instead of validating the whole spec again.
+_parsed: dict[str, tuple[str, RLHFJob | str]] = {}
+
+
 def _parse(body: kopf.Body) -> RLHFJob | str:
     """The typed job, or the validation error text (a bad object must never crash the operator)."""
+    uid, version = body.metadata.uid or "", str(body.metadata.get("resourceVersion") or "")
+    cached = _parsed.get(uid)
+    if cached is not None and version and cached[0] == version:
+        return cached[1]
+    result = _validate(body)
+    if uid and version:
+        _parsed[uid] = (version, result)
+    return result
+
+
+def _validate(body: kopf.Body) -> RLHFJob | str:
     try:
         return RLHFJob.model_validate(
             {
@@ -128,7 +147,49 @@ def _invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
     metrics.RECONCILE_ERRORS.labels(body.metadata.namespace or "", "InvalidSpec").inc()
 
 
+# RayClusters are read from a kopf index fed by a watch (`rayclusters` below), not by a GET per round.
+# The index is handed to handlers as a keyword argument; they keep it here for the helpers they call.
+_cluster_index: kopf.Index[tuple[str, str], dict[str, Any]] | None = None
+# RayClusters this process created that its watch has not delivered yet (for at most UNSEEN_WRITE_GRACE),
+# so the next round does not take a cluster it just made for a missing one.
+_created: dict[tuple[str, str], tuple[dict[str, Any], float]] = {}
+# The resourceVersion of each RayCluster as it was when this process last patched it: while the index
+# still shows that version, the patch has not come back through the watch, and the round does not send
+# it again.
+_patched_at: dict[tuple[str, str], tuple[str, float]] = {}
+
+
+@kopf.index(RAY_GROUP, RAY_VERSION, RAY_PLURAL, labels={manifests.JOB_LABEL: kopf.PRESENT})
+def rayclusters(
+    namespace: str | None, name: str | None, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every RayCluster of an RLHFJob, by (namespace, name)."""
+    return {(namespace or "default", name or ""): dict(body)}
+
+
+def _use_index(index: kopf.Index[tuple[str, str], dict[str, Any]] | None) -> None:
+    global _cluster_index
+    if index is not None:
+        _cluster_index = index
+
+
 def _get_cluster(namespace: str, name: str) -> dict[str, Any] | None:
+    """The RayCluster as the watch last delivered it (or as this process just created it), or None."""
+    key = (namespace, name)
+    if _cluster_index is None:  # no index handed over yet (a unit test calling a helper): read it
+        return _read_cluster(namespace, name)
+    found = next(iter(_cluster_index.get(key, ())), None)
+    if found is not None:
+        _created.pop(key, None)
+        return found
+    made = _created.get(key)
+    if made is not None and time.monotonic() - made[1] < UNSEEN_WRITE_GRACE:
+        return made[0]
+    _created.pop(key, None)
+    return None
+
+
+def _read_cluster(namespace: str, name: str) -> dict[str, Any] | None:
     try:
         obj = custom().get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
         return cast(dict[str, Any], obj)
@@ -145,18 +206,31 @@ def _ensure_security_objects(body: kopf.Body, job: RLHFJob) -> None:
     (the token is derived from the job's uid), so an existing one (409) is the one this would make.
     """
     namespace = body.metadata.namespace or "default"
-    for obj in manifests.security_objects(job, rayjobs.token_key(), POLICY_ACCESS):
+    objs = manifests.security_objects(job, rayjobs.token_key(), POLICY_ACCESS)
+    for obj in objs:
         kopf.adopt(obj, owner=body)
-        try:
-            if obj["kind"] == "Secret":
-                k8s.CoreV1Api(api()).create_namespaced_secret(namespace, obj)  # type: ignore[arg-type]
-            else:
-                k8s.NetworkingV1Api(api()).create_namespaced_network_policy(namespace, obj)  # type: ignore[arg-type]
-        except ApiException as e:
-            if e.status != 409:
-                raise ClusterRefused(
-                    e.status, f"{obj['kind']} {obj['metadata']['name']}: {_api_message(e)}"
-                ) from e
+    # Both at once: one round trip before the RayCluster's POST instead of two.
+    for future in [_SECURITY_POOL.submit(_create_security_object, namespace, obj) for obj in objs]:
+        future.result()
+    _security_ensured.add(body.metadata.uid or "")
+
+
+def _create_security_object(namespace: str, obj: dict[str, Any]) -> None:
+    try:
+        if obj["kind"] == "Secret":
+            k8s.CoreV1Api(api()).create_namespaced_secret(namespace, obj)  # type: ignore[arg-type]
+        else:
+            k8s.NetworkingV1Api(api()).create_namespaced_network_policy(namespace, obj)  # type: ignore[arg-type]
+    except ApiException as e:
+        if e.status != 409:
+            raise ClusterRefused(
+                e.status, f"{obj['kind']} {obj['metadata']['name']}: {_api_message(e)}"
+            ) from e
+
+
+_SECURITY_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="security-objects")
+# Jobs whose Secret and NetworkPolicy this process has created or found (once per job and process).
+_security_ensured: set[str] = set()
 
 
 def ray_token(body: kopf.Body) -> str:
@@ -178,6 +252,7 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
             custom().create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest),
         )
         metrics.CLUSTERS_CREATED.labels(namespace).inc()
+        _created[(namespace, manifest["metadata"]["name"])] = (created, time.monotonic())
         _create_backoff.pop(body.metadata.uid or "", None)
         failpoints.hit("after_cluster_create")
         kopf.event(
@@ -191,8 +266,9 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
         return created
     except ApiException as e:
         if e.status == 409:  # created by an earlier incarnation of this operator: adopt it
-            existing = _get_cluster(namespace, manifest["metadata"]["name"])
+            existing = _read_cluster(namespace, manifest["metadata"]["name"])
             if existing is not None:
+                _created[(namespace, manifest["metadata"]["name"])] = (existing, time.monotonic())
                 return existing
         raise ClusterRefused(e.status, _api_message(e)) from e
 
@@ -268,37 +344,84 @@ def _awaiting_own_write(body: kopf.Body) -> bool:
     return True
 
 
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-def ensure_cluster(body: kopf.Body, patch: kopf.Patch, reason: str = "", **_: Any) -> None:
-    """Create the RayCluster as soon as the job appears (the timer would too, but later)."""
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def on_event(
+    type: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    rayclusters: kopf.Index[tuple[str, str], dict[str, Any]] | None = None,
+    **_: Any,
+) -> None:
+    """Create a new job's RayCluster from the watch event itself.
+
+    An event handler needs no finalizer first: kopf's create handler would wait for its finalizer patch
+    to come back through the watch, two API round trips and two watch deliveries before the RayCluster's
+    POST (benchmarks/operator_scale.py). The reconcile timer stays the level-triggered fallback: it
+    creates a missing cluster too. Idempotent under SIGKILL: the RayCluster's name is the job's, and a
+    409 adopts the one an earlier incarnation made.
+    """
+    _use_index(rayclusters)
+    if type == "DELETED" or body.metadata.get("deletionTimestamp"):
+        # At the deletion's first event, while the timers' finalizer still holds the job (kopf handles
+        # this event's watchers before it releases the finalizer), and at its last.
+        _forget(body)
+        return
+    if body.status.get("phase") in TERMINAL_JOB_PHASES:
+        return
+    uid = body.metadata.uid or ""
+    if body.status.get("phase"):
+        if not type and uid not in _security_ensured:  # the initial listing (no type): the operator's start
+            _resume_security_objects(body)
+        return
+    if uid in _first_written:
+        return  # its first status write is on its way through the watch
+    ensure_cluster(body, patch)
+
+
+def _resume_security_objects(body: kopf.Body) -> None:
+    """A job from before this operator version, or whose NetworkPolicy was deleted, gets its objects
+    again: once per job and process."""
+    job = _parse(body)
+    if isinstance(job, str):
+        return
+    namespace = body.metadata.namespace or "default"
+    if _get_cluster(namespace, manifests.raycluster_name(job.name)) is None:
+        return
+    try:
+        _ensure_security_objects(body, job)
+    except ClusterRefused as e:
+        log.warning("%s/%s: security objects not created: %s", namespace, job.name, e)
+
+
+# Jobs whose first status (phase Provisioning) this process has written.
+_first_written: set[str] = set()
+
+
+def ensure_cluster(body: kopf.Body, patch: kopf.Patch) -> None:
+    """Create the RayCluster of a job with no phase yet, and write its first phase."""
     job = _parse(body)
     if isinstance(job, str):
         _invalid(body, patch, job)
         return
-    if body.status.get("phase") in ("Succeeded", "Failed"):
-        return
     namespace = body.metadata.namespace or "default"
-    exists = _get_cluster(namespace, manifests.raycluster_name(job.name)) is not None
-    if exists and reason == kopf.Reason.RESUME:
-        # A job from before this operator version (or whose policy was deleted) gets its objects now.
-        try:
-            _ensure_security_objects(body, job)
-        except ClusterRefused as e:
-            log.warning("%s/%s: security objects not created: %s", namespace, job.name, e)
-    if not exists:
+    if _get_cluster(namespace, manifests.raycluster_name(job.name)) is None:
         try:
             _create_cluster(body, job)
         except ClusterRefused as refusal:
             _refused(body, patch, job, refusal)
             return  # the reconcile timer retries a transient refusal, after the backoff
-    if not body.status.get("phase"):
-        patch.status["phase"] = "Provisioning"
-        patch.status["rayClusterName"] = manifests.raycluster_name(job.name)
-        patch.status["totalSteps"] = job.spec.algorithm.total_steps
-        patch.status["restarts"] = 0
-        patch.status["observedGeneration"] = body.metadata.get("generation")
-        patch.status["message"] = "RayCluster created; waiting for it to be ready"
+    first = {
+        "phase": "Provisioning",
+        "rayClusterName": manifests.raycluster_name(job.name),
+        "totalSteps": job.spec.algorithm.total_steps,
+        "restarts": 0,
+        "observedGeneration": body.metadata.get("generation"),
+        "message": "RayCluster created; waiting for it to be ready",
+    }
+    for key, value in first.items():
+        patch.status[key] = value
+    _remember_write(body.metadata.uid or "", first)
+    _first_written.add(body.metadata.uid or "")
 
 
 def dashboard_url(cluster: dict[str, Any] | None) -> str:
@@ -322,7 +445,8 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
         obs["pods"] = _cluster_pods(namespace, cluster["metadata"]["name"])
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":
         try:
-            with rayjobs.RayJobsClient(dashboard_url(cluster), token=ray_token(body)) as rj:
+            url = dashboard_url(cluster)
+            with REMOTE.slot(url), rayjobs.RayJobsClient(url, token=ray_token(body)) as rj:
                 obs["ray_job"] = rj.get(body.status.get("submissionId") or submission)
         except rayjobs.RayJobsError as e:
             obs["ray_job_error"] = str(e)
@@ -344,7 +468,9 @@ def _scrape(namespace: str, job: RLHFJob, cluster: dict[str, Any], uid: str) -> 
         return cached[1]
     result: dict[str, Any]
     try:
-        result = {"metrics": scrape.fetch_metrics(metrics_url(cluster, job), job.name)}
+        url = metrics_url(cluster, job)
+        with REMOTE.slot(url):
+            result = {"metrics": scrape.fetch_metrics(url, job.name)}
         metrics.SCRAPES.labels("ok").inc()
     except scrape.MetricsUnavailable as e:
         result = {"metrics_error": str(e)}
@@ -355,6 +481,19 @@ def _scrape(namespace: str, job: RLHFJob, cluster: dict[str, Any], uid: str) -> 
         metrics.SCRAPES.labels("malformed").inc()
     _last_scrape[uid] = (now, result)
     return result
+
+
+def _cluster_key(cluster: dict[str, Any]) -> tuple[str, str]:
+    meta = cluster.get("metadata") or {}
+    return meta.get("namespace") or "default", meta.get("name") or ""
+
+
+def _patch_in_flight(cluster: dict[str, Any]) -> bool:
+    """True while the cluster seen is the version this process last patched: the patch has not come back
+    through the watch yet, and sending it again would be a second write of the same change."""
+    version = (cluster.get("metadata") or {}).get("resourceVersion")
+    at = _patched_at.get(_cluster_key(cluster))
+    return at is not None and at[0] == version and time.monotonic() - at[1] < UNSEEN_WRITE_GRACE
 
 
 def _patch_raycluster(
@@ -369,6 +508,8 @@ def _patch_raycluster(
         body,
         _content_type=content_type,
     )
+    version = (cluster.get("metadata") or {}).get("resourceVersion") or ""
+    _patched_at[_cluster_key(cluster)] = (version, time.monotonic())
 
 
 def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:
@@ -379,7 +520,8 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             _create_cluster(body, job)
         elif action == "submit" and cluster is not None and decision.submission_id:
             failpoints.hit("before_submit")
-            with rayjobs.RayJobsClient(dashboard_url(cluster), token=ray_token(body)) as rj:
+            url = dashboard_url(cluster)
+            with REMOTE.slot(url), rayjobs.RayJobsClient(url, token=ray_token(body)) as rj:
                 rj.submit(
                     decision.submission_id,
                     manifests.trainer_entrypoint(job),
@@ -389,13 +531,15 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             failpoints.hit("after_submit")
         elif action == "stop" and cluster is not None and decision.stop_submission_id:
             try:
-                with rayjobs.RayJobsClient(dashboard_url(cluster), token=ray_token(body)) as rj:
+                url = dashboard_url(cluster)
+                with REMOTE.slot(url), rayjobs.RayJobsClient(url, token=ray_token(body)) as rj:
                     rj.stop(decision.stop_submission_id)
             except rayjobs.RayJobsError as e:
                 log.warning("stopping %s: %s", decision.stop_submission_id, e)
-        elif action == "suspend_cluster" and cluster is not None:
+        elif action == "suspend_cluster" and cluster is not None and not _patch_in_flight(cluster):
             _patch_raycluster(namespace, cluster, {"spec": {"suspend": job.spec.run_policy.suspend}})
         elif action == "delete_cluster" and cluster is not None:
+            _patched_at.pop(_cluster_key(cluster), None)
             try:
                 custom().delete_namespaced_custom_object(
                     RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, cluster["metadata"]["name"]
@@ -446,7 +590,7 @@ def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decisio
     if plan.decision is not None and not plan.decision.changed:
         log.debug("%s/%s autoscaler holds: %s", namespace, job.name, plan.decision.message)
     ops = manifests.scale_patch(cluster, manifests.rollout_replicas(job.spec, plan.engines))
-    if ops:
+    if ops and not _patch_in_flight(cluster):
         _patch_raycluster(namespace, cluster, ops, JSON_PATCH)
 
 
@@ -487,9 +631,21 @@ def _write_engines(namespace: str, name: str, requested: int, engines: int) -> b
     return True
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0.2, sharp=False)
-def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+def _first_round_delay(**_: Any) -> float:
+    return throttle.first_delay(RECONCILE_INTERVAL)
+
+
+@kopf.timer(
+    GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=_first_round_delay, sharp=False
+)
+def reconcile(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    rayclusters: kopf.Index[tuple[str, str], dict[str, Any]] | None = None,
+    **_: Any,
+) -> None:
     """The level-triggered loop: observe, decide, act, and patch only what changed."""
+    _use_index(rayclusters)
     started = time.monotonic()
     namespace = body.metadata.namespace or "default"
     job = _parse(body)
@@ -529,19 +685,29 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def stop_trainer(body: kopf.Body, **_: Any) -> None:
-    """Best effort: stop the Ray job (the RayCluster itself goes by owner-reference garbage collection)."""
-    metrics.record_job_phase(body.metadata.namespace or "default", body.metadata.name or "", None)
-    metrics.record_open_stall(body.metadata.namespace or "default", body.metadata.name or "", None)
-    _last_scrape.pop(body.metadata.uid or "", None)
-    _unseen_writes.pop(body.metadata.uid or "", None)
-    _create_backoff.pop(body.metadata.uid or "", None)
+_stopped: set[str] = set()  # submission ids of deleted jobs this process has stopped (dev override)
+
+
+def _forget(body: kopf.Body) -> None:
+    """A deleted job: drop what this process kept about it, and (development override only) stop its Ray
+    job, best effort (in a cluster the RayCluster's deletion ends the job with it)."""
+    namespace, uid = body.metadata.namespace or "default", body.metadata.uid or ""
+    metrics.record_job_phase(namespace, body.metadata.name or "", None)
+    metrics.record_open_stall(namespace, body.metadata.name or "", None)
+    for table in (_last_scrape, _unseen_writes, _create_backoff):
+        table.pop(uid, None)
+    _first_written.discard(uid)
+    _security_ensured.discard(uid)
+    _parsed.pop(uid, None)
     sid = body.status.get("submissionId")
-    if not sid or not DEV_HEAD_HOST:
-        return  # in a real cluster the RayCluster's deletion ends the job with it
+    if not sid or not DEV_HEAD_HOST or sid in _stopped:
+        return
+    _stopped.add(sid)
     try:
-        with rayjobs.RayJobsClient(dashboard_url(None), token=ray_token(body)) as rj:
+        with (
+            REMOTE.slot(dashboard_url(None)),
+            rayjobs.RayJobsClient(dashboard_url(None), token=ray_token(body)) as rj,
+        ):
             rj.stop(sid)
     except rayjobs.RayJobsError as e:
         log.warning("could not stop %s: %s", sid, e)
