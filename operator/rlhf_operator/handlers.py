@@ -8,10 +8,12 @@ restarts without creating a second RayCluster or submitting a trainer twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -233,6 +235,31 @@ _SECURITY_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="security-
 _security_ensured: set[str] = set()
 
 
+# One Jobs API client per (head URL, job token), kept between rounds: its connection stays open, where a
+# client per round paid for a new client and a TCP connection every round of every job.
+_ray_clients: dict[tuple[str, str], rayjobs.RayJobsClient] = {}
+
+
+@contextlib.contextmanager
+def _ray_client(url: str, body: kopf.Body) -> Iterator[rayjobs.RayJobsClient]:
+    key = (url, ray_token(body))
+    client = _ray_clients.get(key)
+    if client is None:
+        client = _ray_clients[key] = rayjobs.RayJobsClient(url, token=key[1])
+    try:
+        yield client
+    except rayjobs.RayJobsError:
+        _ray_clients.pop(key, None)  # a fresh client (and connection) next time
+        client.close()
+        raise
+
+
+def _drop_ray_clients(body: kopf.Body) -> None:
+    token = ray_token(body)
+    for key in [k for k in _ray_clients if k[1] == token]:
+        _ray_clients.pop(key).close()
+
+
 def ray_token(body: kopf.Body) -> str:
     """The job's Ray token, sent on every Jobs API call (a head without token authentication ignores it)."""
     meta = body.metadata
@@ -446,7 +473,7 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":
         try:
             url = dashboard_url(cluster)
-            with REMOTE.slot(url), rayjobs.RayJobsClient(url, token=ray_token(body)) as rj:
+            with REMOTE.slot(url), _ray_client(url, body) as rj:
                 obs["ray_job"] = rj.get(body.status.get("submissionId") or submission)
         except rayjobs.RayJobsError as e:
             obs["ray_job_error"] = str(e)
@@ -521,7 +548,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
         elif action == "submit" and cluster is not None and decision.submission_id:
             failpoints.hit("before_submit")
             url = dashboard_url(cluster)
-            with REMOTE.slot(url), rayjobs.RayJobsClient(url, token=ray_token(body)) as rj:
+            with REMOTE.slot(url), _ray_client(url, body) as rj:
                 rj.submit(
                     decision.submission_id,
                     manifests.trainer_entrypoint(job),
@@ -532,7 +559,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
         elif action == "stop" and cluster is not None and decision.stop_submission_id:
             try:
                 url = dashboard_url(cluster)
-                with REMOTE.slot(url), rayjobs.RayJobsClient(url, token=ray_token(body)) as rj:
+                with REMOTE.slot(url), _ray_client(url, body) as rj:
                     rj.stop(decision.stop_submission_id)
             except rayjobs.RayJobsError as e:
                 log.warning("stopping %s: %s", decision.stop_submission_id, e)
@@ -701,13 +728,15 @@ def _forget(body: kopf.Body) -> None:
     _parsed.pop(uid, None)
     sid = body.status.get("submissionId")
     if not sid or not DEV_HEAD_HOST or sid in _stopped:
+        _drop_ray_clients(body)
         return
     _stopped.add(sid)
     try:
         with (
             REMOTE.slot(dashboard_url(None)),
-            rayjobs.RayJobsClient(dashboard_url(None), token=ray_token(body)) as rj,
+            _ray_client(dashboard_url(None), body) as rj,
         ):
             rj.stop(sid)
     except rayjobs.RayJobsError as e:
         log.warning("could not stop %s: %s", sid, e)
+    _drop_ray_clients(body)
