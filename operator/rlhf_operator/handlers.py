@@ -97,6 +97,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # A deletion waits for a running reconcile timer to exit before the finalizer goes; kopf re-checks
     # every 60 s by default, which held deleted jobs (and TTL deletions) for a minute.
     settings.background.cancellation_polling = 1.0
+    # The RayCluster and pod watches (the indexes below) ask the API server for our objects only, instead
+    # of every RayCluster and pod of the cluster filtered here.
+    settings.watching.label_selectors["ray.io", "rayclusters"] = manifests.JOB_LABEL
+    settings.watching.label_selectors["v1", "pods"] = manifests.JOB_LABEL
     port = int(os.environ.get("RLHF_OPERATOR_METRICS_PORT", "8000"))
     if port:
         metrics.serve(port, os.environ.get("RLHF_OPERATOR_METRICS_ADDR") or "127.0.0.1")
@@ -169,10 +173,39 @@ def rayclusters(
     return {(namespace or "default", name or ""): dict(body)}
 
 
-def _use_index(index: kopf.Index[tuple[str, str], dict[str, Any]] | None) -> None:
-    global _cluster_index
+RAY_CLUSTER_LABEL = "ray.io/cluster"  # KubeRay's label on every pod of a RayCluster
+_pod_index: kopf.Index[tuple[str, str], dict[str, Any]] | None = None
+
+
+@kopf.index("v1", "pods", labels={manifests.JOB_LABEL: kopf.PRESENT, RAY_CLUSTER_LABEL: kopf.PRESENT})
+def rlhf_pods(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """The pods of every job's RayCluster, by (namespace, RayCluster name), with only what the pod
+    diagnosis and the engine plan read (name, labels, deletion, status): a reconcile round reads them here
+    instead of listing them from the API server."""
+    meta = body.metadata
+    slim = {
+        "metadata": {
+            "name": meta.name,
+            "namespace": namespace,
+            "labels": dict(labels),
+            "deletionTimestamp": meta.get("deletionTimestamp"),
+        },
+        "status": dict(body.status),
+    }
+    return {(namespace or "default", labels.get(RAY_CLUSTER_LABEL, "")): slim}
+
+
+def _use_index(
+    index: kopf.Index[tuple[str, str], dict[str, Any]] | None,
+    pods: kopf.Index[tuple[str, str], dict[str, Any]] | None = None,
+) -> None:
+    global _cluster_index, _pod_index
     if index is not None:
         _cluster_index = index
+    if pods is not None:
+        _pod_index = pods
 
 
 def _get_cluster(namespace: str, name: str) -> dict[str, Any] | None:
@@ -377,6 +410,7 @@ def on_event(
     body: kopf.Body,
     patch: kopf.Patch,
     rayclusters: kopf.Index[tuple[str, str], dict[str, Any]] | None = None,
+    rlhf_pods: kopf.Index[tuple[str, str], dict[str, Any]] | None = None,
     **_: Any,
 ) -> None:
     """Create a new job's RayCluster from the watch event itself.
@@ -387,7 +421,7 @@ def on_event(
     creates a missing cluster too. Idempotent under SIGKILL: the RayCluster's name is the job's, and a
     409 adopts the one an earlier incarnation made.
     """
-    _use_index(rayclusters)
+    _use_index(rayclusters, rlhf_pods)
     if type == "DELETED" or body.metadata.get("deletionTimestamp"):
         # At the deletion's first event, while the timers' finalizer still holds the job (kopf handles
         # this event's watchers before it releases the finalizer), and at its last.
@@ -622,6 +656,8 @@ def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decisio
 
 
 def _cluster_pods(namespace: str, cluster_name: str) -> list[dict[str, Any]]:
+    if _pod_index is not None:
+        return list(_pod_index.get((namespace, cluster_name), ()))
     pods = k8s.CoreV1Api(api()).list_namespaced_pod(
         namespace, label_selector=f"ray.io/cluster={cluster_name}"
     )
@@ -633,6 +669,12 @@ def _rollout_pods(namespace: str, job: RLHFJob, cluster: dict[str, Any]) -> list
     st = cluster.get("status") or {}
     if int(st.get("readyWorkerReplicas") or 0) >= int(st.get("desiredWorkerReplicas") or 0):
         return []
+    if _pod_index is not None:
+        return [
+            p
+            for p in _pod_index.get((namespace, cluster["metadata"]["name"]), ())
+            if p["metadata"]["labels"].get(manifests.ROLE_LABEL) == "rollout"
+        ]
     selector = f"{manifests.JOB_LABEL}={job.name},{manifests.ROLE_LABEL}=rollout"
     pods = k8s.CoreV1Api(api()).list_namespaced_pod(namespace, label_selector=selector)
     return [cast(dict[str, Any], api().sanitize_for_serialization(p)) for p in pods.items]  # type: ignore[no-untyped-call]
@@ -669,10 +711,11 @@ def reconcile(
     body: kopf.Body,
     patch: kopf.Patch,
     rayclusters: kopf.Index[tuple[str, str], dict[str, Any]] | None = None,
+    rlhf_pods: kopf.Index[tuple[str, str], dict[str, Any]] | None = None,
     **_: Any,
 ) -> None:
     """The level-triggered loop: observe, decide, act, and patch only what changed."""
-    _use_index(rayclusters)
+    _use_index(rayclusters, rlhf_pods)
     started = time.monotonic()
     namespace = body.metadata.namespace or "default"
     job = _parse(body)
