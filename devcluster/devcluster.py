@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -640,6 +641,8 @@ def components(bins: dict[str, Path], ports: Ports, real_node: bool = False) -> 
                 f"--health-probe-bind-address={HOST}:{ports.kuberay_health}",
                 "--enable-leader-election=false",
                 "--log-stdout-encoder=console",
+                # more KubeRay flags, e.g. --reconcile-concurrency=8 (benchmarks/operator_scale.py)
+                *shlex.split(os.environ.get("RLHF_KUBERAY_ARGS", "")),
             ],
             [ports.kuberay_metrics, ports.kuberay_health],
             f"http://{HOST}:{ports.kuberay_health}/readyz",

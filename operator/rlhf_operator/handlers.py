@@ -169,8 +169,24 @@ _patched_at: dict[tuple[str, str], tuple[str, float]] = {}
 def rayclusters(
     namespace: str | None, name: str | None, body: kopf.Body, **_: Any
 ) -> dict[tuple[str, str], dict[str, Any]]:
-    """Every RayCluster of an RLHFJob, by (namespace, name)."""
-    return {(namespace or "default", name or ""): dict(body)}
+    """Every RayCluster of an RLHFJob, by (namespace, name), with only what the operator reads (its pod
+    templates are most of a RayCluster, and 1,000 of them whole held hundreds of MiB)."""
+    return {(namespace or "default", name or ""): slim_raycluster(body)}
+
+
+def slim_raycluster(body: kopf.Body | dict[str, Any]) -> dict[str, Any]:
+    """Metadata, `spec.suspend`, the worker groups' names and replica counts, and the whole status."""
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    keep = ("name", "namespace", "uid", "resourceVersion", "labels", "ownerReferences", "deletionTimestamp")
+    groups = [
+        {k: g[k] for k in ("groupName", "replicas", "minReplicas", "maxReplicas") if k in g}
+        for g in spec.get("workerGroupSpecs") or []
+    ]
+    return {
+        "metadata": {k: meta[k] for k in keep if k in meta},
+        "spec": {"suspend": spec.get("suspend"), "workerGroupSpecs": groups},
+        "status": dict(body.get("status") or {}),
+    }
 
 
 RAY_CLUSTER_LABEL = "ray.io/cluster"  # KubeRay's label on every pod of a RayCluster
