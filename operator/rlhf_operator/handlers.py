@@ -786,16 +786,15 @@ def _forget(body: kopf.Body) -> None:
     _security_ensured.discard(uid)
     _parsed.pop(uid, None)
     sid = body.status.get("submissionId")
-    if not sid or not DEV_HEAD_HOST or sid in _stopped:
-        _drop_ray_clients(body)
-        return
-    _stopped.add(sid)
     try:
-        with (
-            REMOTE.slot(dashboard_url(None)),
-            _ray_client(dashboard_url(None), body) as rj,
-        ):
-            rj.stop(sid)
+        if sid and DEV_HEAD_HOST and sid not in _stopped:
+            _stopped.add(sid)
+            with (
+                REMOTE.slot(dashboard_url(None)),
+                _ray_client(dashboard_url(None), body) as rj,
+            ):
+                rj.stop(sid)
     except rayjobs.RayJobsError as e:
         log.warning("could not stop %s: %s", sid, e)
-    _drop_ray_clients(body)
+    finally:
+        _drop_ray_clients(body)
