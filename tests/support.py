@@ -25,6 +25,14 @@ RAY_PORT = 16379
 RAY_DASHBOARD_PORT = 18265
 
 T = TypeVar("T")
+UNREACHABLE_GRACE_S = 90.0
+# kubectl's words for a request that did not reach the API server (so sending it again is safe).
+_NEVER_REACHED = ("Unable to connect to the server", "was refused - did you specify", "TLS handshake timeout")
+
+
+def never_reached(stderr: str) -> bool:
+    """Whether kubectl failed before its request reached the API server."""
+    return any(words in stderr for words in _NEVER_REACHED)
 
 
 @dataclass
@@ -45,14 +53,22 @@ class Cluster:
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            [str(self.bin_dir / "kubectl"), *args],
-            input=input,
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=timeout,
-        )
+        # A request that never reached the API server is sent again, for up to UNREACHABLE_GRACE_S: on this
+        # 2-core machine a real node starting Ray and vLLM pods can starve the API server past kubectl's
+        # 10 s TLS handshake timeout (a CI run failed that way), and nothing was applied or read.
+        deadline = time.monotonic() + UNREACHABLE_GRACE_S
+        while True:
+            proc = subprocess.run(
+                [str(self.bin_dir / "kubectl"), *args],
+                input=input,
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=timeout,
+            )
+            if proc.returncode == 0 or not never_reached(proc.stderr) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
@@ -98,28 +114,49 @@ class PhaseWatch:
     """Every `status.phase` an object's versions carried, in order, from a `kubectl get --watch` stream.
 
     A watch delivers each version the API server stored, so a phase held for a moment between two polls
-    is still seen (a poll can miss it).
+    is still seen (a poll can miss it). A watch the API server drops is started again; its first line is
+    the object as it is then, so a phase can be missed only while no watch is open.
     """
 
     def __init__(self, cluster: Cluster, kind: str, name: str, namespace: str) -> None:
         self.phases: list[str] = []
-        self._proc = subprocess.Popen(
-            [str(cluster.bin_dir / "kubectl"), "get", kind, name, "-n", namespace, "--watch",
-             "-o", "jsonpath={.status.phase}{\"\\n\"}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cluster.env,
-        )  # fmt: skip
+        self.restarts = 0
+        self._argv = [
+            str(cluster.bin_dir / "kubectl"), "get", kind, name, "-n", namespace, "--watch",
+            "-o", "jsonpath={.status.phase}{\"\\n\"}",
+        ]  # fmt: skip
+        self._env = cluster.env
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._proc = self._start()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
+    def _start(self) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self._argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self._env
+        )
+
     def _read(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            phase = line.strip()
-            if phase and (not self.phases or self.phases[-1] != phase):
-                self.phases.append(phase)
+        while True:
+            assert self._proc.stdout is not None
+            for line in self._proc.stdout:
+                phase = line.strip()
+                if phase and (not self.phases or self.phases[-1] != phase):
+                    self.phases.append(phase)
+            self._proc.wait()
+            if self._stopping.wait(1):
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.restarts += 1
+                self._proc = self._start()
 
     def stop(self) -> list[str]:
-        self._proc.terminate()
+        with self._lock:
+            self._stopping.set()
+            self._proc.terminate()
         self._proc.wait(10)
         self._thread.join(10)
         return self.phases
