@@ -18,3 +18,10 @@ ROLLOUT_RESOURCE: Final = "rlhf_rollout_slot"
 # a reward function that does not import, a checkpoint of another run): the operator fails the job with
 # the driver's `error:` line and does not restart it, since every attempt would fail the same way.
 INPUT_ERROR_EXIT_CODE: Final = 2
+# The driver's exit when told to stop (SIGTERM: preemption, suspension) after its last checkpoint: 128 + 15,
+# as a process killed by SIGTERM. Never 0: a stopped run has not finished.
+PREEMPTED_EXIT_CODE: Final = 143
+# The margin the pods keep for their own shutdown out of runPolicy.terminationGracePeriodSeconds.
+SHUTDOWN_MARGIN_SECONDS: Final = 10
+# Env var carrying the trainer's stop budget in seconds (grace period less the margin).
+STOP_BUDGET_ENV: Final = "RLHF_STOP_BUDGET_SECONDS"

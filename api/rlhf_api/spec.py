@@ -30,10 +30,19 @@ AdvantageEstimator = Literal["gae", "grpo", "reinforce_pp"]
 RewardType = Literal["function", "model", "http"]
 WeightSyncBackend = Literal["auto", "nccl", "gloo", "cuda_ipc", "shm"]
 JobPhase = Literal[
-    "Pending", "Provisioning", "Running", "Stalled", "Restarting", "Succeeded", "Failed", "Suspended"
+    "Pending",
+    "Queued",
+    "Provisioning",
+    "Running",
+    "Stalled",
+    "Restarting",
+    "Succeeded",
+    "Failed",
+    "Suspended",
 ]
 JOB_PHASES: tuple[JobPhase, ...] = (
     "Pending",
+    "Queued",
     "Provisioning",
     "Running",
     "Stalled",
@@ -487,6 +496,13 @@ class CheckpointSpec(_Spec):
         min_length=1,
         description="Where the exported model goes (replaced at each export); default <path>/model.",
     )
+    on_preemption: Literal["Save", "KeepLast"] = Field(
+        default="Save",
+        description="When the trainer is told to stop (Kueue preemption, suspension, a drained node): `Save` "
+        "finishes the step in progress and writes a checkpoint if that fits in "
+        "runPolicy.terminationGracePeriodSeconds, else keeps the last one; `KeepLast` stops at the next "
+        "step boundary and keeps the last one. Needs path.",
+    )
     resume: Literal["auto", "never", "force"] = Field(
         default="auto",
         description="`auto` resumes from the newest complete checkpoint in path if it is this job's, with "
@@ -527,7 +543,8 @@ class RunPolicySpec(_Spec):
 
     suspend: bool = Field(
         default=False,
-        description="Suspend the job: its RayCluster is deleted, and recreated on resume (Kueue-compatible).",
+        description="Suspend the job: the trainer is stopped (checkpoint.onPreemption), its RayCluster "
+        "suspended (deleted when Kueue manages it) and resumed from the last checkpoint.",
     )
     backoff_limit: int = Field(
         default=3,
@@ -556,6 +573,14 @@ class RunPolicySpec(_Spec):
         default=None,
         ge=0,
         description="Delete the job this long after it succeeds or fails (unset: keep it).",
+    )
+    termination_grace_period_seconds: int = Field(
+        default=30,
+        ge=15,
+        le=3600,
+        description="Every pod's grace period, and the trainer's time to stop when told to (preemption, "
+        "suspension): it saves a checkpoint at a step boundary only if it can finish within this, less "
+        "10 s for the pods' own shutdown (checkpoint.onPreemption).",
     )
 
 
@@ -889,6 +914,11 @@ class RLHFJobStatus(_Status):
     )
     restarts: int | None = Field(
         default=None, ge=0, description="Restarts so far (counted against backoffLimit)."
+    )
+    preemptions: int | None = Field(
+        default=None,
+        ge=0,
+        description="Times Kueue evicted the admitted job (not counted against backoffLimit).",
     )
     last_restart_time: datetime | None = Field(default=None, description="When the job last restarted.")
     open_stall: OpenStall | None = Field(
