@@ -26,7 +26,17 @@ from pydantic import ValidationError
 from rlhf_api import constants
 from rlhf_api.spec import GROUP, PLURAL, TERMINAL_JOB_PHASES, VERSION, RLHFJob
 
-from rlhf_operator import failpoints, manifests, metrics, rayjobs, scaling, scrape, security, throttle
+from rlhf_operator import (
+    failpoints,
+    kueue,
+    manifests,
+    metrics,
+    rayjobs,
+    scaling,
+    scrape,
+    security,
+    throttle,
+)
 from rlhf_operator.conditions import parse_time
 from rlhf_operator.status import Decision, Observed, cluster_rejected, decide, status_patch
 
@@ -182,9 +192,15 @@ def slim_raycluster(body: kopf.Body | dict[str, Any]) -> dict[str, Any]:
         {k: g[k] for k in ("groupName", "replicas", "minReplicas", "maxReplicas") if k in g}
         for g in spec.get("workerGroupSpecs") or []
     ]
+    slim_spec: dict[str, Any] = {"suspend": spec.get("suspend"), "workerGroupSpecs": groups}
+    gates = (((spec.get("headGroupSpec") or {}).get("template") or {}).get("spec") or {}).get(
+        "schedulingGates"
+    )
+    if gates:  # Kueue's elastic-workload gate (kueue.elastic reads it)
+        slim_spec["headGroupSpec"] = {"template": {"spec": {"schedulingGates": list(gates)}}}
     return {
         "metadata": {k: meta[k] for k in keep if k in meta},
-        "spec": {"suspend": spec.get("suspend"), "workerGroupSpecs": groups},
+        "spec": slim_spec,
         "status": dict(body.get("status") or {}),
     }
 
@@ -518,6 +534,10 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
     namespace = body.metadata.namespace or "default"
     cluster = _get_cluster(namespace, manifests.raycluster_name(job.name))
     obs: dict[str, Any] = {"now": datetime.now(UTC), "uid": body.metadata.uid or "", "raycluster": cluster}
+    queue = kueue.queue_name(job.metadata.get("labels"), cluster)
+    if cluster is not None and kueue.suspended_by_kueue(cluster, queue is not None):
+        obs["workload"] = _workload(namespace, cluster)
+        return Observed(**obs)  # nothing runs: no Jobs API, no scrape, no pods to read
     if cluster is not None and cluster.get("status", {}).get("state") != "ready":
         obs["pods"] = _cluster_pods(namespace, cluster["metadata"]["name"])
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":
@@ -530,6 +550,40 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
         if obs.get("ray_job") is not None and obs["ray_job"].status == rayjobs.RUNNING:
             obs.update(_scrape(namespace, job, cluster, body.metadata.uid or ""))
     return Observed(**obs)
+
+
+_workload_version: list[str] = list(kueue.WORKLOAD_VERSIONS)  # the first is the one this API server serves
+
+
+def _workload(namespace: str, cluster: dict[str, Any]) -> dict[str, Any] | None:
+    """Kueue's Workload for a RayCluster it holds (by Kueue's job-uid label), slimmed; None if none yet.
+
+    Read only while the cluster is held suspended, so a queued job costs one LIST per round and a
+    running one none."""
+    uid = (cluster.get("metadata") or {}).get("uid")
+    if not uid:
+        return None
+    while _workload_version:
+        try:
+            found = custom().list_namespaced_custom_object(
+                kueue.WORKLOAD_GROUP,
+                _workload_version[0],
+                namespace,
+                kueue.WORKLOAD_PLURAL,
+                label_selector=f"{kueue.JOB_UID_LABEL}={uid}",
+            )
+        except ApiException as e:
+            if e.status == 404 and len(_workload_version) > 1:
+                _workload_version.pop(0)  # an older Kueue: its API version
+                continue
+            if e.status in (403, 404):
+                log.warning("cannot read Kueue Workloads in %s: %s", namespace, _api_message(e))
+                return None
+            raise
+        listed: list[dict[str, Any]] = cast(dict[str, Any], found).get("items") or []
+        items = sorted(listed, key=lambda w: (w.get("metadata") or {}).get("creationTimestamp") or "")
+        return kueue.slim_workload(items[-1]) if items else None
+    return None
 
 
 # The last scrape of each job (by uid): (monotonic time, {"metrics": ...} or {"metrics_error": ...}).
@@ -653,6 +707,10 @@ def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decisio
     ):
         return
     namespace = body.metadata.namespace or "default"
+    if kueue.queue_name(job.metadata.get("labels"), cluster) and _kueue_holds_replicas(
+        body, cluster, decision, observed.now
+    ):
+        return
     previous = job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
     plan = scaling.plan_engines(
         job.spec, previous, decision.status, observed.now, _rollout_pods(namespace, job, cluster)
@@ -669,6 +727,22 @@ def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decisio
     ops = manifests.scale_patch(cluster, manifests.rollout_replicas(job.spec, plan.engines))
     if ops and not _patch_in_flight(cluster):
         _patch_raycluster(namespace, cluster, ops, JSON_PATCH)
+
+
+def _kueue_holds_replicas(
+    body: kopf.Body, cluster: dict[str, Any], decision: Decision, now: datetime
+) -> bool:
+    """Whether Kueue's management of the RayCluster keeps its replicas as they are (kueue.holds_replicas);
+    a fixed-size one is said once, in the EngineScaling condition and an Event."""
+    if not kueue.holds_replicas(cluster):
+        return False
+    if not kueue.suspended_by_kueue(cluster, True):
+        engines = (decision.status.get("rollout") or {}).get("desiredEngines")
+        conds, said = kueue.fixed_size_condition(decision.status.get("conditions") or [], engines, now)
+        decision.status["conditions"] = conds
+        if said:
+            kopf.event(body, type="Warning", reason="EngineScalingOff", message=said)
+    return True
 
 
 def _cluster_pods(namespace: str, cluster_name: str) -> list[dict[str, Any]]:
@@ -742,7 +816,8 @@ def reconcile(
         return  # this body predates our last write (or the create handler's first): next round
     try:
         attempt = int(body.status.get("restarts") or 0)
-        submission = manifests.submission_id(job, body.metadata.uid or "", attempt)
+        preemptions = int(body.status.get("preemptions") or 0)
+        submission = manifests.submission_id(job, body.metadata.uid or "", attempt, preemptions)
         observed = observe(body, job, submission)
         decision = decide(job, observed, submission)
         # Before acting: a stall's series exists before the stuck attempt is stopped, so the stall alert

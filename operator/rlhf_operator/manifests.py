@@ -14,11 +14,17 @@ import shlex
 from typing import Any
 
 from rlhf_api import pod_settings
-from rlhf_api.constants import DEFAULT_TRAINER_IMAGE, ROLLOUT_RESOURCE, TRAINER_RESOURCE
+from rlhf_api.constants import (
+    DEFAULT_TRAINER_IMAGE,
+    ROLLOUT_RESOURCE,
+    SHUTDOWN_MARGIN_SECONDS,
+    STOP_BUDGET_ENV,
+    TRAINER_RESOURCE,
+)
 from rlhf_api.pod_settings import PodRole
 from rlhf_api.spec import GROUP, PodSettings, RLHFJob, RLHFJobSpec
 
-from rlhf_operator import security
+from rlhf_operator import kueue, security
 from rlhf_operator.scaling import clamp_request
 
 JOB_LABEL = f"{GROUP}/job"
@@ -127,6 +133,7 @@ def _pod_template(
     env = [
         {"name": "RLHF_JOB_NAME", "value": job.name},
         {"name": "RLHF_ROLE", "value": role},
+        {"name": STOP_BUDGET_ENV, "value": str(stop_budget_seconds(job))},
         *security.auth_env(job),
         *(pods.env or []),
     ]
@@ -143,9 +150,14 @@ def _pod_template(
         container["resources"] = resources
     if ports:
         container["ports"] = ports
+    if role == "head":
+        # The driver is a child of Ray's job supervisor, not PID 1, so the kubelet's SIGTERM never reaches
+        # it: the hook passes it on and waits (within the grace period) for its checkpoint and exit.
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["python", "-m", "rlhf_trainer.preempt"]}}}
     pod_spec: dict[str, Any] = {
         # No Docker-link variables for every Service of the namespace: nothing here reads them.
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
         "containers": [container],
         "securityContext": pod_security,
         "volumes": [*shm_volume, *(pods.volumes or [])],
@@ -239,10 +251,15 @@ def build_raycluster(
                 "template": _pod_template(job, "rollout", r.worker_gpus, [], default_image),
             }
         )
+    metadata = _child_metadata(job, raycluster_name(job.name))
+    if kueue.QUEUE_LABEL in metadata["labels"] and not spec.trainer.colocate_all:
+        # Asks Kueue for an elastic workload, so the rollout group may scale while admitted; inert unless
+        # Kueue's ElasticJobsViaWorkloadSlices gate is on (kueue.elastic tells from the cluster).
+        metadata["annotations"] = {kueue.ELASTIC_ANNOTATION: "true"}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
-        "metadata": _child_metadata(job, raycluster_name(job.name)),
+        "metadata": metadata,
         "spec": {
             "rayVersion": spec.ray_version,
             "suspend": spec.run_policy.suspend,
@@ -290,9 +307,16 @@ def scale_patch(raycluster: dict[str, Any], replicas: int) -> list[dict[str, Any
     return None
 
 
-def submission_id(job: RLHFJob, uid: str, attempt: int) -> str:
-    """One id per (job, attempt): a resubmit after an operator crash finds the same Ray job."""
-    return f"rlhf-{job.namespace or 'default'}-{job.name}-{uid[:8]}-{attempt}"
+def submission_id(job: RLHFJob, uid: str, attempt: int, preemptions: int = 0) -> str:
+    """One id per (job, attempt, admission): a resubmit after an operator crash finds the same Ray job,
+    and a readmitted job's is new (a Ray head that outlived the eviction still knows the stopped one)."""
+    base = f"rlhf-{job.namespace or 'default'}-{job.name}-{uid[:8]}-{attempt}"
+    return f"{base}-p{preemptions}" if preemptions else base
+
+
+def stop_budget_seconds(job: RLHFJob) -> int:
+    """How long the trainer has to stop when told to: the pods' grace period less their own shutdown."""
+    return max(1, job.spec.run_policy.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS)
 
 
 def trainer_entrypoint(job: RLHFJob) -> str:
@@ -326,6 +350,9 @@ def trainer_runtime_env(job: RLHFJob, extra_env: dict[str, str] | None = None) -
         "RLHF_JOB_NAME": job.name,
         "RLHF_NAMESPACE": job.namespace,
         "RLHF_METRICS_PORT": str(job.spec.monitoring.metrics_port),
+        STOP_BUDGET_ENV: str(stop_budget_seconds(job)),
+        # Ray's job supervisor reads this for a stop (SIGTERM, then SIGKILL after it): the trainer's budget.
+        "RAY_JOB_STOP_WAIT_TIME_S": str(stop_budget_seconds(job)),
         **(extra_env or {}),
     }
     return {"env_vars": env}

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
 from rlhf_api.spec import RLHFJob
 
-from rlhf_operator import rayjobs
+from rlhf_operator import kueue, rayjobs
 from rlhf_operator.conditions import iso, parse_time, set_condition
 from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines, raycluster_name
 from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
@@ -62,6 +62,7 @@ class Observed:
     metrics: ScrapedMetrics | None = None
     metrics_error: str | None = None
     pods: list[dict[str, Any]] | None = None  # the RayCluster's pods, read while it is not ready
+    workload: dict[str, Any] | None = None  # Kueue's Workload of a queued RayCluster (kueue.slim_workload)
 
 
 @dataclass
@@ -169,9 +170,14 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             d.actions.append("delete_cluster")
         return d
 
-    # Suspend (Kueue-compatible): keep the CR, release the pods, stop the trainer; resume from checkpoint.
+    # Kueue manages the RayCluster of a job with a queue label: its spec.suspend is Kueue's alone.
+    queue = kueue.queue_name(job.metadata.get("labels"), observed.raycluster)
+
+    # Suspend: keep the CR, release the pods, stop the trainer; resume from checkpoint.
     if spec.run_policy.suspend:
-        if observed.raycluster and not observed.raycluster.get("spec", {}).get("suspend"):
+        if observed.raycluster and queue:
+            d.actions.append("delete_cluster")  # releases Kueue's quota with it; recreated (queued) on resume
+        elif observed.raycluster and not observed.raycluster.get("spec", {}).get("suspend"):
             d.actions.append("suspend_cluster")
         if observed.ray_job and observed.ray_job.status not in rayjobs.TERMINAL:
             d.actions.append("stop")
@@ -182,6 +188,8 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             conds, "Suspended", True, "Suspended", "suspended by runPolicy.suspend", now
         )
         return d
+    if queue and kueue.suspended_by_kueue(observed.raycluster, True):
+        return _queued(d, job_phase, conds, queue, observed, go)
     if observed.raycluster and observed.raycluster.get("spec", {}).get("suspend"):
         d.actions.append("suspend_cluster")  # un-suspend: the handler sets it to runPolicy.suspend (false)
     conds = (
@@ -189,13 +197,20 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
         if any(c.get("type") == "Suspended" for c in conds)
         else conds
     )
+    if queue and any(c.get("type") == "Queued" and c.get("status") == "True" for c in conds):
+        conds = set_condition(conds, "Queued", False, "Admitted", f"admitted by Kueue from {queue}", now)
+    if job_phase == "Queued":  # admitted: the deadline counts from now, as after an unsuspension
+        st["activeSince"] = iso(now)
+        go("Provisioning", f"admitted by Kueue from LocalQueue {queue}: starting the RayCluster", "Admitted")
+        job_phase = "Provisioning"
 
     # Active deadline, counted like a Kubernetes Job's: from the job's creation, or its last unsuspension,
     # so time stuck provisioning counts too.
     started = parse_time(cur.get("startTime"))
-    if "activeSince" not in st:  # a new job: its creation; one from before this field: its start
+    # A new job: its creation; a resumed one: now; one from before this field: its start.
+    if "activeSince" not in st:
         created = parse_time(job.metadata.get("creationTimestamp"))
-        since = created if job_phase == "Pending" else started
+        since = created if job_phase == "Pending" else now if job_phase == "Suspended" else started
         st["activeSince"] = iso(since or now)
     active_since = parse_time(st["activeSince"]) or now
     deadline = spec.run_policy.active_deadline_seconds
@@ -243,7 +258,13 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     if observed.raycluster is None:
         st.pop("headPod", None)  # the next attempt's head is the new cluster's
         d.actions.append("create_cluster")
-        if job_phase not in ("Pending", "Restarting"):
+        if job_phase == "Suspended":
+            go(
+                "Pending",
+                "resumed: creating the RayCluster; the trainer resumes from its checkpoint",
+                "Resumed",
+            )
+        elif job_phase not in ("Pending", "Restarting"):
             go(
                 "Provisioning",
                 "RayCluster missing: recreating it; the trainer resumes from its checkpoint",
@@ -387,6 +408,47 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     cond = next(c for c in st["conditions"] if c.get("type") == "Stalled")
     st["phase"] = "Stalled"
     st["message"] = f"{cond['reason']}: {cond['message']}"
+    return d
+
+
+# Phases of a job whose RayCluster Kueue had admitted: suspended again now, it was evicted.
+_ADMITTED_PHASES = ("Provisioning", "Running", "Stalled", "Restarting")
+
+
+def _queued(
+    d: Decision,
+    job_phase: str,
+    conds: list[dict[str, Any]],
+    queue: str,
+    observed: Observed,
+    go: Any,
+) -> Decision:
+    """Kueue holds the job's RayCluster suspended: not admitted yet, or evicted (preempted). Nothing of
+    the job runs, so nothing counts against the deadline or backoffLimit; an evicted attempt's trainer is
+    told to stop (it saves at a step boundary, checkpoint.onPreemption) and is resubmitted on readmission."""
+    st, now = d.status, observed.now
+    reason, message = kueue.why_waiting(observed.workload, queue)
+    for key in ("activeSince", "openStall", "currentPhase"):
+        st.pop(key, None)
+    if job_phase in _ADMITTED_PHASES:
+        st["preemptions"] = int(st.get("preemptions") or 0) + 1
+        if st.get("submissionId"):
+            d.actions.append("stop")
+            d.stop_submission_id = st["submissionId"]
+        st.pop("submissionId", None)
+        st.pop("headPod", None)
+        conds = set_condition(conds, "Running", False, reason, f"evicted by Kueue: {message}", now)
+        go(
+            "Queued",
+            f"evicted by Kueue ({reason}: {message}); requeued in LocalQueue {queue}, resumes from the "
+            "last checkpoint when admitted",
+            "Preempted" if reason in ("Preempted", "InCohortReclamation", "InClusterQueue") else "Evicted",
+            warning=True,
+        )
+    else:
+        go("Queued", f"queued in LocalQueue {queue}: {reason}: {message}", "Queued")
+    st["message"] = f"queued in LocalQueue {queue}: {reason}: {message}"
+    st["conditions"] = set_condition(conds, "Queued", True, reason, message, now)
     return d
 
 

@@ -47,6 +47,7 @@ OPERATOR_NAMESPACED_RULES = {
     ("rlhf.dev", "rlhfjobs/finalizers"): {"update"},
     ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "patch", "update", "delete"},
     ("ray.io", "rayclusters/status"): {"get"},
+    ("kueue.x-k8s.io", "workloads"): {"get", "list"},  # a queued job's reason (docs/kueue.md)
     ("", "pods"): {"get", "list", "watch"},
     ("", "services"): {"get", "list", "watch"},
     ("", "secrets"): {"create"},  # each job's Ray token (docs/security.md; tests/security/test_rbac.py)

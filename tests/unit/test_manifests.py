@@ -178,8 +178,8 @@ def test_each_role_gets_its_own_settings_over_the_job_wide_defaults() -> None:
     assert tc["resources"]["limits"] == {"amd.com/gpu": "2"} and tc["resources"]["requests"]["cpu"] == 2
     assert not any("gpu" in k for k in hc["resources"]["requests"])
     # env merges by name (the role's LEVEL replaces the job's, in place); tolerations add up.
-    assert [(e["name"], e.get("value")) for e in tc["env"][4:]] == [("SHARED", "1"), ("LEVEL", "trainer")]
-    assert [(e["name"], e.get("value")) for e in rc_["env"][4:]] == [("SHARED", "1"), ("LEVEL", "job")]
+    assert [(e["name"], e.get("value")) for e in tc["env"][5:]] == [("SHARED", "1"), ("LEVEL", "trainer")]
+    assert [(e["name"], e.get("value")) for e in rc_["env"][5:]] == [("SHARED", "1"), ("LEVEL", "job")]
     assert [t["key"] for t in trainer["spec"]["tolerations"]] == ["all", "gpu"]
     assert rc_["envFrom"] == [{"secretRef": {"name": "hf-token"}}] and "envFrom" not in tc
     # Strings: the role's replaces the job's.

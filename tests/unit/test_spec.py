@@ -229,7 +229,7 @@ def test_status_rejects_unknown_phase_and_bad_reason() -> None:
                 ]
             }
         )
-    assert len(JOB_PHASES) == 8
+    assert len(JOB_PHASES) == 9
 
 
 def test_spec_module_imports_only_pydantic_and_stdlib() -> None:

@@ -108,6 +108,10 @@ mode and by the Role in each watched namespace otherwise. Each rule says why the
 - apiGroups: ["ray.io"]
   resources: ["rayclusters/status"]
   verbs: ["get"]
+# Kueue's Workload of a queued RayCluster, read for the reason it waits (docs/kueue.md). Never written.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list"]
 # Each job's Ray token Secret and NetworkPolicy (docs/security.md): created, owned by the job, removed
 # by garbage collection. Create only: the operator derives every token from its own key and never
 # reads, lists or changes a Secret. RBAC cannot narrow `create` by name (resourceNames does not apply).
