@@ -85,6 +85,8 @@ pytest_stage cluster tests -m cluster || status=1
 pytest_stage security tests -m "security and not realnode" || status=1
 pytest_stage reliability tests -m reliability || status=1
 bg_join test-binaries || status=1
+# A real Kueue (built with the test binaries) over the operator: quota, preemption, no fight (docs/kueue.md).
+pytest_stage kueue tests -m kueue || status=1
 pytest_stage alerting tests -m alerting || status=1
 # The user's path on the real node: the chart installed with the images built above, the tiny job in real
 # pods (docs/development.md, "The real node").
