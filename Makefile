@@ -7,7 +7,7 @@ DEVCLUSTER := python3 devcluster/devcluster.py
 # (mypy validates each entry against its source's hash); a clean checkout took about 2 min.
 MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rlhf-operator/mypy
 
-.PHONY: setup test images test-images demo cluster-build cluster-up cluster-down cluster-status lint crd bench clean
+.PHONY: setup test images test-images demo cluster-build cluster-up cluster-down cluster-status kueue-up kueue-down lint crd bench clean
 
 setup: ## Create .venv with everything (idempotent; fast when done)
 	@scripts/setup.sh
@@ -35,6 +35,12 @@ cluster-down: ## Stop the control plane and remove its state
 
 cluster-status:
 	@$(DEVCLUSTER) status
+
+kueue-up: ## Start Kueue (built from the Go module proxy if needed) in the running control plane
+	@$(DEVCLUSTER) kueue-up
+
+kueue-down: ## Stop Kueue and remove its webhooks (its CRDs stay)
+	@$(DEVCLUSTER) kueue-down
 
 lint: setup ## ruff, mypy and the import-layer contracts (lint-imports)
 	@$(VENV)/bin/ruff check api cli operator trainer_image devcluster tests benchmarks scripts images

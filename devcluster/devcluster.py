@@ -5,7 +5,9 @@ Builds each component from the Go module proxy (cached under the user's cache di
 as background processes on loopback, and tears them down. Standard library only, so it runs before
 the project's virtualenv exists. It never downloads a release binary.
 
-    python3 devcluster/devcluster.py build|up|down|status|env
+    python3 devcluster/devcluster.py build|up|down|status|env|restart|kueue-up|kueue-down
+
+kueue-up starts Kueue (issue 16) in a running control plane; kueue-down stops it and removes its webhooks.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -85,6 +88,29 @@ def _helm_ldflags() -> str:
     )
 
 
+def _go_mod_version(module_dir: str, module: str) -> str:
+    """The version that a wrapper module's go.mod pins for `module`: the one place a pin is written."""
+    for line in (GO_DIR / module_dir / "go.mod").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["require"]:
+            words = words[1:]
+        if len(words) >= 2 and words[0] == module:
+            return words[1]
+    raise RuntimeError(f"{GO_DIR / module_dir / 'go.mod'} does not require {module}")
+
+
+KUEUE_MODULE = "sigs.k8s.io/kueue"
+
+
+def _kueue_ldflags() -> str:
+    pkg = f"{KUEUE_MODULE}/pkg/version"
+    version = _go_mod_version("kueue", KUEUE_MODULE)
+    return (
+        f"-s -w -X {pkg}.GitVersion={version} -X {pkg}.GitCommit=module-proxy"
+        f" -X {pkg}.BuildDate=1970-01-01T00:00:00Z"
+    )
+
+
 BINARIES = [
     Binary("etcd", "etcd", ".", "-s -w"),
     Binary("kube-apiserver", "kubernetes", "k8s.io/kubernetes/cmd/kube-apiserver", _k8s_ldflags()),
@@ -123,6 +149,8 @@ BINARIES = [
         "k8s.io/kubernetes/cmd/kube-apiserver",
         _k8s_ldflags("v1.30.14"),
     ),
+    # Kueue (issue 16): quota and admission for RayClusters, started on demand by `kueue-up`.
+    Binary("kueue", "kueue", f"{KUEUE_MODULE}/cmd/kueue", _kueue_ldflags()),
 ]
 
 
@@ -138,8 +166,12 @@ CONTROL_PLANE_BINARIES = (
 )
 
 
-# Built for tests only, not run by `up`: Prometheus (the alerting stage) and the floor API server.
-TEST_BINARIES = ("prometheus", "kube-apiserver-floor")
+# Built for tests only, not run by `up`: Prometheus (the alerting stage), the floor API server and Kueue
+# (`kueue-up`, the kueue fixture).
+TEST_BINARIES = ("prometheus", "kube-apiserver-floor", "kueue")
+# Started on demand into a running control plane (`kueue-up`), stopped by `kueue-down` or `down`; a dead
+# one is dropped by `up` instead of restarting the control plane.
+OPTIONAL_COMPONENTS = ("kueue",)
 NODE_BINARIES = ("kubelet", "kube-proxy", "coredns")
 
 
@@ -249,7 +281,7 @@ def build(verbose: bool = True, names: Iterable[str] | None = None) -> dict[str,
     for binary in BINARIES:
         if wanted is not None and binary.name not in wanted:
             continue
-        target = CACHE / "bin" / f"{binary.name}-{_build_key(binary, go)}" / binary.name
+        target = _cache_target(binary, go)
         if not target.exists():
             if verbose:
                 print(f"[build] {binary.name} ({binary.package}) ...", flush=True)
@@ -268,12 +300,28 @@ def build(verbose: bool = True, names: Iterable[str] | None = None) -> dict[str,
             tmp.rename(target)
             if verbose:
                 print(f"[build] {binary.name} done in {time.monotonic() - started:.0f}s", flush=True)
-        link = binary_path(binary.name)
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(target)
-        out[binary.name] = link
+        out[binary.name] = _link(binary.name, target)
     return out
+
+
+def _cache_target(binary: Binary, go: str) -> Path:
+    return CACHE / "bin" / f"{binary.name}-{_build_key(binary, go)}" / binary.name
+
+
+def _link(name: str, target: Path) -> Path:
+    link = binary_path(name)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target)
+    return link
+
+
+def built_binary(name: str) -> Path | None:
+    """The binary's link in .cluster/bin if the cache holds a build of the current pin, without building."""
+    binary = next(b for b in BINARIES if b.name == name)
+    target = _cache_target(binary, _go())
+    return _link(name, target) if target.exists() else None
 
 
 # ---------------------------------------------------------------------------------------------- PKI
@@ -412,6 +460,10 @@ class Ports:
     kube_proxy_healthz: int = 20256
     coredns_health: int = 20253
     coredns_ready: int = 20254
+    # Kueue, when started (`kueue-up`)
+    kueue_webhook: int = 20090
+    kueue_health: int = 20091
+    kueue_metrics: int = 20092
 
     @classmethod
     def from_env(cls) -> Ports:
@@ -809,26 +861,24 @@ def kubectl(*args: str, input: str | None = None, check: bool = True) -> subproc
     return proc
 
 
-def kuberay_crd_dir() -> Path:
-    """KubeRay's CRDs, read from the Go module cache at the pinned version (never copied into the repo)."""
-    proc = subprocess.run(
-        [_go(), "list", "-m", "-json", "github.com/ray-project/kuberay/ray-operator"],
-        cwd=GO_DIR / "kuberay",
-        capture_output=True,
-        text=True,
-        env={**os.environ, "GOFLAGS": "-mod=readonly"},
-    )
+def module_dir(wrapper: str, module: str) -> Path:
+    """Where the Go module cache holds `module` at the version the wrapper module `wrapper` pins
+    (downloaded first if missing): the CRDs and manifests are read from there, never copied here."""
+    cmd = [_go(), "list", "-m", "-json", module]
+    env = {**os.environ, "GOFLAGS": "-mod=readonly"}
+    proc = subprocess.run(cmd, cwd=GO_DIR / wrapper, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise ClusterError(f"cannot locate the KubeRay module: {proc.stderr}")
+        raise ClusterError(f"cannot locate the module {module}: {proc.stderr}")
     mod_dir = json.loads(proc.stdout).get("Dir")
     if not mod_dir:
-        subprocess.run(
-            [_go(), "mod", "download", "github.com/ray-project/kuberay/ray-operator"],
-            cwd=GO_DIR / "kuberay",
-            check=True,
-        )
-        return kuberay_crd_dir()
-    return Path(mod_dir) / "config" / "crd" / "bases"
+        subprocess.run([_go(), "mod", "download", module], cwd=GO_DIR / wrapper, check=True, env=env)
+        return module_dir(wrapper, module)
+    return Path(mod_dir)
+
+
+def kuberay_crd_dir() -> Path:
+    """KubeRay's CRDs, read from the Go module cache at the pinned version (never copied into the repo)."""
+    return module_dir("kuberay", "github.com/ray-project/kuberay/ray-operator") / "config" / "crd" / "bases"
 
 
 def read_state() -> dict[str, object] | None:
@@ -849,12 +899,29 @@ def running_status() -> dict[str, bool]:
     return {name: _pid_alive(int(pid)) for name, pid in pids.items()}
 
 
+def _forget_dead_optional() -> None:
+    state = read_state()
+    if not state:
+        return
+    pids = state.get("pids", {})
+    assert isinstance(pids, dict)
+    dead = [n for n in OPTIONAL_COMPONENTS if n in pids and not _pid_alive(int(pids[n]))]
+    for name in dead:
+        print(f"[up] {name} had stopped; last lines of its log:\n{log_tail(name)}", file=sys.stderr)
+        if name == "kueue":
+            kueue_down(quiet=True)
+        pids.pop(name, None)
+    if dead:
+        _save_state(state)
+
+
 def up() -> None:
     started_at = time.monotonic()
+    _forget_dead_optional()
     status = running_status()
     if status and all(status.values()):
         token = str((read_state() or {}).get("token", ""))
-        port = int((read_state() or {}).get("ports", {}).get("apiserver", 0))  # type: ignore[union-attr]
+        port = _cluster_ports(read_state() or {}).apiserver
         if probe(f"https://{HOST}:{port}/readyz", token):
             print(
                 f"control plane already running ({len(status)} components); kubeconfig: {STATE / 'kubeconfig'}"
@@ -1001,6 +1068,8 @@ def restart(name: str) -> float:
     assert isinstance(pids, dict)
     if name not in pids:
         raise ClusterError(f"no component {name!r}; components: {', '.join(pids)}")
+    if name == "kueue":
+        raise ClusterError("restart Kueue with kueue-down then kueue-up")
     ports = Ports(**state["ports"])  # type: ignore[arg-type]
     bins = {b.name: binary_path(b.name) for b in BINARIES}
     comps = components(bins, ports, bool(state.get("real_node")))
@@ -1126,6 +1195,318 @@ def status() -> int:
     return 1 if bad else 0
 
 
+# ---------------------------------------------------------------------------------------------- Kueue
+# Kueue (issue 16) is not part of `up`: `kueue-up` starts it against a running control plane, with its
+# CRDs and webhook manifests read from the Go module cache at the pinned version, its webhook served on
+# loopback with a certificate from the cluster's CA, and the API server calling it by URL (no Service).
+
+KUEUE_NAMESPACE = "kueue-system"
+# The jobs Kueue manages here, as its Configuration names them ("<group>/<kind>"); only labelled ones
+# (kueue.x-k8s.io/queue-name), since manageJobsWithoutQueueName is false.
+KUEUE_FRAMEWORKS = ("ray.io/raycluster", "ray.io/rayjob", "batch/job")
+KUEUE_FEATURE_GATES = {
+    # Alpha (off by default): a RayCluster annotated kueue.x-k8s.io/elastic-job: "true" may change its
+    # worker replicas while admitted (a new Workload slice replaces the old one) and may use the autoscaler.
+    "ElasticJobsViaWorkloadSlices": True,
+    # The visibility API server (beta, on by default) would bind 0.0.0.0:8082 and read its certificate
+    # from /visibility; nothing here uses it.
+    "VisibilityOnDemand": False,
+}
+# The configurations' names as Kueue's release manifests have them (its kustomization's namePrefix).
+KUEUE_WEBHOOK_CONFIGS = {
+    "MutatingWebhookConfiguration": "kueue-mutating-webhook-configuration",
+    "ValidatingWebhookConfiguration": "kueue-validating-webhook-configuration",
+}
+# Without internal certificate management Kueue reads its metrics serving certificate from this fixed
+# path (cmd/kueue/main.go), and exits at start-up when it is missing: no flag or field moves it.
+KUEUE_METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
+
+
+def kueue_module_dir() -> Path:
+    return module_dir("kueue", KUEUE_MODULE)
+
+
+def _cluster_ports(state: dict[str, object]) -> Ports:
+    """The running cluster's ports; those its state lacks (a cluster started before they existed) from
+    the environment, as `up` would have chosen them."""
+    saved = state.get("ports", {})
+    assert isinstance(saved, dict)
+    known = Ports.from_env().__dict__
+    return Ports(**{**known, **{k: int(v) for k, v in saved.items() if k in known}})
+
+
+def _save_state(state: dict[str, object]) -> None:
+    (STATE / "state.json").write_text(json.dumps(state, indent=2))
+
+
+def _kueue_component(binary: Path, config: Path, ports: Ports) -> Component:
+    return Component(
+        "kueue",
+        [str(binary), f"--config={config}", f"--kubeconfig={STATE / 'kubeconfig'}"],
+        [ports.kueue_webhook, ports.kueue_health, ports.kueue_metrics],
+        # Ready once its webhook server listens (cmd/kueue/main.go's readyz check).
+        f"http://{HOST}:{ports.kueue_health}/readyz",
+    )
+
+
+def _kueue_pki(kdir: Path) -> str:
+    """The webhook's serving certificate (tls.crt/tls.key, as controller-runtime reads them from certDir),
+    signed by the cluster's CA for 127.0.0.1 and localhost; returns the CA bundle (base64) the API server
+    is to trust."""
+    pki = STATE / "pki"
+    certs = kdir / "certs"
+    certs.mkdir(parents=True, exist_ok=True)
+    (certs / "server.ext").write_text(
+        f"subjectAltName=IP:{HOST},DNS:localhost,DNS:kueue-webhook-service.{KUEUE_NAMESPACE}.svc\n"
+        "extendedKeyUsage=serverAuth\n"
+    )
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr",
+        "-subj", "/CN=kueue-webhook", cwd=certs,
+    )  # fmt: skip
+    _openssl(
+        "x509", "-req", "-in", "tls.csr", "-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"),
+        "-CAcreateserial", "-CAserial", str(certs / "ca.srl"), "-out", "tls.crt", "-days", "3650",
+        "-extfile", "server.ext", cwd=certs,
+    )  # fmt: skip
+    _kueue_metrics_certs(certs)
+    return base64.b64encode((pki / "ca.crt").read_bytes()).decode()
+
+
+def _kueue_metrics_certs(certs: Path) -> None:
+    """Kueue's fixed metrics certificate path gets a certificate if it has none (any valid pair serves:
+    its metrics endpoint authenticates callers by token, not by this certificate)."""
+    target = KUEUE_METRICS_CERT_DIR
+    if (target / "tls.crt").is_file() and (target / "tls.key").is_file():
+        return
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("tls.crt", "tls.key"):
+            shutil.copyfile(certs / name, target / name)
+        (target / "tls.key").chmod(0o600)
+    except OSError as e:
+        raise ClusterError(
+            f"Kueue reads its metrics certificate from {target} (a fixed path when it does not manage "
+            f"certificates itself) and cannot start without one; writing it failed ({e}). Run kueue-up "
+            f"as root once, or copy {certs}/tls.crt and tls.key there."
+        ) from None
+
+
+def _manifests_json(path: Path) -> list[dict[str, object]]:
+    """A YAML manifest file as JSON objects, converted by kubectl (the standard library reads no YAML)."""
+    text = kubectl("create", "--dry-run=client", "--validate=false", "-o", "json", "-f", str(path)).stdout
+    decoder, objs, pos = json.JSONDecoder(), [], 0
+    while text[pos:].strip():  # one JSON document per object, one after the other
+        obj, end = decoder.raw_decode(text[pos:].lstrip())
+        pos = len(text) - len(text[pos:].lstrip()) + end
+        objs.append(obj)
+    return [o for o in objs if isinstance(o, dict)]
+
+
+def _install_kueue_crds(mod: Path, ca_bundle: str, ports: Ports) -> None:
+    """Kueue's CRDs, server-side applied (they are too large for a client-side apply's annotation); the
+    five that Kueue's kustomization converts between v1beta1 and v1beta2 get its /convert webhook."""
+    crd_dir = mod / "config" / "components" / "crd"
+    files = sorted((crd_dir / "bases").glob("*.yaml"))
+    if not files:
+        raise ClusterError(f"no Kueue CRDs found in {crd_dir / 'bases'}")
+    kubectl("apply", "--server-side", "--force-conflicts", *(f"--filename={f}" for f in files))
+    # The kustomization's own list: patches/ holds more webhook_in_*.yaml than it applies (ResourceFlavor's,
+    # whose types have no conversion: the API server's reads of v1beta1 then fail in the webhook).
+    kustomization = (crd_dir / "kustomization.yaml").read_text()
+    listed = re.findall(r"^\s*-\s*path:\s*(patches/webhook_in_\S+\.yaml)\s*$", kustomization, re.MULTILINE)
+    if not listed:
+        raise ClusterError(f"no conversion patches listed in {crd_dir / 'kustomization.yaml'}")
+    converted = []
+    for patch in listed:
+        for obj in _manifests_json(crd_dir / patch):
+            meta = obj.get("metadata", {})
+            assert isinstance(meta, dict)
+            converted.append(str(meta["name"]))
+    webhook = {
+        "clientConfig": {"url": f"https://{HOST}:{ports.kueue_webhook}/convert", "caBundle": ca_bundle},
+        "conversionReviewVersions": ["v1"],
+    }
+    names = [f"{f.name.split('_', 1)[1].removesuffix('.yaml')}.kueue.x-k8s.io" for f in files]
+    for name in names:  # the others explicitly None: a patch of an earlier kueue-up outlives the apply
+        conversion: dict[str, object] = {"strategy": "None", "webhook": None}
+        if name in converted:
+            conversion = {"strategy": "Webhook", "webhook": webhook}
+        kubectl("patch", "crd", name, "--type=merge", "-p", json.dumps({"spec": {"conversion": conversion}}))
+    names = [f"crd/{n}" for n in names]
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
+
+
+def kueue_config(ports: Ports, cert_dir: Path) -> dict[str, object]:
+    """Kueue's Configuration (config.kueue.x-k8s.io/v1beta2, the version v0.17 loads)."""
+    return {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "namespace": KUEUE_NAMESPACE,
+        "manageJobsWithoutQueueName": False,
+        "leaderElection": {"leaderElect": False},
+        "health": {"healthProbeBindAddress": f"{HOST}:{ports.kueue_health}"},  # /readyz, /healthz
+        "metrics": {"bindAddress": f"{HOST}:{ports.kueue_metrics}"},
+        "webhook": {"host": HOST, "port": ports.kueue_webhook, "certDir": str(cert_dir)},
+        "internalCertManagement": {"enable": False},
+        # waitForPodsReady: absent, so off (v1beta2 has no enable field: its presence turns it on).
+        "integrations": {"frameworks": list(KUEUE_FRAMEWORKS)},
+        "featureGates": KUEUE_FEATURE_GATES,
+    }
+
+
+def kueue_webhook_configurations(mod: Path, ports: Ports, ca_bundle: str) -> list[dict[str, object]]:
+    """Kueue's two webhook configurations from its manifests.yaml, each webhook calling
+    https://127.0.0.1:<port><path> instead of the in-cluster Service. Only the webhooks for Kueue's own
+    kinds and for KUEUE_FRAMEWORKS are kept: the rest (pods, Deployments, StatefulSets, other operators'
+    jobs) would send every such write in the cluster through Kueue for integrations that are off."""
+    served = {("kueue.x-k8s.io", "*")} | {
+        (group, kind + "s") for group, kind in (f.split("/", 1) for f in KUEUE_FRAMEWORKS)
+    }
+
+    def wanted(hook: dict[str, object]) -> bool:
+        rules = hook.get("rules", [])
+        assert isinstance(rules, list)
+        pairs = [
+            (g, r) for rule in rules for g in rule.get("apiGroups", []) for r in rule.get("resources", [])
+        ]
+        return bool(pairs) and all((g, r) in served or (g, "*") in served for g, r in pairs)
+
+    out = []
+    for obj in _manifests_json(mod / "config" / "components" / "webhook" / "manifests.yaml"):
+        kind = str(obj.get("kind"))
+        if kind not in KUEUE_WEBHOOK_CONFIGS:
+            continue
+        hooks = obj.get("webhooks", [])
+        assert isinstance(hooks, list)
+        kept = []
+        for hook in hooks:
+            if not wanted(hook):
+                continue
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {
+                "url": f"https://{HOST}:{ports.kueue_webhook}{path}",
+                "caBundle": ca_bundle,
+            }
+            kept.append(hook)
+        out.append(
+            {
+                "apiVersion": obj["apiVersion"],
+                "kind": kind,
+                "metadata": {
+                    "name": KUEUE_WEBHOOK_CONFIGS[kind],
+                    "labels": {"app.kubernetes.io/name": "kueue"},
+                },
+                "webhooks": kept,
+            }
+        )
+    return out
+
+
+def _wait_kueue_admits(timeout: float = 60) -> None:
+    """Kueue is ready when a ResourceFlavor passes its webhooks (a server-side dry run: nothing is kept)."""
+    probe_flavor = {
+        "apiVersion": "kueue.x-k8s.io/v1beta2",
+        "kind": "ResourceFlavor",
+        "metadata": {"name": "kueue-up-probe"},
+    }
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(probe_flavor), check=False)
+        if proc.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"Kueue's webhook did not admit a ResourceFlavor in {timeout:.0f}s:\n{proc.stderr}\n"
+                + log_tail("kueue")
+            )
+        time.sleep(0.5)
+
+
+def kueue_up(build_binary: bool = False) -> bool:
+    """Start Kueue against the running control plane (CRDs, namespace, certificate, Configuration,
+    process, webhooks) and wait until its webhooks admit; False if one was running already (reused).
+    Without `build_binary` a Kueue that is not built is an error that says how to build it."""
+    t0 = time.monotonic()
+    state = read_state()
+    status = running_status()
+    core = {n: alive for n, alive in status.items() if n not in OPTIONAL_COMPONENTS}
+    if not state or not core or not all(core.values()):
+        raise ClusterError(
+            "the control plane is not running: start it with `python3 devcluster/devcluster.py up` "
+            "(make cluster-up), then kueue-up"
+        )
+    pids = state["pids"]
+    assert isinstance(pids, dict)
+    ports = _cluster_ports(state)
+    kdir = STATE / "kueue"
+    if status.get("kueue") and probe(f"http://{HOST}:{ports.kueue_health}/readyz"):
+        print(f"kueue already running (pid {pids['kueue']}); log: {STATE / 'logs' / 'kueue.log'}")
+        return False
+    if "kueue" in pids:  # dead, or not ready: start it afresh
+        kueue_down(quiet=True)
+        pids.pop("kueue", None)
+    binary = build(names=["kueue"])["kueue"] if build_binary else built_binary("kueue")
+    if binary is None:
+        raise ClusterError(
+            "Kueue is not built: build it with `python3 devcluster/devcluster.py build kueue` "
+            "(`build test` builds it with the other test binaries; see docs/development.md for the cold "
+            "build time), or let `python3 devcluster/devcluster.py kueue-up` build it"
+        )
+    for port in (ports.kueue_webhook, ports.kueue_health, ports.kueue_metrics):
+        check_port_free(port, "kueue")
+    mod = kueue_module_dir()
+    ca_bundle = _kueue_pki(kdir)
+    _install_kueue_crds(mod, ca_bundle, ports)
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUEUE_NAMESPACE}}
+    kubectl("apply", "-f", "-", input=json.dumps(namespace))
+    config = kdir / "config.yaml"  # JSON, which Kueue's YAML loader reads
+    config.write_text(json.dumps(kueue_config(ports, kdir / "certs"), indent=2) + "\n")
+    comp = _kueue_component(binary, config, ports)
+    (STATE / "logs").mkdir(parents=True, exist_ok=True)
+    pids["kueue"] = start(comp)
+    _save_state(state)
+    try:
+        wait_healthy(comp, int(pids["kueue"]), None, timeout=120)
+        hooks = kueue_webhook_configurations(mod, ports, ca_bundle)
+        hook_list = {"apiVersion": "v1", "kind": "List", "items": hooks}
+        kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(hook_list))
+        _wait_kueue_admits()
+    except BaseException:
+        kueue_down(quiet=True)
+        raise
+    print(
+        f"[kueue-up] Kueue {_go_mod_version('kueue', KUEUE_MODULE)} ready in {time.monotonic() - t0:.1f}s "
+        f"(pid {pids['kueue']}, webhook https://{HOST}:{ports.kueue_webhook}); "
+        f"log: {STATE / 'logs' / 'kueue.log'}",
+        flush=True,
+    )
+    return True
+
+
+def kueue_down(quiet: bool = False) -> None:
+    """Remove Kueue's webhook configurations (so nothing is sent to an absent webhook) and stop it. Its
+    CRDs and objects stay; the CRDs' v1beta1<->v1beta2 conversion needs Kueue running again."""
+    state = read_state()
+    if not state:
+        if not quiet:
+            print("[kueue-down] the control plane is not running")
+        return
+    pids = state["pids"]
+    assert isinstance(pids, dict)
+    if _pid_alive(int(pids.get("kube-apiserver", 0) or 0)):
+        kubectl(
+            "delete", "--ignore-not-found", "--wait=false",
+            *(f"{kind.lower()}/{name}" for kind, name in KUEUE_WEBHOOK_CONFIGS.items()), check=False,
+        )  # fmt: skip
+    pid = pids.pop("kueue", None)
+    if pid is not None:
+        _stop(int(pid))
+    _save_state(state)
+    if not quiet:
+        print("[kueue-down] Kueue stopped" if pid is not None else "[kueue-down] Kueue was not running")
+
+
 @contextlib.contextmanager
 def _timed(label: str) -> Iterator[None]:
     t0 = time.monotonic()
@@ -1137,7 +1518,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=["build", "up", "down", "status", "env", "restart"])
+    parser.add_argument(
+        "command", choices=["build", "up", "down", "status", "env", "restart", "kueue-up", "kueue-down"]
+    )
     parser.add_argument(
         "names",
         nargs="*",
@@ -1152,6 +1535,10 @@ def main(argv: list[str] | None = None) -> int:
             up()
         elif args.command == "down":
             down()
+        elif args.command == "kueue-up":
+            kueue_up(build_binary=True)
+        elif args.command == "kueue-down":
+            kueue_down()
         elif args.command == "status":
             return status()
         elif args.command == "restart":

@@ -70,6 +70,21 @@ def cluster() -> Iterator[Cluster]:
         devcluster.down(quiet=True)
 
 
+@pytest.fixture(scope="session")
+def kueue(cluster: Cluster) -> Iterator[Cluster]:
+    """A real Kueue in the control plane (`devcluster.py kueue-up`): its CRDs, its controller manager and
+    its webhooks, for RayClusters, RayJobs and Jobs labelled kueue.x-k8s.io/queue-name. Stopped at the end
+    (its webhooks removed, its CRDs left) if this session started it. Not built here: a missing build
+    fails with the command that builds it."""
+    try:
+        started = devcluster.kueue_up()
+    except devcluster.ClusterError as e:
+        pytest.fail(f"Kueue is not available: {e}", pytrace=False)
+    yield cluster
+    if started:
+        devcluster.kueue_down(quiet=True)
+
+
 @pytest.fixture
 def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace per test, deleted afterwards (without waiting for finalization)."""
