@@ -271,7 +271,7 @@ def test_preemption_saves_a_checkpoint_and_the_job_resumes_from_it_when_readmitt
         tmp_path / "low",
         steps=6,
         priority="rlhf-low",
-        runPolicy={"terminationGracePeriodSeconds": 60},
+        runPolicy={"terminationGracePeriodSeconds": 120},  # an unmeasured save is taken as 60 s
     )
     low["spec"]["checkpoint"]["intervalSteps"] = 100  # no regular checkpoint: only the preemption's
     high = queued_tiny("high", tiny_model, tmp_path / "high", steps=2, priority="rlhf-high")
