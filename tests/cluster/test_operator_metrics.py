@@ -18,7 +18,17 @@ from support import START_FAULT, Cluster, MetricsWatcher, OperatorProcess, free_
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ["Pending", "Provisioning", "Running", "Stalled", "Restarting", "Succeeded", "Failed", "Suspended"]
+PHASES = [
+    "Pending",
+    "Queued",
+    "Provisioning",
+    "Running",
+    "Stalled",
+    "Restarting",
+    "Succeeded",
+    "Failed",
+    "Suspended",
+]
 
 
 def failing_job(name: str, suspend: bool) -> dict[str, Any]:
