@@ -430,7 +430,10 @@ def _queued(
     reason, message = kueue.why_waiting(observed.workload, queue)
     for key in ("activeSince", "openStall", "currentPhase"):
         st.pop(key, None)
-    if job_phase in _ADMITTED_PHASES:
+    # Admitted before: it said so (Queued=False, Admitted), or its trainer was submitted. (A new job is
+    # Provisioning from its first write, before the operator has seen Kueue suspend its cluster.)
+    admitted = any(c.get("type") == "Queued" and c.get("status") == "False" for c in conds)
+    if job_phase in _ADMITTED_PHASES and (admitted or st.get("submissionId")):
         st["preemptions"] = int(st.get("preemptions") or 0) + 1
         if st.get("submissionId"):
             d.actions.append("stop")

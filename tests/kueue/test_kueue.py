@@ -180,6 +180,12 @@ def audited_writes(namespace: str, since: datetime, until: datetime) -> list[dic
     return out
 
 
+def rollout_replicas(cluster: Cluster, namespace: str, name: str) -> int:
+    rc = cluster.get("raycluster", name, namespace) or {}
+    groups = rc.get("spec", {}).get("workerGroupSpecs", [])
+    return next((int(g.get("replicas", 0)) for g in groups if g.get("groupName") == "rollout"), -1)
+
+
 def by_operator(ev: dict[str, Any]) -> bool:
     """The operator's requests: the Kubernetes Python client's and kopf's user agents (Kueue's and KubeRay's
     are Go clients)."""
@@ -208,6 +214,15 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
                 600,
                 f"{doc['metadata']['name']} Running",
             )
+        # Our own scaling of an admitted job: Kueue made its cluster elastic (the devcluster runs Kueue with
+        # ElasticJobsViaWorkloadSlices), so the operator scales the rollout group and the extra engine
+        # waits for quota in a new Workload slice; nothing is evicted.
+        cluster.kubectl("scale", "rlhfjob", "first", "-n", namespace, "--replicas=2")
+        wait_for(
+            lambda: rollout_replicas(cluster, namespace, "first") == 2 or None,
+            60,
+            "first's rollout group at 2",
+        )
         cluster.apply(third, namespace)
         st = wait_for(lambda: phase_in(cluster, namespace, "third", "Queued"), 120, "third Queued")
         queued_at = datetime.now(UTC)
@@ -227,13 +242,26 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
         fights = [
             (ev["verb"], ev["objectRef"].get("resource"), ev["objectRef"].get("name"), ev.get("userAgent"))
             for ev in writes
-            if by_operator(ev) and ev["objectRef"].get("resource") in ("rayclusters", "workloads")
+            if by_operator(ev)
+            and (
+                ev["objectRef"].get("resource") == "workloads"
+                or (ev["objectRef"].get("resource"), ev["objectRef"].get("name")) == ("rayclusters", "third")
+            )
         ]
         assert not fights, f"the operator wrote objects Kueue owns fields of: {fights}"
-        operator_writes = [ev for ev in writes if by_operator(ev)]
-        assert all(ev["objectRef"].get("resource") in ("rlhfjobs", "events") for ev in operator_writes), [
-            (ev["verb"], ev["objectRef"]) for ev in operator_writes
+        evicted = [
+            (w["metadata"]["name"], c.get("reason"))
+            for w in cluster.list("workloads", namespace)
+            for c in w.get("status", {}).get("conditions", [])
+            if c["type"] == "Evicted" and c["status"] == "True"
         ]
+        assert not evicted, f"a Workload was evicted: {evicted}"
+        assert phase_in(cluster, namespace, "first", "Running"), "first keeps running after its scale-up"
+        assert not (cluster.get("raycluster", "first", namespace) or {})["spec"].get("suspend")
+        operator_writes = [ev for ev in writes if by_operator(ev)]
+        assert all(
+            ev["objectRef"].get("resource") in ("rlhfjobs", "events", "rayclusters") for ev in operator_writes
+        ), [(ev["verb"], ev["objectRef"]) for ev in operator_writes]
 
         # One holder deleted: the third is admitted, and runs to Succeeded although it queued for longer
         # than its activeDeadlineSeconds.

@@ -72,6 +72,13 @@ def test_a_job_kueue_holds_is_queued_with_kueues_reason_and_no_write_to_suspend(
     assert "activeSince" not in d.status
 
 
+def test_a_new_job_first_written_provisioning_is_queued_not_evicted() -> None:
+    # The create handler's first phase is Provisioning, before any round has seen Kueue's suspension.
+    d = decide(queued_job({"phase": "Provisioning"}), obs(raycluster=kcluster(True), workload=PENDING), SID)
+    assert d.status["phase"] == "Queued" and "preemptions" not in d.status and d.actions == []
+    assert [(t, r) for t, r, _ in d.events] == [("Normal", "Queued")]
+
+
 def test_without_a_workload_yet_the_reason_says_so() -> None:
     d = decide(queued_job({"phase": "Pending"}), obs(raycluster=kcluster(True)), SID)
     cond = next(c for c in d.status["conditions"] if c["type"] == "Queued")
