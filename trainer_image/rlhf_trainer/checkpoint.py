@@ -194,6 +194,8 @@ class Checkpointer:
     on_written: Callable[[int], None] | None = None
     written: list[str] = field(default_factory=list)  # paths of the checkpoints this run wrote
     resume_info: dict[str, Any] = field(default_factory=dict)  # what `resume` loaded ({}: a fresh start)
+    last_step: int = 0  # the newest checkpoint's step: written by this run, or resumed from (0: none)
+    save_seconds: float | None = None  # how long this run's last save took (None: it has not saved)
 
     def __post_init__(self) -> None:
         self.store = CheckpointStore(self.spec.checkpoint.path) if self.spec.checkpoint.path else None
@@ -207,6 +209,7 @@ class Checkpointer:
         """Write step's checkpoint atomically, then rotate; `history`: the run's step reports, as dicts;
         `rollout_digest`: the step's rollout tokens (a resumed run that samples the same shows it)."""
         assert self.store is not None
+        t0 = time.monotonic()
         tmp = self.store.begin(step)
         try:
             ray.get([ref for g in self.groups for ref in g.call("save", str(tmp))])
@@ -220,6 +223,9 @@ class Checkpointer:
                 "history": list(history[-50:]),
                 "rollout_digest": rollout_digest,
                 "time": time.time(),
+                # the shards' writing (the commit after it is one small file and a rename): a resumed run
+                # estimates its first save from it (stop.estimate_save_seconds)
+                "save_seconds": round(time.monotonic() - t0, 3),
             }
             final = self.store.commit(tmp, step, state)
         except BaseException:
@@ -227,6 +233,7 @@ class Checkpointer:
             raise
         self.store.rotate(self.spec.checkpoint.keep_last)
         self.written.append(str(final))
+        self.last_step, self.save_seconds = step, time.monotonic() - t0
         self.metrics.checkpointed(step)
         return str(final)
 
@@ -258,7 +265,9 @@ class Checkpointer:
             "data": state["data"],
             "state_digests_saved": state.get("state_digests"),
             "state_digests_loaded": self.state_digests(),
+            "save_seconds": state.get("save_seconds"),
         }
+        self.last_step = step
         self.metrics.checkpointed(step)
         self.log(f"resumed from {path} (step {step}); data position {state['data']}")
         return step + 1

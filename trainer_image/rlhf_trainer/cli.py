@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 from rich.markup import escape
+from rlhf_api.constants import PREEMPTED_EXIT_CODE
 
 
 def apply_overrides(manifest: dict[str, Any], sets: list[str]) -> dict[str, Any]:
@@ -75,6 +76,7 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
     from rlhf_trainer.config import InputError, parse_spec
     from rlhf_trainer.driver import run
     from rlhf_trainer.loop import RewardFailure
+    from rlhf_trainer.stop import StopRequest
 
     try:
         try:
@@ -116,6 +118,7 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
                 console.print(_step_header(), highlight=False, markup=False, soft_wrap=True)
             console.print(_step_row(report), highlight=False, markup=False, soft_wrap=True)
 
+    stop = StopRequest().install()  # SIGTERM: stop at a step boundary, as the operator's driver does
     try:
         if progress is not None:
             progress.start()
@@ -128,6 +131,7 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
             log=(lambda m: None)
             if quiet
             else (lambda m: console.print(f"[dim]{escape(m)}[/dim]", highlight=False, soft_wrap=True)),
+            stop=stop,
         )
     except InputError as e:
         _stop(progress)
@@ -144,6 +148,8 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
         _stop(progress)
         _error(console, f"{type(e).__name__}: {e}")
         return 1
+    finally:
+        stop.restore()
     _stop(progress)
     if quiet and summary.get("message"):  # else the driver's log has said it
         console.print(escape(str(summary["message"])), highlight=False, soft_wrap=True)
@@ -151,6 +157,10 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
         console.print(_phase_table(rows))
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=1))
+    if "preempted" in summary:
+        if quiet:  # else the driver's log has said it
+            console.print(escape(str(summary["preempted"]["line"])), highlight=False, soft_wrap=True)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

@@ -1,8 +1,9 @@
 """The Ray driver (job entrypoint): checks the input, places the groups, runs the steps, serves /metrics.
 
 Owns the run's order: parse and check the spec, announce the resume step, connect to Ray, place and start
-the groups, resume, then `loop.run_step` for each step, and shut everything down. How each part is done
-lives in config, placement, loop, checkpoint and weight_sync.manager. Never touches token arrays.
+the groups, resume, then `loop.run_step` for each step, and shut everything down; told to stop (SIGTERM),
+it saves or keeps a checkpoint at the next step boundary (`stop.decide_stop`) and exits 143. How each part
+is done lives in config, placement, loop, checkpoint, stop and weight_sync.manager. Never touches token arrays.
 Run as `python -m rlhf_trainer.driver --job-name NAME --spec-env RLHF_SPEC_JSON` (the operator) or via
 `rlhf run FILE` (cli.py).
 """
@@ -15,11 +16,12 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
 import ray
-from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
+from rlhf_api.constants import INPUT_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE
 from rlhf_api.spec import RLHFJobSpec
 
 from rlhf_trainer import container_log, device
@@ -29,8 +31,16 @@ from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.export import EXPORT_INFO, export_actor
 from rlhf_trainer.faults import FaultInjector, fail_at_start
 from rlhf_trainer.loop import StepContext, StepReport, run_step
-from rlhf_trainer.metrics import TrainerExporter
+from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 from rlhf_trainer.placement import Placed, place, process_count, start
+from rlhf_trainer.stop import (
+    StopRequest,
+    decide_stop,
+    estimate_save_seconds,
+    kept_line,
+    saved_line,
+    stop_budget,
+)
 from rlhf_trainer.weight_sync.manager import WeightSyncManager, choose_backend
 
 # ---------------------------------------------------------------------------------------------- ray
@@ -75,8 +85,12 @@ def run(
     on_step: Callable[[StepReport], None] | None = None,
     log: Callable[[str], None] = print,
     data: PromptDataset | None = None,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
-    """Run the job's steps; returns the summary. Raises InputError / RewardFailure / RuntimeError."""
+    """Run the job's steps; returns the summary. Raises InputError / RewardFailure / RuntimeError.
+
+    With `stop` (installed by the front door), a SIGTERM ends the run at the next step boundary, and the
+    summary then holds `preempted` (its `line` is what the front door prints; the exit is 143)."""
     data = data or preflight(spec)
     info = device.detect()
     choose_backend(spec.weight_sync.backend, info)  # a GPU-only backend on a CPU host fails before Ray
@@ -107,7 +121,15 @@ def run(
     if port:
         metrics.serve(port)
         log(f"metrics on :{port}/metrics")
+    budget = stop_budget(os.environ, spec.run_policy.termination_grace_period_seconds)
+    if stop is not None and stop.requested:  # before anything slow starts
+        line = kept_line(announced, announced)
+        log(line)
+        preempted = {"line": line, "step": announced, "checkpoint_step": announced, "saved": False}
+        return {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced, "preempted": preempted}
     started = connect_ray(process_count(spec) + 1)
+    if stop is not None:
+        stop.install()  # ray.init replaced it with Ray's own (which exits at once)
     placed: Placed | None = None
     sync: WeightSyncManager | None = None
     try:
@@ -135,13 +157,23 @@ def run(
             "resume": checkpointer.resume_info,
             "engines": [s.info for s in placed.pool.ready()],
         }
+        completed = first - 1
         for step in range(first, last + 1):
+            if stop is not None and stop.requested:  # it came during start-up: no step to finish
+                break
             report = run_step(ctx, step)
+            completed = step
             summary["steps"].append(step_summary(report))
             if report.checkpoint and spec.checkpoint.export == "everyCheckpoint":
                 summary["export"] = _export(spec, log)
             if on_step is not None:
                 on_step(report)
+            if stop is not None and stop.requested:
+                break
+        if stop is not None and stop.requested and completed < spec.algorithm.total_steps:
+            summary["preempted"] = stop_at_boundary(ctx, stop, budget, completed, log)
+            summary["data_position"] = data.position.to_dict()
+            return summary
         if last == spec.algorithm.total_steps and spec.checkpoint.export == "onFinish":
             summary["export"] = _export(spec, log)
         summary["data_position"] = data.position.to_dict()
@@ -153,6 +185,43 @@ def run(
             placed.shutdown()
         if started:
             ray.shutdown()
+
+
+def stop_at_boundary(
+    ctx: StepContext, stop: StopRequest, budget: float, completed: int, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Told to stop after step `completed`: save its checkpoint if `decide_stop` says it fits, else keep
+    the last one. Returns the summary's `preempted` entry; logs its `line`."""
+    checkpointer = ctx.checkpointer
+    estimate = estimate_save_seconds(checkpointer.save_seconds, checkpointer.resume_info.get("save_seconds"))
+    elapsed = stop.elapsed()
+    decision = decide_stop(
+        on_preemption=ctx.spec.checkpoint.on_preemption,
+        has_path=checkpointer.store is not None,
+        completed=completed,
+        last_checkpoint=checkpointer.last_step,
+        save_seconds=estimate,
+        elapsed=elapsed,
+        budget=budget,
+    )
+    action = f"saving step {completed}" if decision.save else f"keeping step {checkpointer.last_step}"
+    log(
+        f"stop requested {elapsed:.1f} s ago (SIGTERM x{stop.signals}) by step {completed}: {action}: {decision.reason}"
+    )
+    out: dict[str, Any] = {"step": completed, "budget_seconds": budget, "estimated_save_seconds": estimate}
+    if decision.save:
+        timer = PhaseTimer(ctx.metrics)
+        with timer.phase("checkpoint"):
+            last = ctx.history[-1]  # step `completed`, saved as its regular checkpoint would have been
+            path = checkpointer.save(completed, [asdict(r) for r in ctx.history[:-1]], last.rollout_digest)
+        out.update(checkpoint=path, save_seconds=round(timer.seconds["checkpoint"], 3))
+        line = saved_line(completed)
+    else:
+        line = kept_line(checkpointer.last_step, completed)
+    log(line)
+    out.update(line=line, checkpoint_step=checkpointer.last_step, saved=decision.save)
+    out.update(seconds_after_signal=round(stop.elapsed(), 3), signals=stop.signals)
+    return out
 
 
 def _export(spec: RLHFJobSpec, log: Callable[[str], None]) -> str | None:
@@ -206,7 +275,10 @@ def _say(line: str, stream: TextIO = sys.stdout) -> None:
     container_log.echo(line)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+    """The entrypoint. From its start a SIGTERM stops the run at a step boundary (stop.py): through `stop`
+    if given (installed by the caller, and left installed), else through one installed here and put back
+    on return (an in-process caller)."""
     p = argparse.ArgumentParser(prog="python -m rlhf_trainer.driver", description=__doc__)
     p.add_argument("--job-name", default=os.environ.get("RLHF_JOB_NAME", "local"))
     p.add_argument("--spec-json")
@@ -215,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--summary-json")
     args = p.parse_args(argv)
+    own = stop is None
+    stop = stop or StopRequest().install()
     try:
         fail_at_start()
         spec = load_spec_arg(args)
@@ -222,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             spec,
             args.job_name,
             steps=args.steps,
+            stop=stop,
             on_step=lambda r: _say(
                 json.dumps(
                     {
@@ -241,10 +316,18 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc(file=sys.stderr)
         _say(f"error: {type(e).__name__}: {e}", sys.stderr)
         return 1
+    finally:
+        if own:
+            stop.restore()
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=1))
+    if "preempted" in summary:
+        container_log.echo(summary["preempted"]["line"])  # run() printed it; `kubectl logs` shows it too
+        return PREEMPTED_EXIT_CODE
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Installed until the process ends: a SIGTERM that comes while it exits (a second stop request) is
+    # only counted, so the exit status stays 143 (or 0), never "killed by SIGTERM".
+    raise SystemExit(main(stop=StopRequest().install()))
