@@ -9,19 +9,31 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from statistics import mean
 
 import pytest
+from rlhf_api.constants import PREEMPTED_EXIT_CODE, STOP_BUDGET_ENV
 from support import METRICS_CONTRACT as CONTRACT
 from support import metric_samples as _samples
 from support import metric_value as _value
-from trainer_runs import EXAMPLE, GRPO, REINFORCE_PP, cli_cmd, free_port, run_cli, run_env, tiny_sets
+from trainer_runs import (
+    EXAMPLE,
+    GRPO,
+    REINFORCE_PP,
+    free_port,
+    run_cli,
+    run_driver_and_stop,
+    run_env,
+    sigterm,
+    spec_of,
+    tiny_sets,
+)
 
 pytestmark = pytest.mark.trainer
 
@@ -177,58 +189,97 @@ def test_grpo_learns_and_every_engine_greedy_equals_hf_from_gathered_weights(
     assert not list(Path("/dev/shm").glob("rlhf-weights-wscheck-*")), "the shm sync buffer outlived the run"
 
 
-def test_resume_after_kill_continues_at_next_step(
+def test_preemption_saves_or_keeps_a_checkpoint_and_the_next_run_resumes_after_it(
     tiny: Path, tmp_path: Path, ray_tmp: Path, popen_group: list[subprocess.Popen[str]]
 ) -> None:
+    """Three attempts of one job (checkpoints every 2 steps), each started as the operator starts it:
+    A is told to stop by the preStop hook during step 3 and saves step 3 (onPreemption Save, a second
+    SIGTERM arriving mid-save); B resumes at step 4 and is told to stop during step 5 with KeepLast, so it
+    keeps step 4's; C (`rlhf run`) resumes at step 5, samples it as B did, and finishes."""
     ckpt = tmp_path / "ckpt"
+    job = f"preempt-{uuid.uuid4().hex[:8]}"  # the hook is told to stop this job's driver only
     # temperature 0.7: the engines' log-probs must be vLLM's processed ones (after temperature), which the
     # trainer's logits / T reproduce; raw ones differ by ~1e-1 per token
-    sets = [*tiny_sets(tiny, ckpt), "algorithm.totalSteps=4", "checkpoint.intervalSteps=1",
-            "checkpoint.keepLast=5", "rollout.temperature=0.7"]  # fmt: skip
-    proc = subprocess.Popen(
-        cli_cmd(EXAMPLE, sets),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=run_env(ray_tmp),
-        start_new_session=True,
-    )
-    popen_group.append(proc)
-    deadline = time.monotonic() + 480
-    while not (ckpt / "step-00000003" / "trainer_state.json").exists():
-        if proc.poll() is not None:
-            pytest.fail(f"run ended before its third checkpoint: {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
-        assert time.monotonic() < deadline, "no checkpoint at step 3 in time"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started, mid-step 4
-    proc.wait(timeout=60)
+    sets = [*tiny_sets(tiny, ckpt), "algorithm.totalSteps=6", "checkpoint.intervalSteps=2",
+            "checkpoint.keepLast=5", "rollout.temperature=0.7", f"metadata.name={job}"]  # fmt: skip
+    hook: list[subprocess.Popen[str]] = []
+    second_signal_mid_save: list[str] = []
+
+    def prestop(pid: int) -> None:  # what the kubelet runs in the head container before it stops it
+        cmd = [sys.executable, "-m", "rlhf_trainer.preempt", "--job", job, "--budget", "120"]
+        hook.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        popen_group.extend(hook)
+
+    def again_mid_save(pid: int) -> None:  # Ray's stop_job after the hook: SIGTERM again, while it saves
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and popen_group[0].poll() is None:
+            partial = [p.name for p in ckpt.glob(".tmp-step-00000003-*")]
+            if partial:
+                os.kill(pid, signal.SIGTERM)
+                second_signal_mid_save.extend(partial)
+                return
+            time.sleep(0.005)  # the save takes ~0.07 s here
+
+    a = run_driver_and_stop(spec_of(EXAMPLE, sets), job, tmp_path, ray_tmp, popen_group, after_step=2,
+                            stop=prestop, during=again_mid_save, env={STOP_BUDGET_ENV: "120"})  # fmt: skip
+    assert a.returncode == PREEMPTED_EXIT_CODE == 143, a.stderr[-3000:]
+    # The stop came 1 s after step 2's line, so step 3 (no interval checkpoint) was finished, then saved.
+    assert "preempted: saved checkpoint at step 3 (lost 0 steps)" in a.stdout, a.stdout[-2000:]
+    assert [r["step"] for r in a.reports] == [1, 2, 3]
+    # the per-step lines are unchanged
+    assert all(set(r) == {"step", "reward_mean", "phase_seconds", "engines"} for r in a.reports), a.reports
+    assert second_signal_mid_save, "the save was never seen in progress"
+    assert a.summary is not None
+    preempted = a.summary["preempted"]
+    assert preempted["saved"] and preempted["signals"] == 2, preempted  # the second SIGTERM aborted nothing
+    assert preempted["checkpoint"] == str(ckpt / "step-00000003") == a.summary["checkpoints"][-1]
+    print(f"\nA: preempted save of step 3: {preempted['save_seconds']} s (estimated "
+          f"{preempted['estimated_save_seconds']:.2f} s from step 2's), exit {a.seconds:.0f} s after start")  # fmt: skip
+    hook_out, _ = hook[0].communicate(timeout=60)
+    assert hook[0].returncode == 0, hook_out
+    assert f"sent SIGTERM to the driver, pid {popen_group[0].pid}" in hook_out, hook_out
+    assert "every driver exited after" in hook_out, hook_out
+    print("A: " + next(x for x in hook_out.splitlines() if "exited after" in x))
     saved = json.loads((ckpt / "step-00000002" / "trainer_state.json").read_text())
     assert saved["data"] == {"epoch": 0, "offset": 2 * 16}
-    # Step 3 as the uninterrupted run sampled it; its checkpoint goes, so the run resumes at step 2 and
-    # generates step 3 again: sampling seeds follow (seed, step, prompt), so it must get the same tokens.
-    uninterrupted_step3 = json.loads((ckpt / "step-00000003" / "trainer_state.json").read_text())[
-        "rollout_digest"
-    ]
-    assert uninterrupted_step3
-    shutil.rmtree(ckpt / "step-00000003")
-    for later in ckpt.glob("step-0000000[4-9]"):
-        shutil.rmtree(later)
+    state = json.loads((ckpt / "step-00000003" / "trainer_state.json").read_text())
+    assert state["complete"] and state["step"] == 3 and state["data"] == {"epoch": 0, "offset": 3 * 16}
+    for role in ("actor", "critic"):
+        files = {p.name for p in (ckpt / "step-00000003" / role).iterdir()}
+        assert any("model_states" in f for f in files) and any("optim_states" in f for f in files), files
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp-")]
+
+    b_sets = [*sets, "checkpoint.onPreemption=KeepLast"]
+    b = run_driver_and_stop(spec_of(EXAMPLE, b_sets), job, tmp_path, ray_tmp, popen_group, after_step=4,
+                            stop=sigterm)  # fmt: skip
+    assert b.returncode == 143, b.stderr[-3000:]
+    assert b.summary is not None and b.summary["resumed_from"] == 3
+    assert [r["step"] for r in b.reports] == [4, 5]  # the first step after the preempted save
+    for key, digest in b.summary["resume"]["state_digests_loaded"].items():  # a checkpoint like any other
+        assert digest == pytest.approx(state["state_digests"][key], rel=1e-9), key
+    assert "preempted: kept checkpoint at step 4 (1 steps to redo)" in b.stdout, b.stdout[-2000:]
+    print(f"B: {b.summary['preempted']}")
+    assert not (ckpt / "step-00000005").exists() and (ckpt / "step-00000004" / "trainer_state.json").exists()
+    # Step 5 as the preempted run sampled it; the next run redoes it from step 4's checkpoint: sampling seeds
+    # follow (seed, step, prompt), so it must get the same tokens.
+    uninterrupted_step5 = b.summary["steps"][-1]["rollout_digest"]
+    assert b.summary["steps"][-1]["step"] == 5 and uninterrupted_step5
 
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp)
     assert run.returncode == 0, run.stderr[-3000:]
     s = run.summary
     assert s is not None
-    assert s["resumed_from"] == 2
+    assert s["resumed_from"] == 4
     first = s["resumed_from"] + 1
-    assert s["steps"][0]["rollout_digest"] == uninterrupted_step3, (
-        "the resumed run sampled step 3 differently from the uninterrupted run"
+    assert s["steps"][0]["rollout_digest"] == uninterrupted_step5, (
+        "the resumed run sampled step 5 differently from the preempted run"
     )
     gaps = [x["training"]["rollout_logprob_gap"] for x in s["steps"]]
     print(f"|trainer - vLLM| log-prob per token at temperature 0.7: {gaps}")
     assert all(0 <= g < 1e-3 for g in gaps), (
         f"the engines' log-probs are not the trainer's distribution: {gaps}"
     )
-    assert [x["step"] for x in s["steps"]] == list(range(first, 5))
+    assert [x["step"] for x in s["steps"]] == list(range(first, 7))
     resume = s["resume"]
     loaded_state = json.loads((Path(resume["path"]) / "trainer_state.json").read_text())
     assert resume["data"] == loaded_state["data"] == {"epoch": 0, "offset": s["resumed_from"] * 16}
@@ -242,9 +293,12 @@ def test_resume_after_kill_continues_at_next_step(
         assert digest["scheduler_step"] == s["resumed_from"] * 2  # epochs=2: two optimizer steps per step
     # the engine got the checkpoint's weights before the first resumed step generated (plus the usual sync)
     assert s["steps"][0]["weight_sync_bytes"] == 2 * _model_bytes(tiny / "model")
-    assert s["data_position"] == {"epoch": 0, "offset": 4 * 16}
+    assert s["data_position"] == {"epoch": 0, "offset": 6 * 16}
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp-")]
-    assert (ckpt / "step-00000004" / "trainer_state.json").exists()
+    assert (ckpt / "step-00000006" / "trainer_state.json").exists()
+    print(
+        f"attempts: A {a.seconds:.0f} s (3 steps), B {b.seconds:.0f} s (2 steps), C {run.seconds:.0f} s (2 steps)"
+    )
 
 
 def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Path, ray_tmp: Path) -> None:
