@@ -180,3 +180,32 @@ def test_lr_schedule_warmup_then_decay(schedule: str) -> None:
     assert f(2) == pytest.approx(1.0)
     if schedule != "constant":
         assert f(10) == pytest.approx(0.0, abs=1e-6)
+
+
+# ---- off-policy correction (issue 19): decoupled PPO and truncated importance sampling -------------------
+
+
+def test_with_staleness_zero_the_decoupled_objective_is_the_synchronous_one_exactly() -> None:
+    torch.manual_seed(0)
+    new, old, adv = torch.randn(64) * 0.1, torch.randn(64) * 0.1, torch.randn(64)
+    sync_loss, sync_clipped = A.policy_loss_tokens(new, old, adv, 0.2)
+    for correction in ("decoupled", "truncated"):
+        loss, clipped, kept = A.decoupled_policy_loss_tokens(new, old, old.clone(), adv, 0.2, correction)
+        assert torch.equal(loss, sync_loss) and torch.equal(clipped, sync_clipped)
+        assert torch.equal(kept, torch.ones(64))
+
+
+def test_stale_samples_are_weighted_by_proximal_over_behaviour_and_capped() -> None:
+    new = torch.zeros(3)
+    prox = torch.zeros(3)
+    behav = torch.log(torch.tensor([1.0, 0.5, 0.1]))  # weights pi_prox / pi_behav = 1, 2, 10
+    adv = torch.ones(3)
+    base, _ = A.policy_loss_tokens(new, prox, adv, 0.2)
+    loss, _, kept = A.decoupled_policy_loss_tokens(new, prox, behav, adv, 0.2, "decoupled", cap=5.0)
+    assert kept.tolist() == [1.0, 1.0, 0.0]  # the decoupled correction drops the token over the cap
+    assert torch.allclose(loss, base * torch.tensor([1.0, 2.0, 0.0]))
+    loss, _, kept = A.decoupled_policy_loss_tokens(new, prox, behav, adv, 0.2, "truncated", cap=5.0)
+    assert kept.tolist() == [1.0, 1.0, 1.0]  # truncated IS keeps it, its weight clamped to the cap
+    assert torch.allclose(loss, base * torch.tensor([1.0, 2.0, 5.0]))
+    with pytest.raises(ValueError, match="off-policy correction"):
+        A.behaviour_weights(prox, behav, "naive", 5.0)
