@@ -545,11 +545,23 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
             url = dashboard_url(cluster)
             with REMOTE.slot(url), _ray_client(url, body) as rj:
                 obs["ray_job"] = rj.get(body.status.get("submissionId") or submission)
+                if obs["ray_job"] is None:  # about to submit: is the attempt before still stopping?
+                    obs["previous_running"] = _previous_running(rj, body, job)
         except rayjobs.RayJobsError as e:
             obs["ray_job_error"] = str(e)
         if obs.get("ray_job") is not None and obs["ray_job"].status == rayjobs.RUNNING:
             obs.update(_scrape(namespace, job, cluster, body.metadata.uid or ""))
     return Observed(**obs)
+
+
+def _previous_running(rj: rayjobs.RayJobsClient, body: kopf.Body, job: RLHFJob) -> str | None:
+    """The id of the previous attempt if its Ray job has not ended (on a new head it is unknown: ended)."""
+    attempt, preemptions = int(body.status.get("restarts") or 0), int(body.status.get("preemptions") or 0)
+    for sid in manifests.previous_submission_ids(job, body.metadata.uid or "", attempt, preemptions):
+        info = rj.get(sid)
+        if info is not None and info.status not in rayjobs.TERMINAL:
+            return sid
+    return None
 
 
 _workload_version: list[str] = list(kueue.WORKLOAD_VERSIONS)  # the first is the one this API server serves

@@ -314,6 +314,12 @@ def submission_id(job: RLHFJob, uid: str, attempt: int, preemptions: int = 0) ->
     return f"{base}-p{preemptions}" if preemptions else base
 
 
+def previous_submission_ids(job: RLHFJob, uid: str, attempt: int, preemptions: int) -> list[str]:
+    """The ids the attempt before this one may have had: one restart or one readmission ago."""
+    earlier = [(attempt - 1, preemptions), (attempt, preemptions - 1)]
+    return [submission_id(job, uid, a, p) for a, p in earlier if a >= 0 and p >= 0]
+
+
 def stop_budget_seconds(job: RLHFJob) -> int:
     """How long the trainer has to stop when told to: the pods' grace period less their own shutdown."""
     return max(1, job.spec.run_policy.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS)

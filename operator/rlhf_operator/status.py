@@ -63,6 +63,9 @@ class Observed:
     metrics_error: str | None = None
     pods: list[dict[str, Any]] | None = None  # the RayCluster's pods, read while it is not ready
     workload: dict[str, Any] | None = None  # Kueue's Workload of a queued RayCluster (kueue.slim_workload)
+    # The previous attempt's Ray job, still stopping (it finishes its step and may save a checkpoint)
+    # when the next one is due: its id. The next is submitted only once it has ended.
+    previous_running: str | None = None
 
 
 @dataclass
@@ -317,6 +320,15 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             go("Provisioning", f"cannot reach the Ray dashboard: {observed.ray_job_error}")
         return d
 
+    if job_info is None and observed.previous_running and _may_wait_for_previous(job, cur, now):
+        # Never two attempts at once: they would share the checkpoint directory and the metrics port.
+        st["conditions"] = conds
+        st["message"] = (
+            f"waiting for the previous attempt {observed.previous_running} to stop (it finishes its step and "
+            "may save a checkpoint, within runPolicy.terminationGracePeriodSeconds)"
+        )
+        return d
+
     if job_info is None:
         d.actions.append("submit")
         d.submission_id = submission_id
@@ -409,6 +421,15 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     st["phase"] = "Stalled"
     st["message"] = f"{cond['reason']}: {cond['message']}"
     return d
+
+
+def _may_wait_for_previous(job: RLHFJob, cur: dict[str, Any], now: datetime) -> bool:
+    """Whether to go on waiting for a stopping previous attempt: for its stop budget and 30 s more after
+    the restart (or admission) that ended it; past that Ray's own SIGKILL has failed, and waiting longer
+    would hang the job."""
+    since = parse_time(cur.get("lastRestartTime")) or parse_time(cur.get("activeSince"))
+    limit = job.spec.run_policy.termination_grace_period_seconds + 30
+    return since is None or (now - since).total_seconds() < limit
 
 
 # Phases of a job whose RayCluster Kueue had admitted: suspended again now, it was evicted.

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 from rlhf_api.spec import RLHFJob
+from rlhf_operator import manifests
 from rlhf_operator.conditions import iso
 from rlhf_operator.rayjobs import RayJobInfo
 from rlhf_operator.scrape import ScrapedMetrics, parse_metrics
@@ -363,3 +364,26 @@ def test_a_head_pod_lost_while_provisioning_is_not_a_restart() -> None:
     prov = {"phase": "Provisioning", "submissionId": SID, "restarts": 0, "headPod": "tiny-head-a"}
     d = decide(job(prov), obs(raycluster=with_head("tiny-head-b")), SID)
     assert d.status["restarts"] == 0 and d.status["phase"] != "Restarting"
+
+
+def test_the_next_attempt_waits_for_the_previous_one_to_stop() -> None:
+    """Never two attempts at once: a stopped attempt finishes its step (and may save) before it exits,
+    holding the checkpoint directory and the metrics port; the next is submitted once it has ended."""
+    restarted = {"phase": "Restarting", "restarts": 1, "lastRestartTime": iso(NOW - timedelta(seconds=5))}
+    previous = "rlhf-ns-tiny-0123abcd-0"
+    d = decide(job(restarted), obs(previous_running=previous), SID)
+    assert d.actions == [] and previous in d.status["message"]
+    assert decide(job(restarted), obs(), SID).actions == ["submit"]
+    # Past its grace period and 30 s more, Ray's SIGKILL has failed: go on rather than hang.
+    late = {**restarted, "lastRestartTime": iso(NOW - timedelta(seconds=61))}
+    assert decide(job(late), obs(previous_running=previous), SID).actions == ["submit"]
+
+
+def test_the_previous_attempt_is_one_restart_or_one_readmission_ago() -> None:
+    j, uid = job(), "0123abcd-ffff"
+    assert manifests.previous_submission_ids(j, uid, 0, 0) == []
+    assert manifests.previous_submission_ids(j, uid, 2, 0) == [manifests.submission_id(j, uid, 1)]
+    assert manifests.previous_submission_ids(j, uid, 1, 1) == [
+        manifests.submission_id(j, uid, 0, 1),
+        manifests.submission_id(j, uid, 1, 0),
+    ]
