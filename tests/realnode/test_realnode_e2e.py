@@ -289,5 +289,8 @@ def test_head_pod_loss_restarts_the_job_from_its_checkpoint(
     print("warnings:", [(e["reason"], e["message"]) for e in warnings])
     # The restarted attempt resumed from the checkpoint: its first step in the head pod's log follows it.
     steps = [r["step"] for r in head_steps(cluster, namespace)]
-    assert steps and steps[0] - 1 >= before["lastCheckpointStep"] and (steps[0] - 1) % 2 == 0, steps
+    # (From an interval checkpoint, or from the one the dying head's driver saved when its preStop hook
+    # told it to stop: a force-deleted pod's containers still get the hook, and the step in flight is
+    # then saved too; seen in a rehearsal: deleted at step 2, resumed at 4.)
+    assert steps and steps[0] - 1 >= before["lastCheckpointStep"], steps
     assert steps == list(range(steps[0], 17)), steps
