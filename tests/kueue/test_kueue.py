@@ -38,7 +38,7 @@ QUEUE = "research"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 # The third job of the quota test queues QUEUED_S, longer than its deadline, then runs one step within it.
-QUEUED_S, DEADLINE_S = 90, 80
+QUEUED_S, DEADLINE_S = 130, 120
 
 
 def kueue_version(cluster: Cluster) -> str:
@@ -225,6 +225,17 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
             60,
             "first's rollout group at 2",
         )
+        # The example that carries the queue label, applied as written (namespace aside): Kueue takes it
+        # into `research`, and with the quota held it waits there with Kueue's reason. (Before the third
+        # job's window below: its creation writes a Secret and a NetworkPolicy.)
+        example = yaml.safe_load((ROOT / "examples" / "rlhfjob-grpo.yaml").read_text())
+        assert example["metadata"]["labels"][QUEUE_LABEL] == QUEUE
+        cluster.apply(example, namespace)
+        name = example["metadata"]["name"]
+        st = wait_for(lambda: phase_in(cluster, namespace, name, "Queued"), 120, "the example Queued")
+        assert "insufficient unused quota" in condition(st, "Queued").get("message", ""), st
+        cluster.kubectl("delete", "rlhfjob", name, "-n", namespace)
+
         cluster.apply(third, namespace)
         st = wait_for(lambda: phase_in(cluster, namespace, "third", "Queued"), 120, "third Queued")
         queued_at = datetime.now(UTC)
@@ -233,16 +244,6 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
         assert "insufficient unused quota" in cond["message"] and "nvidia.com/gpu" in cond["message"], cond
         rc = cluster.get("raycluster", "third", namespace) or {}
         assert rc.get("spec", {}).get("suspend") is True, rc.get("spec", {}).get("suspend")
-
-        # The example that carries the queue label, applied as written (namespace aside): Kueue takes it
-        # into `research`, and with the quota held it waits there with Kueue's reason.
-        example = yaml.safe_load((ROOT / "examples" / "rlhfjob-grpo.yaml").read_text())
-        assert example["metadata"]["labels"][QUEUE_LABEL] == QUEUE
-        cluster.apply(example, namespace)
-        name = example["metadata"]["name"]
-        st = wait_for(lambda: phase_in(cluster, namespace, name, "Queued"), 120, "the example Queued")
-        assert "insufficient unused quota" in condition(st, "Queued").get("message", ""), st
-        cluster.kubectl("delete", "rlhfjob", name, "-n", namespace)
 
         # QUEUED_S (over 60 s) of a queued job: it stays Queued, and the operator writes nothing Kueue
         # owns: not the RayCluster (whose spec.suspend is Kueue's) and no Workload.
