@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
@@ -40,17 +40,8 @@ JobPhase = Literal[
     "Failed",
     "Suspended",
 ]
-JOB_PHASES: tuple[JobPhase, ...] = (
-    "Pending",
-    "Queued",
-    "Provisioning",
-    "Running",
-    "Stalled",
-    "Restarting",
-    "Succeeded",
-    "Failed",
-    "Suspended",
-)
+# The phases in order, read from the Literal: one list to extend.
+JOB_PHASES: tuple[JobPhase, ...] = get_args(JobPhase)
 TERMINAL_JOB_PHASES: frozenset[JobPhase] = frozenset({"Succeeded", "Failed"})
 Role = Literal["actor", "critic", "reference", "reward"]
 
