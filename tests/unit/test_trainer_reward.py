@@ -1,15 +1,17 @@
-"""Reward loading and error counting (rlhf_trainer.workers.reward) and the tiny task's reward."""
+"""Reward loading, per-request scoring in sub-batches, error counting (rlhf_trainer.workers.reward) and
+the tiny task's reward."""
 
 from __future__ import annotations
 
 import http.server
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from rlhf_trainer.tasks.tiny import reward as tiny_reward
-from rlhf_trainer.transfer import PackedRollout
+from rlhf_trainer.transfer import FinishedRequest, PackedRollout
 from rlhf_trainer.workers.reward import RewardScorer, RewardSetupError, load_reward_function
 
 pytestmark = pytest.mark.unit
@@ -62,10 +64,12 @@ def test_errors_are_counted_never_scored(tmp_path: Path) -> None:
     assert meta.score_sum == 2.0
 
 
-def test_a_wrong_count_of_scores_invalidates_the_whole_chunk(tmp_path: Path) -> None:
+def test_a_wrong_count_of_scores_invalidates_the_whole_call(tmp_path: Path) -> None:
     f = tmp_path / "short.py"
     f.write_text("def reward(prompts, responses):\n    return [1.0] * (len(responses) - 1)\n")
-    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "timeout_seconds": 5})
+    scorer = RewardScorer(
+        {"type": "function", "function": f"{f}:reward", "timeout_seconds": 5, "concurrency": 1}
+    )
     meta, result = scorer.score(0, _rollout(["a", "b", "c"]))
     assert meta.errors == 3 and result.valid.tolist() == [False, False, False]
     assert "returned 2 scores for 3 samples" in " ".join(meta.messages)
@@ -81,6 +85,57 @@ def test_labels_passed_when_accepted(tmp_path: Path) -> None:
     r.labels = ["a", "x"]
     _, result = scorer.score(0, r)
     assert result.scores.tolist() == [1.0, 0.0]
+
+
+def test_a_request_is_scored_in_sub_batches_at_once_over_the_scorers_threads(tmp_path: Path) -> None:
+    """8 samples, 4 threads: 4 calls of 2 samples run together (an I/O-bound reward: 0.3 s a call), and
+    the scores come back in the samples' order."""
+    f = tmp_path / "slow.py"
+    f.write_text(
+        "import time\n"
+        "CALLS = []\n"
+        "def reward(prompts, responses):\n"
+        "    CALLS.append(len(responses))\n"
+        "    time.sleep(0.3)\n"
+        "    return [float(r) for r in responses]\n"
+    )
+    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "concurrency": 4})
+    t0 = time.perf_counter()
+    got = scorer.score_request(FinishedRequest(3, 1, "p", [str(i) for i in range(8)]))
+    wall = time.perf_counter() - t0
+    assert (got.chunk, got.request, got.messages) == (3, 1, [])
+    assert got.scores == [float(i) for i in range(8)]
+    assert sorted(scorer.fn.__globals__["CALLS"]) == [2, 2, 2, 2]  # type: ignore[union-attr]
+    assert wall < 0.9, f"sub-batches ran one after another ({wall:.2f} s; at once: 0.3 s)"
+
+
+def test_a_sub_batch_that_fails_whole_is_rescored_sample_by_sample(tmp_path: Path) -> None:
+    f = tmp_path / "boom.py"
+    f.write_text(
+        "def reward(prompts, responses):\n"
+        "    if 'boom' in responses:\n"
+        "        raise RuntimeError('boom in reward')\n"
+        "    return [1.0] * len(responses)\n"
+    )
+    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "concurrency": 2})
+    got = scorer.score_request(FinishedRequest(0, 0, "p", ["ok", "boom", "ok", "ok"]))
+    assert got.scores == [1.0, None, 1.0, 1.0]  # sub-batch [ok, boom] failed; only boom stays failed
+    assert got.messages == ["RuntimeError: boom in reward"] * 2
+
+
+def test_a_chunk_is_assembled_from_its_requests_scores_in_sample_order(tmp_path: Path) -> None:
+    f = tmp_path / "lab.py"
+    f.write_text(
+        "def reward(prompts, responses, labels):\n    return [float(r == l) for r, l in zip(responses, labels)]\n"
+    )
+    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "concurrency": 4})
+    first = scorer.score_request(FinishedRequest(2, 0, "p0", ["a", "b"], label="a"))
+    second = scorer.score_request(FinishedRequest(2, 1, "p1", ["c", "d", "d"], label="d"))
+    meta, result = scorer.assemble(2, _rollout(["a", "b", "c", "d", "d"]), second, first)
+    assert result.scores.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert (meta.chunk, meta.samples, meta.errors, meta.score_sum) == (2, 5, 0, 3.0)
+    with pytest.raises(ValueError, match="2 scores for its 5 samples"):
+        scorer.assemble(2, _rollout(["a", "b", "c", "d", "d"]), first)
 
 
 class _RewardServer(http.server.BaseHTTPRequestHandler):

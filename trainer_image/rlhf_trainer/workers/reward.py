@@ -1,4 +1,4 @@
-"""Reward scoring: a Python function, an HF reward model, or a remote HTTP endpoint, one chunk at a time.
+"""Reward scoring: a Python function, an HF reward model, or a remote HTTP endpoint, one request at a time.
 
 Owns turning (prompts, responses) into scores and *counting* failures: a failed, missing, non-finite or
 timed-out score marks the sample invalid and is reported as an error, never returned as None or 0.
@@ -6,46 +6,36 @@ timed-out score marks the sample invalid and is reported as an error, never retu
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 import importlib.util
 import inspect
-import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from rlhf_trainer.transfer import PackedRollout
+from rlhf_trainer.transfer import FinishedRequest, PackedRollout
+from rlhf_trainer.workers.reward_results import (
+    MAX_MESSAGES,
+    RequestScores,
+    RewardMeta,
+    RewardResult,
+    assemble_chunk,
+    checked_scores,
+    sub_batches,
+)
+from rlhf_trainer.workers.timed_pool import TimedPool
 
 RewardFn = Callable[..., Any]
+Batch = tuple[list[str], list[str], list[Any]]  # prompts, responses, labels of one reward call
 
 
 class RewardSetupError(RuntimeError):
     """The configured reward cannot be loaded (bad module path, missing file, not callable...)."""
-
-
-@dataclass
-class RewardMeta:
-    """What the driver learns about a scored chunk (small; the scores themselves stay in the store)."""
-
-    chunk: int
-    samples: int
-    errors: int
-    score_sum: float
-    seconds: float
-    messages: list[str] = field(default_factory=list)
-
-
-@dataclass
-class RewardResult:
-    scores: torch.Tensor  # float32 [n]; 0 where invalid (never used: valid masks it out)
-    valid: torch.Tensor  # bool [n]
 
 
 def load_reward_function(ref: str) -> RewardFn:
@@ -115,12 +105,17 @@ def reward_model_input(tokenizer: Any, prompt: str, response: str, max_length: i
     return ids[-max_length:]
 
 
+def _take(batch: Batch, idx: Sequence[int]) -> Batch:
+    prompts, responses, labels = batch
+    return [prompts[i] for i in idx], [responses[i] for i in idx], [labels[i] for i in idx]
+
+
 class RewardScorer:
-    """Scores chunks; runs as a threaded Ray actor so several chunks are scored while others generate."""
+    """Scores each request's samples as the engines stream them, and builds each chunk's result from its
+    requests' scores. Runs as a threaded Ray actor: requests are scored while others still generate."""
 
     def __init__(self, reward: dict[str, Any], device: str = "cpu") -> None:
         self.kind = reward["type"]
-        self.timeout = float(reward.get("timeout_seconds", 30.0))
         self.device = device
         self.fn: RewardFn | None = None
         self.url: str | None = None
@@ -140,10 +135,66 @@ class RewardScorer:
             )
         else:
             raise RewardSetupError(f"model.reward.type {self.kind!r} is not function, model or http")
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=int(reward.get("concurrency", 4)))
+        self.timeout = float(reward.get("timeout_seconds", 30.0))
+        self.threads = int(reward.get("concurrency", 4))
+        self._pool = TimedPool(self.threads, self.timeout)
+        # A function or an endpoint may wait on I/O: a request's samples go out in sub-batches, one per
+        # thread. A reward model computes: one forward per request batches it best.
+        self.sub_batches = self.threads if self.kind != "model" else 1
 
     def ready(self) -> dict[str, Any]:
         return {"kind": self.kind, "pid": os.getpid()}
+
+    def score_request(self, request: FinishedRequest) -> RequestScores:
+        """One finished request's samples, scored the moment the engine streams it."""
+        n = len(request.responses)
+        batch: Batch = ([request.prompt] * n, list(request.responses), [request.label] * n)
+        return self._score(request.chunk, request.request, batch)
+
+    def assemble(
+        self, chunk: int, packed: PackedRollout, *requests: RequestScores
+    ) -> tuple[RewardMeta, RewardResult]:
+        """The chunk's reward, in its sample order, from its requests' scores. `packed` is the chunk itself:
+        Ray reads it from the engine's node before this runs, so a chunk whose engine is gone fails here,
+        and the dispatcher generates it again (its tokens are needed for training anyway)."""
+        return assemble_chunk(chunk, requests, packed.num_samples)
+
+    def score(self, chunk: int, rollout: PackedRollout) -> tuple[RewardMeta, RewardResult]:
+        """A whole packed rollout in one go (the blocking way, for callers holding every sample at once)."""
+        labels = list(rollout.labels) or [None] * rollout.num_samples
+        scores = self._score(chunk, 0, (list(rollout.prompts), list(rollout.responses), labels))
+        return assemble_chunk(chunk, [scores], rollout.num_samples)
+
+    def _score(self, chunk: int, request: int, batch: Batch) -> RequestScores:
+        """The samples' scores in order, from sub-batches run at once over the scorer's threads. A
+        sub-batch that fails whole is scored again sample by sample, so one bad sample costs only itself."""
+        t0 = time.perf_counter()
+        parts = sub_batches(len(batch[0]), self.sub_batches)
+        answers = self._run([_take(batch, part) for part in parts])
+        scores: list[float | None] = []
+        messages: list[str] = []
+        for part, (got, msg) in zip(parts, answers, strict=True):
+            if msg and len(part) > 1 and all(s is None for s in got):
+                singles = self._run([_take(batch, [i]) for i in part])
+                got = [one[0] for one, _ in singles]
+                messages += [msg] + [m for _, m in singles if m]
+            elif msg:
+                messages.append(msg)
+            scores += got
+        return RequestScores(chunk, request, scores, messages[:MAX_MESSAGES], time.perf_counter() - t0)
+
+    def _run(self, batches: list[Batch]) -> list[tuple[list[float | None], str]]:
+        """Every batch submitted at once, then each one's scores (None per sample on failure) and error."""
+        calls = [self._pool.submit(self._call, *b) for b in batches]
+        out: list[tuple[list[float | None], str]] = []
+        for call, (prompts, _, _) in zip(calls, batches, strict=True):
+            try:
+                raw = call.result()
+            except Exception as e:
+                out.append(([None] * len(prompts), f"{type(e).__name__}: {e}"))
+                continue
+            out.append(checked_scores(raw, len(prompts)))
+        return out
 
     def _call(self, prompts: list[str], responses: list[str], labels: list[Any]) -> list[Any]:
         if self.fn is not None:
@@ -171,57 +222,3 @@ class RewardScorer:
         enc = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt")
         logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
         return [float(x) for x in logits[:, 0].float().cpu()]
-
-    def _score_batch(
-        self, prompts: list[str], responses: list[str], labels: list[Any]
-    ) -> tuple[list[float | None], str]:
-        """Scores or None per sample, plus the first error message."""
-        try:
-            raw = self._pool.submit(self._call, prompts, responses, labels).result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            return [None] * len(prompts), f"reward timed out after {self.timeout}s"
-        except Exception as e:
-            return [None] * len(prompts), f"{type(e).__name__}: {e}"
-        if len(raw) != len(prompts):
-            return [None] * len(prompts), f"reward returned {len(raw)} scores for {len(prompts)} samples"
-        out: list[float | None] = []
-        msg = ""
-        for x in raw:
-            try:
-                v = float(x)
-            except (TypeError, ValueError):
-                out.append(None)
-                msg = msg or f"reward returned a non-number: {x!r}"
-                continue
-            if not math.isfinite(v):
-                out.append(None)
-                msg = msg or f"reward returned a non-finite value: {v}"
-                continue
-            out.append(v)
-        return out, msg
-
-    def score(self, chunk: int, rollout: PackedRollout) -> tuple[RewardMeta, RewardResult]:
-        t0 = time.perf_counter()
-        n = rollout.num_samples
-        labels = rollout.labels or [None] * n
-        scores, msg = self._score_batch(rollout.prompts, rollout.responses, labels)
-        messages = [msg] if msg else []
-        if msg and all(s is None for s in scores) and n > 1:
-            # The batch failed as a whole: score sample by sample so one bad sample costs only itself.
-            scores = []
-            for i in range(n):
-                one, m = self._score_batch([rollout.prompts[i]], [rollout.responses[i]], [labels[i]])
-                scores.append(one[0])
-                if m and len(messages) < 3:
-                    messages.append(m)
-        valid = torch.tensor([s is not None for s in scores], dtype=torch.bool)
-        values = torch.tensor([s if s is not None else 0.0 for s in scores], dtype=torch.float32)
-        meta = RewardMeta(
-            chunk=chunk,
-            samples=n,
-            errors=int((~valid).sum()),
-            score_sum=float(values[valid].sum()),
-            seconds=time.perf_counter() - t0,
-            messages=messages[:3],
-        )
-        return meta, RewardResult(values, valid)
