@@ -1,7 +1,8 @@
 """Per-rank packed rollout transfer: the format engines produce and trainer ranks consume.
 
 A `PackedRollout` holds whole prompt groups, concatenated token ids with no padding, plus offsets.
-Engines put one per chunk in the object store; the driver moves only refs and `ChunkMeta`. Pure torch.
+Engines put one per chunk in the object store; the driver moves only refs, `ChunkMeta` and each
+request's `FinishedRequest` (texts for the reward, no tokens). Pure torch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ class ChunkMeta:
     response_tokens: int
     seconds: float
     digest: str = ""  # of the chunk's token ids (PackedRollout.digest)
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """One prompt's samples, streamed the moment its request finishes so its reward starts before the
+    rest of the chunk: only what a reward reads (texts and label), never token arrays."""
+
+    chunk: int
+    request: int  # the prompt's index within its chunk: its samples' place in the chunk's sample order
+    prompt: str
+    responses: list[str]
+    label: object = None
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""One step's generation: chunks streamed out of the engines, each finished chunk scored at once.
+"""One step's generation: chunks streamed out of the engines, each finished request scored at once.
 
-Owns which engine generates which chunk, reading the engines' streams, handing each finished chunk to the
-reward scorer, and engine loss (a lost engine's chunks are generated again on the others), both
-mid-generation and after an engine finished its chunks, when the scorer finds their tokens gone.
-Must not fetch tokens: only chunk metadata is read here; packed rollouts stay in the object store.
+Owns which engine generates which chunk, reading the engines' streams, handing each finished request to
+the reward scorer and each finished chunk's requests to its assembly, and engine loss (a lost engine's
+chunks are generated again on the others, their requests' scores discarded), both mid-generation and
+after an engine finished its chunks, when the scorer finds their tokens gone.
+Must not fetch tokens: only chunk metadata and request texts are read here; packed rollouts stay in the
+object store.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
 from rlhf_trainer.rollout.pool import EngineSlot
-from rlhf_trainer.transfer import ChunkMeta
+from rlhf_trainer.transfer import ChunkMeta, FinishedRequest
 
 Chunk = tuple[int, int, list[int]]  # (shard, engine, prompt indices), transfer.plan_chunks
 ChunkJob = dict[str, Any]  # one chunk as an engine's generate_chunks reads it
@@ -25,6 +27,15 @@ ChunkJob = dict[str, Any]  # one chunk as an engine's generate_chunks reads it
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def in_request_order(chunk: int, scores: dict[int, Any], requests: int) -> list[Any]:
+    """A finished chunk's request scores (refs, by request index) in request order, which is its sample
+    order; raises if a request never streamed (the engine yields every request before its chunk)."""
+    missing = [i for i in range(requests) if i not in scores]
+    if missing or len(scores) != requests:
+        raise RuntimeError(f"chunk {chunk} finished with requests {sorted(scores)}, not 0..{requests - 1}")
+    return [scores[i] for i in range(requests)]
 
 
 @dataclass(frozen=True)
@@ -66,12 +77,17 @@ class ChunkDispatcher:
     packed: list[Any] = field(default_factory=list)
     metas: list[ChunkMeta | None] = field(default_factory=list)
     reward_calls: list[tuple[Any, Any] | None] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)  # per chunk: its requests (prompts)
+    # unfinished chunk -> {request index -> the ref of its scores}, from the chunk's current generation
+    request_scores: dict[int, dict[int, Any]] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
 
     def run(self, chunks: Sequence[Chunk], prompts: Sequence[str], labels: Sequence[Any]) -> Rollout:
-        """Generate and score every chunk; raises if an engine returned none for some chunk."""
+        """Generate every chunk, scoring its requests as they finish; raises if an engine returned none
+        for some chunk."""
         n = len(chunks)
         self.packed, self.metas, self.reward_calls = [None] * n, [None] * n, [None] * n
+        self.requests = [len(idx) for _, _, idx in chunks]
         for c, (shard, engine, idx) in enumerate(chunks):
             job = {
                 "chunk": c,
@@ -86,7 +102,8 @@ class ChunkDispatcher:
         return self._drain()
 
     def scored(self) -> tuple[Rollout, list[Any]]:
-        """The reward phase: every chunk's reward meta, and the rollout they score.
+        """The reward phase: every chunk's reward meta (once its requests' scores are assembled), and the
+        rollout they score.
 
         A finished chunk's tokens live in its engine's object store. If the engine is lost after its
         stream ended, the dispatcher never saw it, and the scorer cannot read the chunk. Such a chunk is
@@ -151,12 +168,13 @@ class ChunkDispatcher:
         self.streams[stream] = (e, batch)
 
     def _read(self, stream: Any) -> None:
-        """The next finished chunk of a ready stream: its meta, and its packed ref sent to the scorer."""
+        """The next item of a ready stream: a finished request goes to the scorer at once; a finished
+        chunk (its meta, then its packed ref) gets its reward assembled from its requests' scores."""
         e, batch = self.streams[stream]
         try:
-            meta_ref = next(stream)
-            packed_ref = next(stream)
-            meta: ChunkMeta = self.ray_seam.get(meta_ref)
+            ref = next(stream)
+            item: FinishedRequest | ChunkMeta = self.ray_seam.get(ref)  # small: texts or metadata
+            packed_ref = next(stream) if isinstance(item, ChunkMeta) else None
         except StopIteration:
             del self.streams[stream]
             short = [b["chunk"] for b in batch if self.metas[b["chunk"]] is None]
@@ -166,10 +184,14 @@ class ChunkDispatcher:
         except self.ray_seam.gone as err:
             self._engine_lost(e, err)
             return
-        self.packed[meta.chunk], self.metas[meta.chunk] = packed_ref, meta
-        self.reward_calls[meta.chunk] = self.reward.score.options(num_returns=2).remote(
-            meta.chunk, packed_ref
-        )
+        if isinstance(item, FinishedRequest):  # the scorer reads the texts from `ref`, not from here
+            scores = self.reward.score_request.remote(ref)
+            self.request_scores.setdefault(item.chunk, {})[item.request] = scores
+            return
+        c = item.chunk
+        self.packed[c], self.metas[c] = packed_ref, item
+        requests = in_request_order(c, self.request_scores.pop(c, {}), self.requests[c])
+        self.reward_calls[c] = self.reward.assemble.options(num_returns=2).remote(c, packed_ref, *requests)
 
     def _find_lost_streams(self) -> None:
         """After ray.wait raised: wait on each stream alone to find the unreachable engine(s)."""
@@ -184,7 +206,7 @@ class ChunkDispatcher:
         """An engine died (its pod or node is gone): the step goes on with the others.
 
         Every chunk it had is generated again, including the finished ones: their tokens lived in the
-        lost node's object store. With no engine left the step fails, and so does the attempt, which
+        lost node's object store. The scores of its requests are dropped: they scored the lost samples. With no engine left the step fails, and so does the attempt, which
         the operator restarts from the last checkpoint.
         """
         for stream in [s for s, (se, _) in self.streams.items() if se == e]:
@@ -201,6 +223,7 @@ class ChunkDispatcher:
             )
         for b in redo:
             self.packed[b["chunk"]] = self.metas[b["chunk"]] = self.reward_calls[b["chunk"]] = None
+            self.request_scores.pop(b["chunk"], None)
         moved: dict[int, list[ChunkJob]] = {}
         for k, b in enumerate(redo):
             moved.setdefault(alive[k % len(alive)], []).append(b)

