@@ -433,4 +433,8 @@ METRICS_CONTRACT = [
     "rlhf_weight_sync_bytes_total",
     "rlhf_rollout_engines",
     "rlhf_last_checkpoint_step",
+    "rlhf_sample_staleness_bucket",
+    "rlhf_trainer_idle_ratio",
+    "rlhf_rollout_idle_ratio",
+    "rlhf_stale_samples_total",
 ]

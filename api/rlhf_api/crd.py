@@ -280,6 +280,27 @@ def _printer_columns() -> list[dict[str, Any]]:
             "priority": 1,
         },
         {
+            "name": "Staleness",
+            "type": "number",
+            "jsonPath": ".status.sampleStaleness",
+            "description": "Mean steps between generating and trained weights (algorithm.async).",
+            "priority": 1,
+        },
+        {
+            "name": "TrainerIdle",
+            "type": "number",
+            "jsonPath": ".status.trainerIdleRatio",
+            "description": "Share of the last step the trainer waited for rollouts.",
+            "priority": 1,
+        },
+        {
+            "name": "RolloutIdle",
+            "type": "number",
+            "jsonPath": ".status.rolloutIdleRatio",
+            "description": "Share of the last step the engines were not generating.",
+            "priority": 1,
+        },
+        {
             "name": "Desired",
             "type": "integer",
             "jsonPath": ".spec.rollout.engines",

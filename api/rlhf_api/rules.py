@@ -232,6 +232,24 @@ RULES: tuple[Rule, ...] = (
     ),
     *_split_role_rules(),
     Rule(
+        name="async-needs-own-engine-devices",
+        scope="",
+        cel="!self.algorithm.async.enabled || !self.trainer.colocateAll",
+        field="algorithm.async.enabled",
+        message="asynchronous RL generates the next batch while the actor trains, so the rollout engines need "
+        "their own devices: turn off trainer.colocateAll or algorithm.async.enabled",
+        check=lambda s: not (s.algorithm.async_.enabled and s.trainer.colocate_all),
+    ),
+    Rule(
+        name="async-engines-stay-awake",
+        scope="",
+        cel="!self.algorithm.async.enabled || !self.rollout.enableSleep",
+        field="algorithm.async.enabled",
+        message="asynchronous RL generates while the actor trains, so the engines cannot sleep then: turn off "
+        "rollout.enableSleep or algorithm.async.enabled",
+        check=lambda s: not (s.algorithm.async_.enabled and s.rollout.enable_sleep),
+    ),
+    Rule(
         name="colocate-all-matches-engines",
         scope="",
         cel="!self.trainer.colocateAll || self.trainer.actor.nodes * self.trainer.actor.gpusPerNode"

@@ -148,6 +148,46 @@ class ModelSpec(_Spec):
         return self.reference or self.actor
 
 
+class AsyncSpec(_Spec):
+    """Asynchronous (one-step off-policy) RL: the engines generate step n+1 while the actor trains on step n.
+
+    Each sample records the weight version that generated it; a sample more than `maxStaleness` optimizer
+    steps older than the policy it would train is never trained on. The loss corrects for the lag with the
+    engine's behaviour log-probs (`correction`)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Overlap generation with training: the rollout engines generate the next step's batch "
+        "(with the weights of the last sync) while the actor trains on this one. Needs engines on their own "
+        "devices (not trainer.colocateAll) that stay awake (not rollout.enableSleep).",
+    )
+    max_staleness: int = Field(
+        default=1,
+        ge=1,
+        le=8,
+        description="How many optimizer steps older than the trained policy a sample's generating weights may "
+        "be. The pipeline keeps one batch in flight, so samples are 1 step stale; older ones (a batch kept "
+        "across a lost weight sync) are handled by staleSamples.",
+    )
+    stale_samples: Literal["Regenerate", "Drop"] = Field(
+        default="Regenerate",
+        description="What happens to a batch older than maxStaleness: `Regenerate` it with the current "
+        "weights before training (costs a generation on the critical path), or `Drop` it and train on the "
+        "next one (costs its data). Either is counted in rlhf_stale_samples_total.",
+    )
+    correction: Literal["decoupled", "truncated"] = Field(
+        default="decoupled",
+        description="Off-policy correction: `decoupled` (AReaL's decoupled PPO: the PPO clip around the "
+        "policy before this update, times the behaviour weight pi_prox / pi_behav; tokens whose weight "
+        "exceeds importanceCap are dropped) or `truncated` (the same weight clamped to importanceCap).",
+    )
+    importance_cap: float = Field(
+        default=5.0,
+        ge=1,
+        description="Upper bound on the behaviour weight pi_prox / pi_behav of a token (see correction).",
+    )
+
+
 class AlgorithmSpec(_Spec):
     """The PPO-family algorithm and its batch geometry. One step = one rollout batch, then training on it."""
 
@@ -214,6 +254,12 @@ class AlgorithmSpec(_Spec):
     )
     seed: int = Field(
         default=42, ge=0, description="Random seed for sampling, data order and initialisation."
+    )
+    async_: AsyncSpec = Field(
+        default_factory=AsyncSpec,
+        alias="async",
+        description="Asynchronous RL: generate step n+1 while step n trains, with bounded staleness and "
+        "an off-policy correction (off by default).",
     )
 
     @property
@@ -892,6 +938,26 @@ class RLHFJobStatus(_Status):
     )
     reward_mean: float | None = Field(default=None, description="Mean reward of the last step's samples.")
     kl: float | None = Field(default=None, description="KL divergence to the reference model, last step.")
+    trainer_idle_ratio: float | None = Field(
+        default=None, ge=0, le=1, description="Share of the last step the trainer waited for rollouts."
+    )
+    rollout_idle_ratio: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Share of the last step the rollout engines were not generating.",
+    )
+    sample_staleness: float | None = Field(
+        default=None,
+        ge=0,
+        description="Mean optimizer steps between a trained batch's generating weights and the policy trained "
+        "on it, over this attempt (0 synchronous, 1 with algorithm.async).",
+    )
+    stale_samples: int | None = Field(
+        default=None,
+        ge=0,
+        description="Samples older than algorithm.async.maxStaleness, regenerated or dropped (this attempt).",
+    )
     generated_tokens: int | None = Field(
         default=None, ge=0, description="Tokens generated so far (at the last completed step observed)."
     )

@@ -41,6 +41,17 @@ class ScrapedMetrics:
     # rlhf_last_checkpoint_step: None when the series is absent (a trainer that predates it, or one
     # that has neither written nor resumed from a checkpoint yet).
     last_checkpoint_step: int | None = None
+    # Asynchronous RL and idle time (None: a trainer that predates them)
+    trainer_idle_ratio: float | None = None
+    rollout_idle_ratio: float | None = None
+    staleness_sum: float = 0.0
+    staleness_count: float = 0.0
+    stale_samples_total: float | None = None
+
+    @property
+    def sample_staleness(self) -> float | None:
+        """Mean staleness of the batches trained so far (rlhf_sample_staleness), None before any."""
+        return self.staleness_sum / self.staleness_count if self.staleness_count > 0 else None
 
     @property
     def step_seconds(self) -> float:
@@ -97,6 +108,16 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> ScrapedMetrics:
                 out.weight_sync_bytes_total = value
             elif name == "rlhf_last_checkpoint_step":
                 out.last_checkpoint_step = int(value)
+            elif name == "rlhf_trainer_idle_ratio":
+                out.trainer_idle_ratio = value
+            elif name == "rlhf_rollout_idle_ratio":
+                out.rollout_idle_ratio = value
+            elif name == "rlhf_sample_staleness_sum":
+                out.staleness_sum = value
+            elif name == "rlhf_sample_staleness_count":
+                out.staleness_count = value
+            elif name == "rlhf_stale_samples_total":
+                out.stale_samples_total = (out.stale_samples_total or 0.0) + value
             elif name == "rlhf_rollout_engines" and "state" in labels:
                 out.engines[labels["state"]] = int(value)
     if in_progress:

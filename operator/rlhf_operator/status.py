@@ -517,6 +517,17 @@ def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
         st["rewardMean"] = round(m.reward_mean, 4)
     if m.kl is not None and math.isfinite(m.kl):
         st["kl"] = round(m.kl, 6)
+    if m.steps_completed:  # the idle gauges read 0 until a step of this attempt completes
+        for key, ratio in (
+            ("trainerIdleRatio", m.trainer_idle_ratio),
+            ("rolloutIdleRatio", m.rollout_idle_ratio),
+        ):
+            if ratio is not None and math.isfinite(ratio):
+                st[key] = round(ratio, 3)
+    if m.sample_staleness is not None:
+        st["sampleStaleness"] = round(m.sample_staleness, 3)
+    if m.stale_samples_total is not None:
+        st["staleSamples"] = int(m.stale_samples_total)
     if m.last_checkpoint_step is not None:  # absent: keep the last known (checkpoints outlive attempts)
         st["lastCheckpointStep"] = m.last_checkpoint_step
     if m.engines:

@@ -133,6 +133,9 @@ def test_scale_subresource_and_printer_columns_follow_status(
         "totalSteps": 10,
         "progress": "3/10",
         "generationShare": 0.42,
+        "sampleStaleness": 1.0,
+        "trainerIdleRatio": 0.08,
+        "rolloutIdleRatio": 0.3,
         "rollout": {
             "desiredEngines": 3,
             "readyEngines": 2,
@@ -161,8 +164,11 @@ def test_scale_subresource_and_printer_columns_follow_status(
     header_line, row = cluster.kubectl("get", "rlhf", "-n", namespace, "printed").stdout.splitlines()
     assert header_line.split() == ["NAME", "PHASE", "STEP", "GENSHARE", "ENGINES", "AGE"]
     assert row.split()[:5] == ["printed", "Running", "3/10", "0.42", "2"]
-    wide_header = cluster.kubectl("get", "rlhf", "-n", namespace, "-o", "wide").stdout.splitlines()[0]
-    assert "DESIRED" in wide_header.split()
+    wide_header, wide_row = cluster.kubectl("get", "rlhf", "-n", namespace, "-o", "wide").stdout.splitlines()
+    columns = wide_header.split()
+    assert columns[5:10] == ["REWARD", "STALENESS", "TRAINERIDLE", "ROLLOUTIDLE", "DESIRED"], columns
+    # async RL's staleness and both idle ratios, and the engines asked for (REWARD is unset: <none>)
+    assert wide_row.split()[5:10] == ["<none>", "1", "0.08", "0.3", "3"], wide_row
 
 
 def test_status_schema_is_enforced(cluster: Cluster, rlhf_crd: str, namespace: str) -> None:

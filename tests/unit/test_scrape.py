@@ -129,3 +129,22 @@ def test_no_checkpoint_series_means_unknown_not_zero() -> None:
     without = "\n".join(line for line in LITERAL.splitlines() if "checkpoint" not in line) + "\n"
     got = parse_metrics(without, "job-a")
     assert got.steps_completed == 7 and got.last_checkpoint_step is None
+
+
+def test_async_rl_staleness_idle_ratios_and_stale_samples_are_read_back() -> None:
+    m = TrainerExporter("job-a")
+    for stale in (0, 1, 1, 1):
+        m.sample_staleness.labels("job-a").observe(stale)
+    m.trainer_idle_ratio.labels("job-a").set(0.125)
+    m.rollout_idle_ratio.labels("job-a").set(0.5)
+    m.stale_samples.labels("job-a", "regenerated").inc(128)
+    m.stale_samples.labels("job-a", "dropped").inc(64)
+    got = parse_metrics(exported(m), "job-a")
+    assert got.sample_staleness == pytest.approx(0.75)
+    assert (got.trainer_idle_ratio, got.rollout_idle_ratio) == (0.125, 0.5)
+    assert got.stale_samples_total == 192  # both actions
+
+
+def test_no_trained_batch_means_no_staleness_not_zero() -> None:
+    got = parse_metrics(exported(TrainerExporter("job-a")), "job-a")
+    assert got.sample_staleness is None and got.stale_samples_total == 0

@@ -145,6 +145,27 @@ def test_reward_kl_and_throughput_between_two_observed_steps() -> None:
     assert (st2["tokensPerSecond"], st2["generatedTokens"]) == (25.0, 1500)
 
 
+def test_async_staleness_and_idle_ratios_reach_the_status_once_a_step_completed() -> None:
+    before = {"phase": "Running", "startTime": iso(NOW), "step": 0}
+    fresh = ScrapedMetrics(steps_completed=0, total_steps=5, trainer_idle_ratio=0.0, rollout_idle_ratio=0.0)
+    st = decide(job(before), obs(ray_job=ray("RUNNING"), metrics=fresh), SID).status
+    assert "trainerIdleRatio" not in st and "sampleStaleness" not in st  # 0 before a step is not a ratio
+    m = ScrapedMetrics(
+        steps_completed=4,
+        total_steps=5,
+        last_step_completed_ts=NOW.timestamp(),
+        trainer_idle_ratio=0.08123,
+        rollout_idle_ratio=0.31,
+        staleness_sum=3.0,
+        staleness_count=4.0,
+        stale_samples_total=0.0,
+        step_phase_seconds={"generation": 0.2, "actor_train": 3.0},
+    )
+    st = decide(job(before), obs(ray_job=ray("RUNNING"), metrics=m), SID).status
+    assert (st["trainerIdleRatio"], st["rolloutIdleRatio"]) == (0.081, 0.31)
+    assert st["sampleStaleness"] == 0.75 and st["staleSamples"] == 0
+
+
 def test_success_releases_the_cluster() -> None:
     d = decide(job({"phase": "Running"}), obs(ray_job=ray("SUCCEEDED")), SID)
     assert d.status["phase"] == "Succeeded"

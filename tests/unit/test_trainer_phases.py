@@ -90,6 +90,7 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, seen: dict[str, object], resume_a
         def __init__(self, *args: object) -> None:
             self.written: list[str] = []
             self.resume_info: dict[str, object] = {}
+            self.trained_position: dict[str, object] | None = None
 
         def resume(self) -> int:
             assert resume_at is not None

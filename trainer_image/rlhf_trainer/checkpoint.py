@@ -196,6 +196,9 @@ class Checkpointer:
     resume_info: dict[str, Any] = field(default_factory=dict)  # what `resume` loaded ({}: a fresh start)
     last_step: int = 0  # the newest checkpoint's step: written by this run, or resumed from (0: none)
     save_seconds: float | None = None  # how long this run's last save took (None: it has not saved)
+    # the data position after the last trained batch, when the loop drew a batch ahead (async RL); None:
+    # the dataset's own position
+    trained_position: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.store = CheckpointStore(self.spec.checkpoint.path) if self.spec.checkpoint.path else None
@@ -216,7 +219,7 @@ class Checkpointer:
             if self.on_written is not None:
                 self.on_written(step)
             state = {
-                "data": self.data.position.to_dict(),
+                "data": self.trained_position or self.data.position.to_dict(),
                 "state_digests": self.state_digests(),
                 "job": self.job,
                 "identity": training_identity(self.spec),

@@ -30,7 +30,7 @@ from rlhf_trainer.config import InputError, load_spec_arg, preflight
 from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.export import EXPORT_INFO, export_actor
 from rlhf_trainer.faults import FaultInjector, fail_at_start
-from rlhf_trainer.loop import StepContext, StepReport, run_step
+from rlhf_trainer.loop import StepContext, StepReport, abandon, run_step
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 from rlhf_trainer.placement import Placed, place, process_count, start
 from rlhf_trainer.stop import (
@@ -132,6 +132,7 @@ def run(
         stop.install()  # ray.init replaced it with Ray's own (which exits at once)
     placed: Placed | None = None
     sync: WeightSyncManager | None = None
+    ctx: StepContext | None = None
     try:
         placed = place(spec, info, log)
         start(placed, spec, metrics, log)
@@ -149,6 +150,7 @@ def run(
             if steps is None
             else min(spec.algorithm.total_steps, first + steps - 1)
         )
+        ctx.last_step = last
         summary: dict[str, Any] = {
             "job": job,
             "steps": [],
@@ -171,14 +173,17 @@ def run(
             if stop is not None and stop.requested:
                 break
         if stop is not None and stop.requested and completed < spec.algorithm.total_steps:
+            abandon(ctx)  # the batch generated ahead (async) is not trained: its prompts come again
             summary["preempted"] = stop_at_boundary(ctx, stop, budget, completed, log)
-            summary["data_position"] = data.position.to_dict()
+            summary["data_position"] = checkpointer.trained_position or data.position.to_dict()
             return summary
         if last == spec.algorithm.total_steps and spec.checkpoint.export == "onFinish":
             summary["export"] = _export(spec, log)
-        summary["data_position"] = data.position.to_dict()
+        summary["data_position"] = checkpointer.trained_position or data.position.to_dict()
         return summary
     finally:
+        if ctx is not None:
+            abandon(ctx)
         if sync is not None:
             sync.close()
         if placed is not None:
@@ -263,6 +268,11 @@ def step_summary(report: StepReport) -> dict[str, Any]:
         "training": report.training,
         "rollout_digest": report.rollout_digest,
         "engines": report.engines,
+        "staleness": report.staleness,
+        "stale_samples": report.stale_samples,
+        "trainer_idle_ratio": report.trainer_idle_ratio,
+        "rollout_idle_ratio": report.rollout_idle_ratio,
+        "generating_seconds": report.generating_seconds,
     }
 
 

@@ -1,12 +1,17 @@
 """One PPO step as a sequence of named, timed phases (readable on one screen).
 
-Owns the order of phases and what flows between them (object refs and small metadata only). How a
-phase is done lives in the workers, the chunk dispatcher, the weight-sync manager and the checkpointer;
-what was placed where in placement.py. Must not hold state across steps beyond `StepContext.history`.
+Owns the order of phases and what flows between them (object refs and small metadata only), in both
+modes: synchronous (generate, score, train, sync) and asynchronous (algorithm.async: the batch of step
+n+1 is generated in the background while step n trains; pipeline.py decides staleness and idle ratios).
+How a phase is done lives in the workers, the chunk dispatcher, the weight-sync manager and the
+checkpointer; what was placed where in placement.py. State across steps: `StepContext.history`, the
+weight versions and the one batch generated ahead.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +23,7 @@ from rlhf_trainer.config import algorithm_wire, sampling
 from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.faults import FaultInjector
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
+from rlhf_trainer.pipeline import Background, admit, busy_seconds, idle_ratio, staleness
 from rlhf_trainer.placement import Placed, shards_of
 from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
 from rlhf_trainer.rollout.pool import EngineSlot
@@ -48,6 +54,11 @@ class StepReport:
     # largest over ranks)
     training: dict[str, float] = field(default_factory=dict)
     rollout_digest: str = ""  # of every chunk's tokens, in chunk order
+    staleness: int = 0  # optimizer steps between the generating weights and the trained policy
+    stale_samples: int = 0  # samples of a too-stale batch regenerated or dropped before this step trained
+    trainer_idle_ratio: float = 0.0  # share of the step the trainer waited for rollouts
+    rollout_idle_ratio: float = 0.0  # share of the step the engines were not generating
+    generating_seconds: float = 0.0  # how long the engines took to generate the batch (async: partly hidden)
 
 
 @dataclass
@@ -63,23 +74,166 @@ class StepContext:
     metrics: TrainerExporter
     faults: FaultInjector | None = None
     history: list[StepReport] = field(default_factory=list)
+    last_step: int = 0  # the run's last step (0: algorithm.totalSteps): no batch is generated beyond it
+    actor_version: int = 0  # optimizer updates of the actor this run (weight versions count from its start)
+    engine_version: int = 0  # the actor version the engines hold
+    ahead: Pending | None = None  # async: the next step's batch, generating while this one trains
+    generating: list[tuple[float, float]] = field(default_factory=list)  # when the engines were busy
+
+
+@dataclass
+class Generated:
+    """A step's batch, generated and scored: what training reads, and where it came from."""
+
+    step: int
+    chunks: list[Chunk]
+    rollout: Rollout
+    reward_metas: list[Any]
+    version: int  # the actor version the engines held when it was launched
+    position: dict[str, Any]  # the data position after its prompts were drawn
+    prompts: tuple[list[str], list[Any]]  # (prompts, labels): a regeneration asks for the same
+    generating_seconds: float  # how long the engines took to generate it
+
+
+@dataclass
+class Pending:
+    """A batch generating in the background (async): set `generated` when the engines are done with it,
+    then its scores finish; `work.result()` is the `Generated`."""
+
+    step: int
+    work: Background[Generated]
+    generated: threading.Event
+    interval: list[float]  # [launched, generated] (monotonic; one item while it generates)
 
 
 def run_step(ctx: StepContext, step: int) -> StepReport:
-    spec, placed, faults = ctx.spec, ctx.placed, ctx.faults
+    """One step: synchronous, or with algorithm.async the batch generated ahead during the last step."""
+    spec, faults = ctx.spec, ctx.faults
     timer = PhaseTimer(ctx.metrics, on_start=(lambda p: faults.phase_started(step, p)) if faults else None)
-    sync_bytes = ctx.sync.refresh(timer)  # elastic pool: new engines join (and get weights) between steps
-    prompts, labels = ctx.data.next_batch(spec.algorithm.rollout_batch_size)
-    chunks = plan_chunks(len(prompts), shards_of(spec), len(placed.pool.ready()))  # whole prompt groups
-    placed.new_step()
+    started = time.monotonic()
+    if spec.algorithm.async_.enabled:
+        gen, sync_bytes, stale, dropped = next_async_batch(ctx, step, timer)
+    else:
+        sync_bytes = ctx.sync.refresh(timer)  # elastic pool: new engines join (and get weights) between steps
+        gen, stale, dropped = generate_now(ctx, step, timer), 0, 0
+    report = train_on(ctx, step, gen, timer, sync_bytes, started)
+    report.staleness, report.stale_samples = stale, dropped
+    ctx.metrics.sample_staleness.labels(ctx.job).observe(stale)  # per batch: its samples share a version
+    record(ctx, report)
+    return report
 
+
+def generate_now(
+    ctx: StepContext, step: int, timer: PhaseTimer, batch: tuple[list[str], list[Any]] | None = None
+) -> Generated:
+    """Generate and score a batch on the critical path (the synchronous step, and the first async one)."""
+    prompts, labels = batch or ctx.data.next_batch(ctx.spec.algorithm.rollout_batch_size)
+    position = ctx.data.position.to_dict()
+    chunks = plan_chunks(len(prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready()))  # whole groups
+    ctx.placed.new_step()
+    t0 = time.monotonic()
     with timer.phase("generation"):  # rewards start as soon as each chunk is generated
         dispatcher = generate(ctx, step, chunks, prompts, labels)
+    t1 = time.monotonic()
+    ctx.generating.append((t0, t1))
     with timer.phase("reward"):  # only the part of scoring not hidden behind generation
         # A chunk whose engine was lost after finishing it is generated again here, so the engines sleep
         # (rollout.enableSleep, GPU: they free their memory while models train) only after it.
         rollout, reward_metas = dispatcher.scored()
-    ctx.sync.engines_sleep(True)
+    version, batch = ctx.engine_version, (prompts, labels)
+    return Generated(step, chunks, rollout, reward_metas, version, position, batch, t1 - t0)
+
+
+def next_async_batch(ctx: StepContext, step: int, timer: PhaseTimer) -> tuple[Generated, int, int, int]:
+    """Async: wait for this step's batch (generated during the last step), bring the engines to the
+    actor's weights while they are idle, admit the batch (or regenerate / drop one too stale), and launch
+    the next step's batch. Returns (batch, bytes synced, its staleness, stale samples put aside)."""
+    spec = ctx.spec.algorithm.async_
+    pending, ctx.ahead = ctx.ahead, None
+    if pending is None or pending.step != step:  # the first step of a run: nothing was generated ahead
+        sync_bytes = refresh(ctx, timer)
+        gen = generate_now(ctx, step, timer)
+    else:
+        gen = wait(pending, timer)
+        ctx.generating.append(pending_interval(pending, time.monotonic()))
+        sync_bytes = refresh(ctx, timer)  # the engines are idle: membership changes, weights for new ones
+    if ctx.engine_version < ctx.actor_version:  # after each optimizer step, between the engines' requests
+        with timer.phase("weight_sync"):
+            sync_bytes += ctx.sync.sync()
+        ctx.engine_version = ctx.actor_version
+    stale, put_aside = staleness(ctx.actor_version, gen.version), 0
+    action = admit(stale, spec.max_staleness, spec.stale_samples)
+    if action != "train":
+        samples = sum(m.samples for m in gen.rollout.metas)
+        label = "regenerated" if action == "Regenerate" else "dropped"
+        ctx.metrics.stale_samples.labels(ctx.job, label).inc(samples)
+        print(
+            f"step {step}: batch generated by weights {stale} step(s) old (algorithm.async.maxStaleness "
+            f"{spec.max_staleness}): {samples} samples {label}",
+            flush=True,
+        )
+        gen = generate_now(ctx, step, timer, gen.prompts if action == "Regenerate" else None)
+        stale, put_aside = staleness(ctx.actor_version, gen.version), samples
+    ctx.placed.new_step()  # the ranks drop the last step's shards before this one's experience
+    last = ctx.last_step or ctx.spec.algorithm.total_steps
+    if step < last:
+        ctx.ahead = launch(ctx, step + 1)  # generates while this step trains
+    return gen, sync_bytes, stale, put_aside
+
+
+def refresh(ctx: StepContext, timer: PhaseTimer) -> int:
+    """The pool's membership between batches (new engines get the actor's weights); returns bytes sent."""
+    sent = ctx.sync.refresh(timer)
+    if sent:
+        ctx.engine_version = ctx.actor_version
+    return sent
+
+
+def launch(ctx: StepContext, step: int) -> Pending:
+    """Start generating (and scoring) step's batch in the background with the weights the engines hold."""
+    prompts, labels = ctx.data.next_batch(ctx.spec.algorithm.rollout_batch_size)
+    position = ctx.data.position.to_dict()
+    chunks = plan_chunks(len(prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready()))
+    version, done, interval = ctx.engine_version, threading.Event(), [time.monotonic()]
+
+    def work() -> Generated:
+        try:
+            dispatcher = generate(ctx, step, chunks, prompts, labels)
+        finally:
+            interval.append(time.monotonic())
+            done.set()
+        rollout, reward_metas = dispatcher.scored()
+        seconds = interval[1] - interval[0]
+        return Generated(step, chunks, rollout, reward_metas, version, position, (prompts, labels), seconds)
+
+    return Pending(step, Background(work, name=f"rollout-step-{step}"), done, interval)
+
+
+def wait(pending: Pending, timer: PhaseTimer) -> Generated:
+    """The critical-path part of a batch generated ahead: the generation and scoring still running."""
+    with timer.phase("generation"):
+        pending.generated.wait()
+    with timer.phase("reward"):
+        gen = pending.work.result()
+    return gen
+
+
+def abandon(ctx: StepContext) -> None:
+    """The run ends before the batch generated ahead is trained (a stop): nothing waits for it."""
+    if ctx.ahead is not None:
+        ctx.ahead.work.cancel()
+        ctx.ahead = None
+
+
+def train_on(
+    ctx: StepContext, step: int, gen: Generated, timer: PhaseTimer, sync_bytes: int, started: float
+) -> StepReport:
+    """Experience, training, weight sync (synchronous mode) and checkpoint on a generated batch."""
+    spec, placed = ctx.spec, ctx.placed
+    chunks, rollout, reward_metas = gen.chunks, gen.rollout, gen.reward_metas
+    asynchronous = spec.algorithm.async_.enabled
+    if not asynchronous:
+        ctx.sync.engines_sleep(True)
     errors = sum(m.errors for m in reward_metas)
     ctx.metrics.reward_errors.labels(ctx.job).inc(errors)
     if errors and spec.model.reward.on_error == "failStep":
@@ -113,14 +267,19 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
         if valid:
             actor_stats = placed.actor.get("train_actor", algo)
             trained_tokens = int(sum(s["trained_tokens"] for s in actor_stats))
+    if valid:
+        ctx.actor_version += 1
     if placed.critic is not None:
         with timer.phase("critic_train"):
             if valid:
                 critic_stats = placed.critic.get("train_critic", [r for _, r in adv], algo)
-    with timer.phase("weight_sync"):
-        ctx.sync.engines_sleep(False)
-        sync_bytes += ctx.sync.sync() if valid else 0
+    if not asynchronous:  # async: the next step syncs, once the batch generating now is done
+        with timer.phase("weight_sync"):
+            ctx.sync.engines_sleep(False)
+            sync_bytes += ctx.sync.sync() if valid else 0
+        ctx.engine_version = ctx.actor_version
     checkpoint = None
+    ctx.checkpointer.trained_position = gen.position  # a checkpoint of this step: not the batch drawn ahead
     if ctx.checkpointer.due(step):
         with timer.phase("checkpoint"):
             checkpoint = ctx.checkpointer.save(
@@ -132,7 +291,12 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
     kl = sum(s["kl_sum"] for s in stats) / max(kl_tokens, 1.0)
     if algo["skip_old_logprobs"] and actor_stats:  # no old log-probs: the training pass measured it
         kl = actor_stats[0]["kl"]
-    report = StepReport(
+    ended = time.monotonic()
+    step_seconds = ended - started
+    waited = timer.seconds.get("generation", 0.0) + timer.seconds.get("reward", 0.0)
+    busy = ctx.generating + ([pending_interval(ctx.ahead, ended)] if ctx.ahead is not None else [])
+    ctx.generating = [iv for iv in ctx.generating if iv[1] >= started]  # older ones end before this step
+    return StepReport(
         step=step,
         phase_seconds=dict(timer.seconds),
         reward_mean=sum(s["score_sum"] for s in stats) / max(valid, 1),
@@ -141,15 +305,21 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
         trained_tokens=trained_tokens,
         reward_errors=errors,
         valid_samples=valid,
-        tokens_per_second=gen_tokens / max(timer.seconds.get("generation", 0.0), 1e-9),
+        tokens_per_second=gen_tokens / max(gen.generating_seconds, 1e-9),
         weight_sync_bytes=sync_bytes,
         engines=sorted({m.engine for m in rollout.metas}),
         checkpoint=checkpoint,
         training=training_stats(stats, actor_stats, critic_stats),
         rollout_digest=rollout_digest(rollout),
+        trainer_idle_ratio=idle_ratio(step_seconds - waited, step_seconds),
+        rollout_idle_ratio=idle_ratio(busy_seconds(busy, started, ended), step_seconds),
+        generating_seconds=gen.generating_seconds,
     )
-    record(ctx, report)
-    return report
+
+
+def pending_interval(pending: Pending, now: float) -> tuple[float, float]:
+    """When a batch generated ahead kept the engines busy, up to `now`."""
+    return pending.interval[0], pending.interval[1] if len(pending.interval) > 1 else now
 
 
 def generate(
@@ -181,6 +351,9 @@ def training_stats(
         keys = ("policy_loss", "clip_frac", "kl_loss", "optimizer_steps", "rollout_logprob_gap")
         out.update({k: actor[0][k] for k in keys})
         out["first_ratio_deviation"] = max(s["first_ratio_deviation"] for s in actor)
+        for k in ("behaviour_weight_mean", "behaviour_dropped_frac"):  # async RL only
+            if k in actor[0]:
+                out[k] = actor[0][k]
     if critic:
         out["value_loss"] = critic[0]["value_loss"]
         out["first_value_deviation"] = max(s["first_value_deviation"] for s in critic)
@@ -214,4 +387,6 @@ def record(ctx: StepContext, report: StepReport) -> None:
     if "explained_variance" in report.training:
         m.explained_variance.labels(ctx.job).set(report.training["explained_variance"])
     m.trained_tokens.labels(ctx.job).inc(report.trained_tokens)
+    m.trainer_idle_ratio.labels(ctx.job).set(report.trainer_idle_ratio)
+    m.rollout_idle_ratio.labels(ctx.job).set(report.rollout_idle_ratio)
     m.step_done(report.phase_seconds)

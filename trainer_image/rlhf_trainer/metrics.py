@@ -28,6 +28,7 @@ PHASES = (
     "checkpoint",
 )
 ENGINE_STATES = ("starting", "ready", "failed", "stopping")
+STALE_ACTIONS = ("regenerated", "dropped")
 L = "rlhfjob"
 
 
@@ -96,6 +97,32 @@ class TrainerExporter:
             [L],
             registry=r,
         )
+        # Asynchronous RL (algorithm.async); the idle ratios are exported in both modes.
+        self.sample_staleness = Histogram(
+            "rlhf_sample_staleness",
+            "Optimizer steps between the weights that generated a trained sample and the policy trained on it",
+            [L],
+            buckets=(0, 1, 2, 3, 4, 6, 8),
+            registry=r,
+        )
+        self.trainer_idle_ratio = Gauge(
+            "rlhf_trainer_idle_ratio",
+            "Share of the last step the trainer waited for rollouts (generation and reward phases)",
+            [L],
+            registry=r,
+        )
+        self.rollout_idle_ratio = Gauge(
+            "rlhf_rollout_idle_ratio",
+            "Share of the last step the rollout engines were not generating",
+            [L],
+            registry=r,
+        )
+        self.stale_samples = Counter(
+            "rlhf_stale_samples",
+            "Samples older than algorithm.async.maxStaleness, by what was done with them",
+            [L, "action"],
+            registry=r,
+        )
         # Create every labelled child now so /metrics shows the full contract from the first scrape.
         for phase in PHASES:
             self.step_phase_seconds.labels(job, phase)
@@ -104,6 +131,9 @@ class TrainerExporter:
             self.phase_started.labels(job, phase)
         for state in ENGINE_STATES:
             self.rollout_engines.labels(job, state).set(0)
+        for action in STALE_ACTIONS:
+            self.stale_samples.labels(job, action)
+        self.sample_staleness.labels(job)
         for c in (
             self.steps_completed,
             self.generated_tokens,
@@ -119,6 +149,8 @@ class TrainerExporter:
             self.reward_mean,
             self.kl,
             self.last_checkpoint_step,
+            self.trainer_idle_ratio,
+            self.rollout_idle_ratio,
         ):
             g.labels(job)
 

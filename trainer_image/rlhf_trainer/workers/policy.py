@@ -56,17 +56,21 @@ class PolicyModel(ResponseScorer, TrainedRole):
         kl_loss_coef: float,
         mini_batches: int = 1,
         aggregation: str = "token-mean",
+        off_policy: dict[str, Any] | None = None,
     ) -> dict[str, float]:
         """PPO epochs over this rank's samples, `mini_batches` optimizer steps each; packed per-token
         tensors are in rollout order. `old_logprobs` None: the training pass's own detached log-probs
-        (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1)."""
+        (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1).
+        `off_policy` ({correction, cap}, async RL): the old log-probs are the proximal policy's, and each
+        token's loss is weighted by pi_prox / pi_behav, the behaviour log-probs being the engine's."""
         steps = optim_steps.for_engine(
             self.engine, self.sp, int(self.s["grad_accum"]), rollout, valid,
             mini_batches=mini_batches, micro_batch=micro_batch, mode=aggregation,
         )  # fmt: skip
         # policy loss (aggregated), clipped tokens, KL loss (aggregated), k1 KL over tokens, valid tokens,
         # |log-prob - the engine's| and the tokens it is taken over (the first mini-batch, before any update)
-        sums = torch.zeros(7, dtype=torch.float64)
+        # (with off_policy) the behaviour weights' sum and the tokens the correction dropped
+        sums = torch.zeros(9, dtype=torch.float64)
         first_ratio_dev = 0.0  # |ratio - 1| on the first micro-batch: dropout or a stale old log-prob shows
         t0 = time.perf_counter()
         for epoch in range(epochs):
@@ -79,9 +83,20 @@ class PolicyModel(ResponseScorer, TrainedRole):
                     lp, act = out.values, out.mask
                     mask = act * valid[s:e].float().unsqueeze(1).to(act.device)
                     old = out.local(old_logprobs[sl]) if old_logprobs is not None else lp.detach()
-                    tok_loss, clipped = algorithms.policy_loss_tokens(
-                        lp, old, out.local(advantages[sl]), clip
-                    )
+                    if off_policy is None:
+                        tok_loss, clipped = algorithms.policy_loss_tokens(
+                            lp, old, out.local(advantages[sl]), clip
+                        )
+                    else:
+                        correction, cap = str(off_policy["correction"]), float(off_policy["cap"])
+                        behaviour = out.local(rollout.rollout_logprobs[sl])
+                        tok_loss, clipped, kept = algorithms.decoupled_policy_loss_tokens(
+                            lp, old, behaviour, out.local(advantages[sl]), clip, correction, cap
+                        )
+                        if epoch == 0:
+                            weight, _ = algorithms.behaviour_weights(old, behaviour, correction, cap)
+                            sums[7] += float((weight * mask).sum())
+                            sums[8] += float(((1.0 - kept) * mask).sum())
                     if epoch == 0 and m == 0 and s == 0 and bool(mask.any()):
                         first_ratio_dev = float(((lp.detach() - old).exp() - 1.0).abs()[mask > 0].max())
                     if epoch == 0 and m == 0:  # trainer vs engine on the same weights: the off-policy gap
@@ -127,6 +142,9 @@ class PolicyModel(ResponseScorer, TrainedRole):
             "rollout_logprob_gap": float(sums[5]) / max(float(sums[6]), 1.0),
             "optimizer_steps": float(epochs * len(steps.mini_batches)),
         }
+        if off_policy is not None:
+            stats["behaviour_weight_mean"] = float(sums[7]) / tokens
+            stats["behaviour_dropped_frac"] = float(sums[8]) / tokens
         stats["seconds"] = time.perf_counter() - t0
         stats["lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else 0.0
         return stats

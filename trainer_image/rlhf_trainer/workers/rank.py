@@ -222,6 +222,7 @@ class ModelRank:
             kl_loss_coef=kl_loss,
             mini_batches=int(algo.get("mini_batches", 1)),
             aggregation=str(algo.get("loss_aggregation", "token-mean")),
+            off_policy=algo.get("off_policy"),
         )
         stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"]) if self.reports else 0.0
         return stats
