@@ -545,6 +545,9 @@ def test_dashboard(tmp_path: Path) -> None:
         "rlhf_reward_mean",
         "rlhf_kl",
         "rlhf_rollout_engines",
+        "rlhf_trainer_idle_ratio",
+        "rlhf_rollout_idle_ratio",
+        "rlhf_sample_staleness_sum",
     ):
         assert required in used, f"the dashboard does not show {required}"
     known = {name for m in contract_metrics() for name in exported_names(m)}
