@@ -31,7 +31,7 @@ def _spec(**async_: Any) -> RLHFJobSpec:
                 "totalSteps": 10,
                 "async": {"enabled": True, **async_},
             },
-        }  # fmt: skip
+        }
     )
 
 
