@@ -133,6 +133,7 @@ def test_scale_subresource_and_printer_columns_follow_status(
         "totalSteps": 10,
         "progress": "3/10",
         "generationShare": 0.42,
+        "rewardMean": 0.5,
         "sampleStaleness": 1.0,
         "trainerIdleRatio": 0.08,
         "rolloutIdleRatio": 0.3,
@@ -167,8 +168,8 @@ def test_scale_subresource_and_printer_columns_follow_status(
     wide_header, wide_row = cluster.kubectl("get", "rlhf", "-n", namespace, "-o", "wide").stdout.splitlines()
     columns = wide_header.split()
     assert columns[5:10] == ["REWARD", "STALENESS", "TRAINERIDLE", "ROLLOUTIDLE", "DESIRED"], columns
-    # async RL's staleness and both idle ratios, and the engines asked for (REWARD is unset: <none>)
-    assert wide_row.split()[5:10] == ["<none>", "1", "0.08", "0.3", "3"], wide_row
+    # the reward, async RL's staleness and both idle ratios, and the engines asked for
+    assert wide_row.split()[5:10] == ["0.5", "1", "0.08", "0.3", "3"], wide_row
 
 
 def test_status_schema_is_enforced(cluster: Cluster, rlhf_crd: str, namespace: str) -> None:
