@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -35,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
 
-from lib import common
+from lib import common, heap
 
 ROOT = common.ROOT
 # Our own control plane, never the one the tests use (.cluster, default ports), and KWOK nodes only:
@@ -619,11 +620,12 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def peak_rss_mib(pid: int) -> float:
-    """A process's peak resident memory so far (VmHWM in /proc/<pid>/status), MiB; NaN if unreadable."""
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """A process's peak resident memory so far (VmHWM in /proc/<pid>/status), or another field such as
+    VmRSS (now), MiB; NaN if unreadable."""
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -815,11 +817,20 @@ def parse_args() -> argparse.Namespace:
         help="more operator environment, after --reconcile-interval (repeatable)",
     )
     p.add_argument("--operator-verbose", action="store_true", help="kopf debug log (its patches) in the log")
+    p.add_argument(
+        "--operator-memray",
+        type=Path,
+        metavar="FILE",
+        help="run the operator under memray (pip install memray), write its capture to FILE and report the "
+        "allocation sites live at the heap's peak (slows the operator)",
+    )
     p.add_argument("--keep-cluster", action="store_true", help="leave the control plane up (for inspection)")
     p.add_argument("--serve-stand-in", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.jobs < 1 or args.solo < 0 or args.qps < 0 or (args.nodes is not None and args.nodes < 1):
         p.error("--jobs and --nodes must be at least 1, --solo and --qps at least 0")
+    if args.operator_memray and importlib.util.find_spec("memray") is None:
+        p.error("--operator-memray needs memray: .venv/bin/pip install memray")
     return args
 
 
@@ -911,10 +922,12 @@ def idle_baseline(pids: dict[str, int], seconds: float = 10.0) -> Phase:
 
 
 def operator_cmd(args: argparse.Namespace, plan: Plan) -> list[str]:
-    rlhf = str(Path(sys.executable).parent / "rlhf")
-    cmd = [rlhf, "operator", "--all-namespaces", "--metrics-port", "0"]
+    cmd = ["operator", "--all-namespaces", "--metrics-port", "0"]
     cmd += ["--liveness", f"http://127.0.0.1:{plan.health}/healthz"]
-    return cmd + (["--verbose"] if args.operator_verbose else [])
+    cmd += ["--verbose"] if args.operator_verbose else []
+    if args.operator_memray:
+        return heap.memray_command(sys.executable, "rlhf_cli.main", cmd, args.operator_memray)
+    return [str(Path(sys.executable).parent / "rlhf"), *cmd]
 
 
 def run_phases(args: argparse.Namespace, plan: Plan, b: Bench) -> tuple[Phase, Phase]:
@@ -955,7 +968,8 @@ def measure(args: argparse.Namespace, plan: Plan) -> Run:
             watch.start()
             pids.update({"rlhf operator": op.pid, "stand-in Ray": si.pid})
             solo, burst = run_phases(args, plan, Bench(watch, custom, plan.template, pids, op))
-            rss = {p: peak_rss_mib(pids[p]) for p in ("rlhf operator", "kube-apiserver")}
+            rss = {p: rss_mib(pids[p]) for p in ("rlhf operator", "kube-apiserver")}
+            rss["rlhf operator now"] = rss_mib(op.pid, "VmRSS")
             final = {ns: phases_of(custom, ns) for ns in (SOLO_NS, BURST_NS)}
             events = {ns: event_reasons(core, ns) for ns in (SOLO_NS, BURST_NS)}
             watch.stop.set()
@@ -987,6 +1001,7 @@ def report(args: argparse.Namespace, plan: Plan, run: Run) -> None:
     events_table(run)
     cpu_table(burst)
     notes(args, run, windows)
+    heap_peak = heap_table(args.operator_memray) if args.operator_memray else 0
     n_burst = len(burst.latency)
     s_lat, b_lat = list(solo.latency.values()), list(burst.latency.values())
     steady_s = burst.end - burst.running_done
@@ -1017,6 +1032,7 @@ def report(args: argparse.Namespace, plan: Plan, run: Run) -> None:
             "running_p50_s": rounded(percentile(list(burst.to_running.values()), 50), 2),
             "running_p99_s": rounded(percentile(list(burst.to_running.values()), 99), 2),
             "operator_rss_mib": rounded(run.rss["rlhf operator"], 1),
+            "operator_rss_end_mib": rounded(run.rss["rlhf operator now"], 1),
             "operator_cpu_steady_cores": rounded(burst.cores("rlhf operator", 2, 3), 3),
             "operator_cpu_burst_cores": rounded(burst.cores("rlhf operator", 0, 2), 3),
             "apiserver_cpu_steady_cores": rounded(burst.cores("kube-apiserver", 2, 3), 3),
@@ -1028,8 +1044,24 @@ def report(args: argparse.Namespace, plan: Plan, run: Run) -> None:
             "solo": len(solo.latency),
             "reconcile_interval_s": args.reconcile_interval,
             "operator_env": dict(args.operator_env),
+            **({"operator_heap_peak_mib": rounded(heap_peak / 2**20, 1)} if heap_peak else {}),
         }
     )
+
+
+def heap_table(capture: Path, limit: int = 25) -> int:
+    """The operator's heap at its peak by allocation site (memray); returns the peak in bytes."""
+    peak, sites = heap.peak_sites(capture)
+    rest = sites[limit:]
+    common.table(
+        f"Operator heap at its peak: {peak / 2**20:.1f} MiB, by allocation site (memray, {capture})",
+        ["MiB", "blocks", "allocated in", "owners (innermost first, outside the standard library)"],
+        [
+            *[[s.size / 2**20, s.count, s.allocated_in, "\n".join(s.owners)] for s in sites[:limit]],
+            [sum(s.size for s in rest) / 2**20, sum(s.count for s in rest), f"{len(rest)} more sites", ""],
+        ],
+    )
+    return peak
 
 
 def rounded(x: float, digits: int) -> float | None:
