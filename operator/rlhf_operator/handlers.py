@@ -8,6 +8,7 @@ restarts without creating a second RayCluster or submitting a trainer twice.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, cast
 
+import aiohttp
 import kopf
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -62,6 +64,15 @@ POLICY_ACCESS = security.policy_access_from_env(os.environ)
 # kopf's thread pool for sync handlers; the API client keeps a connection for each of them, since a
 # smaller pool drops connections under load and every new one costs a TLS handshake on both sides.
 HANDLER_THREADS = int(os.environ.get("RLHF_HANDLER_THREADS") or "20")
+# kopf's connections to the API server (its watches, status patches and Events). kopf's own session has no
+# limit, and a burst of jobs opened one TLS connection per patch in flight, 256 KiB of buffer each: 470 of
+# them at once with 300 jobs (docs/benchmarks.md, operator_scale.py, Round 3). Past the limit a request
+# waits for a free connection; the watches (one per kind) hold one each, hence the floor of 8.
+API_CONNECTIONS = max(8, int(os.environ.get("RLHF_API_CONNECTIONS") or "64"))
+# How long kopf keeps an object's event worker after its last event (kopf's default: 5 s). An idle worker
+# holds the object's last event, a whole object, so in a burst kopf kept about one of every watched job,
+# RayCluster and pod; a new event after it exits starts a new worker.
+WORKER_IDLE_SECONDS = 0.5
 _api: k8s.ApiClient | None = None
 
 # kopf hands a timer the latest body its watch has delivered, which under load (100 jobs on 2 CPUs) can
@@ -91,6 +102,30 @@ def custom() -> k8s.CustomObjectsApi:
     return k8s.CustomObjectsApi(api())
 
 
+@kopf.on.login()
+async def login(logger: kopf.Logger, settings: kopf.OperatorSettings, **_: Any) -> kopf.AiohttpSession | None:
+    """kopf's own login (in-cluster, else kubeconfig), on a session of at most API_CONNECTIONS connections."""
+    info = await asyncio.to_thread(kopf.login_via_client, logger=logger, settings=settings)
+    return None if info is None else api_session(info, API_CONNECTIONS)
+
+
+def api_session(info: kopf.ConnectionInfo, connections: int) -> kopf.AiohttpSession:
+    """The session kopf would make for `info`, but of at most `connections` connections (in the loop)."""
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, ssl=info.as_ssl_context()),
+        headers=info.as_http_headers(),
+        proxy=info.proxy_url,
+        trust_env=info.trust_env,
+    )
+    return kopf.AiohttpSession(
+        server=info.server,
+        default_namespace=info.default_namespace,
+        expiration=info.expiration,
+        priority=info.priority,
+        aiohttp_session=session,
+    )
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Progress and diff-base in our own annotations; the status subresource stays ours alone.
@@ -104,6 +139,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.reconnect_backoff = 1.0
     settings.networking.request_timeout = 30
     settings.execution.max_workers = HANDLER_THREADS
+    settings.queueing.idle_timeout = WORKER_IDLE_SECONDS
     # A deletion waits for a running reconcile timer to exit before the finalizer goes; kopf re-checks
     # every 60 s by default, which held deleted jobs (and TTL deletions) for a minute.
     settings.background.cancellation_polling = 1.0
