@@ -33,6 +33,7 @@ from rlhf_operator import (
     kueue,
     manifests,
     metrics,
+    pod_problems,
     rayjobs,
     scaling,
     scrape,
@@ -250,18 +251,11 @@ def rlhf_pods(
     namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[tuple[str, str], dict[str, Any]]:
     """The pods of every job's RayCluster, by (namespace, RayCluster name), with only what the pod
-    diagnosis and the engine plan read (name, labels, deletion, status): a reconcile round reads them here
-    instead of listing them from the API server."""
-    meta = body.metadata
-    slim = {
-        "metadata": {
-            "name": meta.name,
-            "namespace": namespace,
-            "labels": dict(labels),
-            "deletionTimestamp": meta.get("deletionTimestamp"),
-        },
-        "status": dict(body.status),
-    }
+    diagnosis and the engine plan read (pod_problems.slim_pod): a reconcile round reads them here instead
+    of listing them from the API server."""
+    slim = pod_problems.slim_pod(
+        {"metadata": {**body.metadata, "namespace": namespace}, "status": body.status}
+    )
     return {(namespace or "default", labels.get(RAY_CLUSTER_LABEL, "")): slim}
 
 
@@ -380,7 +374,9 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
             custom().create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest),
         )
         metrics.CLUSTERS_CREATED.labels(namespace).inc()
-        _created[(namespace, manifest["metadata"]["name"])] = (created, time.monotonic())
+        # As the index keeps it: the whole answer (pod templates) for each of a burst of new jobs was
+        # the largest thing the operator kept after the watch events (benchmarks.md, Round 3).
+        _created[(namespace, manifest["metadata"]["name"])] = (slim_raycluster(created), time.monotonic())
         _create_backoff.pop(body.metadata.uid or "", None)
         failpoints.hit("after_cluster_create")
         kopf.event(
@@ -396,7 +392,10 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
         if e.status == 409:  # created by an earlier incarnation of this operator: adopt it
             existing = _read_cluster(namespace, manifest["metadata"]["name"])
             if existing is not None:
-                _created[(namespace, manifest["metadata"]["name"])] = (existing, time.monotonic())
+                _created[(namespace, manifest["metadata"]["name"])] = (
+                    slim_raycluster(existing),
+                    time.monotonic(),
+                )
                 return existing
         raise ClusterRefused(e.status, _api_message(e)) from e
 

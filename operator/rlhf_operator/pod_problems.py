@@ -72,6 +72,38 @@ def diagnose(pods: list[dict[str, Any]]) -> PodProblem | None:
     return None
 
 
+def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
+    """A pod with only what `diagnose` and `scaling.engines_pending` read: its name, namespace, labels and
+    deletion; its phase, its conditions' type, status, reason and message, and its containers' waiting
+    state. The operator keeps every job pod this way (a watch cache), so the rest is left out."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    slim_status: dict[str, Any] = {"phase": status.get("phase")}
+    conditions = [
+        {k: c[k] for k in ("type", "status", "reason", "message") if k in c}
+        for c in status.get("conditions") or []
+    ]
+    if conditions:
+        slim_status["conditions"] = conditions
+    for key in ("initContainerStatuses", "containerStatuses"):
+        containers = [
+            {"name": cs.get("name"), "state": {"waiting": waiting}}
+            if (waiting := (cs.get("state") or {}).get("waiting"))
+            else {"name": cs.get("name")}
+            for cs in status.get(key) or []
+        ]
+        if containers:
+            slim_status[key] = containers
+    return {
+        "metadata": {
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "labels": dict(meta.get("labels") or {}),
+            "deletionTimestamp": meta.get("deletionTimestamp"),
+        },
+        "status": slim_status,
+    }
+
+
 def rejection_is_permanent(code: int | None, message: str) -> bool:
     """Whether the API server's refusal to create a RayCluster will repeat as long as the job is the same.
 
