@@ -1,10 +1,12 @@
-"""Asynchronous vs blocking reward, with a 50 ms-per-sample reward function (docs/benchmarks.md, issue 8).
+"""Asynchronous vs blocking reward, with a 50 ms-per-sample reward function (docs/benchmarks.md, issues 8, 19).
 
-Ours is the trainer's real path: `Trainer.generate_and_score` streams chunks out of a real vLLM engine
-actor and hands each finished chunk to the real `RewardScorer` actor at once; the reward on the step's
-critical path is what is still running when generation ends (loop.py's `reward` phase). The baseline
-is what TRL's GRPOTrainer and OpenRLHF do by default: generate the whole batch, then score it in one
-blocking call. Both use the same engine, scorer, prompts and sampling, interleaved.
+Ours is the trainer's real path: the trainer's `ChunkDispatcher` streams chunks out of a real vLLM engine
+actor and hands each finished request to the real `RewardScorer` actor at once, which scores its samples
+in sub-batches over its threads; the reward on the step's critical path is what is still running when
+generation ends (loop.py's `reward` phase). The baseline is what TRL's GRPOTrainer and OpenRLHF do by
+default: generate the whole batch, then score it in one blocking call. A variant scores the whole batch
+after generation in sub-batches over the same threads: what sub-batching alone gives, without streaming.
+All use the same engine, prompts and sampling, interleaved.
 """
 
 from __future__ import annotations
@@ -42,18 +44,19 @@ def build(tiny: Path, args: argparse.Namespace) -> SimpleNamespace:
         "dtype": "float32",
     }
     engine = ray.remote(RolloutEngine).options(num_cpus=1).remote(0, options)
-    reward_spec = {
-        "type": "function",
-        "function": f"{SLOW_REWARD}:reward",
-        "timeout_seconds": 120.0,
-        "concurrency": args.concurrency,
-    }
-    scorer = (
-        ray.remote(RewardScorer)
-        .options(num_cpus=0.5, max_concurrency=args.concurrency + 1)
-        .remote(reward_spec, "cpu")
-    )
-    ray.get([engine.ready.remote(), scorer.ready.remote()])
+
+    def scorer(concurrency: int) -> Any:
+        spec = {
+            "type": "function",
+            "function": f"{SLOW_REWARD}:reward",
+            "timeout_seconds": 120.0,
+            "concurrency": concurrency,
+        }
+        actor = ray.remote(RewardScorer).options(num_cpus=0.5, max_concurrency=concurrency + 1)
+        return actor.remote(spec, "cpu")
+
+    scorers = {"threads": scorer(args.concurrency), "one_call": scorer(1)}  # one call: one thread
+    ray.get([engine.ready.remote(), *[s.ready.remote() for s in scorers.values()]])
     slot = SimpleNamespace(index=0, handle=engine)
     return SimpleNamespace(
         pool=SimpleNamespace(ready=lambda: [slot]),
@@ -63,20 +66,35 @@ def build(tiny: Path, args: argparse.Namespace) -> SimpleNamespace:
             max_prompt_length=args.prompt_len,
         ),
         spec=SimpleNamespace(rollout=SimpleNamespace(temperature=1.0, top_p=1.0)),
-        reward=scorer,
+        reward=scorers["threads"],
+        blocking_reward=scorers,
         metrics=TrainerExporter("bench", registry=CollectorRegistry()),
         job="bench",
         engine=engine,
     )
 
 
-def run_ours(t: Any, prompts: list[str], chunks_per_shard: int | None, ranks: int) -> dict[str, float]:
+class HandOffClock:
+    """The scorer handle the dispatcher is given, noting when each finished request is handed over."""
+
+    def __init__(self, scorer: Any) -> None:
+        self.scorer = scorer
+        self.assemble = scorer.assemble
+        self.score_request = self
+        self.times: list[float] = []
+
+    def remote(self, request_ref: Any) -> Any:
+        self.times.append(time.perf_counter())
+        return self.scorer.score_request.remote(request_ref)
+
+
+def run_ours(t: Any, prompts: list[str], ranks: int) -> dict[str, float]:
     """loop.py's `generation` + `reward` phases, through the trainer's own ChunkDispatcher."""
     import ray
     from rlhf_trainer.rollout.dispatch import ChunkDispatcher
     from rlhf_trainer.transfer import plan_chunks
 
-    chunks = plan_chunks(len(prompts), ranks, 1, chunks_per_shard)
+    chunks = plan_chunks(len(prompts), ranks, 1)
     sampling = {
         "n": t.algo.samples_per_prompt,
         "temperature": t.spec.rollout.temperature,
@@ -88,8 +106,9 @@ def run_ours(t: Any, prompts: list[str], chunks_per_shard: int | None, ranks: in
     def engine_lost(slot: Any, err: BaseException) -> None:
         raise RuntimeError(f"benchmark engine {slot.index} lost: {err}")
 
+    clock = HandOffClock(t.reward)
     t0 = time.perf_counter()
-    dispatcher = ChunkDispatcher(0, t.pool.ready(), t.reward, sampling, engine_lost)
+    dispatcher = ChunkDispatcher(0, t.pool.ready(), clock, sampling, engine_lost)
     rollout = dispatcher.run(chunks, prompts, [None] * len(prompts))
     metas, reward_calls = rollout.metas, rollout.reward_calls
     t1 = time.perf_counter()
@@ -100,6 +119,8 @@ def run_ours(t: Any, prompts: list[str], chunks_per_shard: int | None, ranks: in
         "critical_s": t2 - t1,
         "serial_s": sum(m.seconds for m in reward_metas),
         "step_s": t2 - t0,
+        # requests handed to the scorer in the last 10 % of generation: their scoring can hardly overlap it
+        "late_requests": sum(h > t1 - 0.1 * (t1 - t0) for h in clock.times) / len(clock.times),
         "chunks": len(chunks),
         "samples": sum(m.samples for m in metas),
         "tokens": sum(m.response_tokens for m in metas),
@@ -107,8 +128,9 @@ def run_ours(t: Any, prompts: list[str], chunks_per_shard: int | None, ranks: in
     }
 
 
-def run_blocking(t: Any, prompts: list[str], ranks: int) -> dict[str, float]:
-    """Generate everything, fetch it, then score the whole batch in one blocking call (TRL/OpenRLHF)."""
+def run_blocking(t: Any, prompts: list[str], ranks: int, scorer: str) -> dict[str, float]:
+    """Generate everything, fetch it, then score the whole batch: in one blocking call (TRL/OpenRLHF)
+    with the `one_call` scorer, or in sub-batches over its threads with the `threads` one."""
     import ray
     from rlhf_trainer.transfer import PackedRollout, plan_chunks
 
@@ -129,7 +151,7 @@ def run_blocking(t: Any, prompts: list[str], ranks: int) -> dict[str, float]:
     parts = [p for p in ray.get(refs) if isinstance(p, PackedRollout)]
     whole = PackedRollout.concat(parts)
     t1 = time.perf_counter()
-    meta, _ = ray.get(t.reward.score.options(num_returns=2).remote(0, whole))
+    meta, _ = ray.get(t.blocking_reward[scorer].score.options(num_returns=2).remote(0, whole))
     t2 = time.perf_counter()
     return {
         "generation_s": t1 - t0,
@@ -152,9 +174,6 @@ def main() -> None:
     p.add_argument("--response-len", type=int, default=128)
     p.add_argument("--ranks", type=int, default=2, help="actor ranks (shards), as in examples/rlhfjob-tiny")
     p.add_argument("--concurrency", type=int, default=16, help="model.reward.concurrency (spec default)")
-    p.add_argument(
-        "--chunks-per-shard", type=int, default=8, help="extra 'ours' variant: finer chunks (not the RESULT)"
-    )
     args = p.parse_args()
 
     common.print_machine()
@@ -165,17 +184,16 @@ def main() -> None:
     data = PromptDataset(str(tiny / "prompts.jsonl"), "prompt", None, 0)
     t = build(tiny, args)
     prompts, _ = data.next_batch(args.prompts)
-    # Warm-up: first generation compiles/allocates; first reward call imports the function.
-    run_ours(t, prompts, None, args.ranks)
-    run_blocking(t, prompts, args.ranks)
-
-    runs: dict[str, list[dict[str, float]]] = {"ours": [], "ours_fine": [], "blocking": []}
     ways = {
-        "ours": lambda ps: run_ours(t, ps, None, args.ranks),
-        "blocking": lambda ps: run_blocking(t, ps, args.ranks),
+        "ours": lambda ps: run_ours(t, ps, args.ranks),
+        "blocking_threads": lambda ps: run_blocking(t, ps, args.ranks, "threads"),
+        "blocking": lambda ps: run_blocking(t, ps, args.ranks, "one_call"),
     }
-    if args.chunks_per_shard:
-        ways["ours_fine"] = lambda ps: run_ours(t, ps, args.chunks_per_shard, args.ranks)
+    # Warm-up: first generation compiles/allocates; first reward call imports the function.
+    for way in ways.values():
+        way(prompts)
+
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in ways}
     order = list(ways)
     for i in range(args.repeats):  # interleaved, order rotated each round
         prompts, _ = data.next_batch(args.prompts)
@@ -192,9 +210,9 @@ def main() -> None:
 
     serial = med("blocking", "serial_s")
     labels = {
-        "ours": "ours: async, driver's default chunks",
-        "ours_fine": f"ours: async, {args.chunks_per_shard} chunks/shard (variant)",
-        "blocking": "baseline: blocking (TRL/OpenRLHF default)",
+        "ours": "ours: per-request streaming, sub-batched",
+        "blocking_threads": f"variant: blocking, sub-batched over {args.concurrency} threads",
+        "blocking": "baseline: blocking, one call (TRL/OpenRLHF default)",
     }
     rows = []
     for name, rs in runs.items():
@@ -223,7 +241,7 @@ def main() -> None:
             "samples",
             "response tokens",
             "generation s",
-            "reward serial s",
+            "scoring s (scorer's own)",
             "reward on critical path s",
             "fraction of serial",
             "gen+reward s",
@@ -237,9 +255,11 @@ def main() -> None:
             "baseline_serial_s": round(serial, 3),
             "ours_step_s": round(med("ours", "step_s"), 3),
             "baseline_step_s": round(med("blocking", "step_s"), 3),
-            "fine_chunks_fraction": round(med("ours_fine", "critical_s") / serial, 4)
-            if runs["ours_fine"]
-            else None,
+            "ours_generation_s": round(med("ours", "generation_s"), 3),
+            "baseline_generation_s": round(med("blocking", "generation_s"), 3),
+            "blocking_threads_fraction": round(med("blocking_threads", "critical_s") / serial, 4),
+            "ours_late_requests": round(med("ours", "late_requests"), 3),
+            "generation_s_runs": {n: [round(r["generation_s"], 2) for r in rs] for n, rs in runs.items()},
         }
     )
 
