@@ -206,8 +206,9 @@ class ChunkDispatcher:
         """An engine died (its pod or node is gone): the step goes on with the others.
 
         Every chunk it had is generated again, including the finished ones: their tokens lived in the
-        lost node's object store. The scores of its requests are dropped: they scored the lost samples. With no engine left the step fails, and so does the attempt, which
-        the operator restarts from the last checkpoint.
+        lost node's object store. The scores of its requests are dropped: they scored the lost samples.
+        With no engine left the step fails, and so does the attempt, which the operator restarts from the
+        last checkpoint.
         """
         for stream in [s for s, (se, _) in self.streams.items() if se == e]:
             del self.streams[stream]  # nothing more is read from a lost engine's streams

@@ -160,7 +160,8 @@ class RewardScorer:
         return assemble_chunk(chunk, requests, packed.num_samples)
 
     def score(self, chunk: int, rollout: PackedRollout) -> tuple[RewardMeta, RewardResult]:
-        """A whole packed rollout in one go (the blocking way, for callers holding every sample at once)."""
+        """A whole packed rollout at once, in sub-batches like a request (the blocking way, for callers
+        holding every sample: benchmarks/async_reward.py's baselines)."""
         labels = list(rollout.labels) or [None] * rollout.num_samples
         scores = self._score(chunk, 0, (list(rollout.prompts), list(rollout.responses), labels))
         return assemble_chunk(chunk, [scores], rollout.num_samples)
