@@ -50,3 +50,23 @@ def test_colocate_all_shares_every_actor_device_with_an_engine() -> None:
     assert _shares(spec) == {"actor+critic+reference": 2, "engine": 2}
     with_rm = _spec("trainer.colocateAll=true", "trainer.critic=null", "rollout.engines=2", *REWARD_MODEL)
     assert sharers_per_device(with_rm, ("engine",)) == 3 and sharers_per_device(with_rm, ("reward",)) == 3
+
+
+def test_the_scorer_applies_the_specs_reward_timeout_and_concurrency(tmp_path: Path) -> None:
+    """The spec dumps by its CRD aliases (timeoutSeconds); the scorer must get the user's values, not
+    defaults: a hanging reward with timeoutSeconds 3600 must hang, not be cut at 30 s."""
+    from rlhf_trainer.placement import reward_config
+    from rlhf_trainer.workers.reward import RewardScorer
+
+    f = tmp_path / "r.py"
+    f.write_text("def reward(prompts, responses):\n    return [0.0] * len(responses)\n")
+    spec = _spec(
+        "model.reward.type=function",
+        f"model.reward.function={f}:reward",
+        "model.reward.timeoutSeconds=3600",
+        "model.reward.concurrency=7",
+    )
+    scorer = RewardScorer(reward_config(spec))
+    assert (scorer.timeout, scorer.threads) == (3600.0, 7)
+    with pytest.raises(KeyError):  # what the scorer was given before: the aliases, silently ignored
+        RewardScorer(spec.model.reward.model_dump())

@@ -56,7 +56,9 @@ def test_errors_are_counted_never_scored(tmp_path: Path) -> None:
         "        raise RuntimeError('boom in reward')\n"
         "    return [float('nan') if r == 'nan' else 1.0 for r in responses]\n"
     )
-    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "timeout_seconds": 5})
+    scorer = RewardScorer(
+        {"type": "function", "function": f"{f}:reward", "timeout_seconds": 5, "concurrency": 4}
+    )
     meta, result = scorer.score(0, _rollout(["ok", "boom", "nan", "ok"]))
     assert meta.errors == 2 and meta.samples == 4
     assert result.valid.tolist() == [True, False, False, True]
@@ -80,7 +82,9 @@ def test_labels_passed_when_accepted(tmp_path: Path) -> None:
     f.write_text(
         "def reward(prompts, responses, labels):\n    return [float(l == r) for r, l in zip(responses, labels)]\n"
     )
-    scorer = RewardScorer({"type": "function", "function": f"{f}:reward"})
+    scorer = RewardScorer(
+        {"type": "function", "function": f"{f}:reward", "timeout_seconds": 30, "concurrency": 4}
+    )
     r = _rollout(["a", "b"])
     r.labels = ["a", "x"]
     _, result = scorer.score(0, r)
@@ -99,7 +103,9 @@ def test_a_request_is_scored_in_sub_batches_at_once_over_the_scorers_threads(tmp
         "    time.sleep(0.3)\n"
         "    return [float(r) for r in responses]\n"
     )
-    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "concurrency": 4})
+    scorer = RewardScorer(
+        {"type": "function", "function": f"{f}:reward", "timeout_seconds": 30, "concurrency": 4}
+    )
     t0 = time.perf_counter()
     got = scorer.score_request(FinishedRequest(3, 1, "p", [str(i) for i in range(8)]))
     wall = time.perf_counter() - t0
@@ -117,7 +123,9 @@ def test_a_sub_batch_that_fails_whole_is_rescored_sample_by_sample(tmp_path: Pat
         "        raise RuntimeError('boom in reward')\n"
         "    return [1.0] * len(responses)\n"
     )
-    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "concurrency": 2})
+    scorer = RewardScorer(
+        {"type": "function", "function": f"{f}:reward", "timeout_seconds": 30, "concurrency": 2}
+    )
     got = scorer.score_request(FinishedRequest(0, 0, "p", ["ok", "boom", "ok", "ok"]))
     assert got.scores == [1.0, None, 1.0, 1.0]  # sub-batch [ok, boom] failed; only boom stays failed
     assert got.messages == ["RuntimeError: boom in reward"] * 2
@@ -128,7 +136,9 @@ def test_a_chunk_is_assembled_from_its_requests_scores_in_sample_order(tmp_path:
     f.write_text(
         "def reward(prompts, responses, labels):\n    return [float(r == l) for r, l in zip(responses, labels)]\n"
     )
-    scorer = RewardScorer({"type": "function", "function": f"{f}:reward", "concurrency": 4})
+    scorer = RewardScorer(
+        {"type": "function", "function": f"{f}:reward", "timeout_seconds": 30, "concurrency": 4}
+    )
     first = scorer.score_request(FinishedRequest(2, 0, "p0", ["a", "b"], label="a"))
     second = scorer.score_request(FinishedRequest(2, 1, "p1", ["c", "d", "d"], label="d"))
     meta, result = scorer.assemble(2, _rollout(["a", "b", "c", "d", "d"]), second, first)
@@ -164,7 +174,7 @@ def test_http_reward_scores_and_counts_server_errors() -> None:
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/score"
-        scorer = RewardScorer({"type": "http", "url": url, "timeout_seconds": 5})
+        scorer = RewardScorer({"type": "http", "url": url, "timeout_seconds": 5, "concurrency": 4})
         meta, result = scorer.score(0, _rollout(["ab", "abcd"]))
         assert meta.errors == 0 and result.scores.tolist() == [2.0, 4.0]
         meta, result = scorer.score(1, _rollout(["ab", "fail", "abc"]))
@@ -178,7 +188,7 @@ def test_model_reward_scores_with_an_hf_sequence_classifier(tmp_path: Path) -> N
     from rlhf_trainer.tiny_model import make_tiny_model
 
     paths = make_tiny_model(tmp_path, num_prompts=4)
-    scorer = RewardScorer({"type": "model", "model": paths["model"]})
+    scorer = RewardScorer({"type": "model", "model": paths["model"], "timeout_seconds": 30, "concurrency": 4})
     meta, result = scorer.score(0, _rollout(["ba ko", "stou plaing tre zu", "a"]))
     assert meta.errors == 0 and result.valid.all()
     # batched scores (padded) equal one-at-a-time scores: padding does not leak into the reward

@@ -93,6 +93,12 @@ def process_count(spec: RLHFJobSpec) -> int:
     return int(n + spec.rollout.engines + 1)
 
 
+def reward_config(spec: RLHFJobSpec) -> dict[str, Any]:
+    """`model.reward` as the scorer reads it: by field name (`timeout_seconds`, `concurrency`). The spec
+    dumps by its CRD aliases (`timeoutSeconds`), which the scorer would not find."""
+    return spec.model.reward.model_dump(by_alias=False)
+
+
 def sharers_per_device(spec: RLHFJobSpec, roles: tuple[str, ...]) -> int:
     """How many processes share each device of `roles` (a gpu_groups() group, ("reward",) or ("engine",)).
 
@@ -153,7 +159,7 @@ def place(spec: RLHFJobSpec, info: DeviceInfo, log: Callable[[str], None]) -> Pl
             max_concurrency=spec.model.reward.concurrency + 1,
             runtime_env={"env_vars": env} if env else None,
         )
-        .remote(spec.model.reward.model_dump(), info.kind)
+        .remote(reward_config(spec), info.kind)
     )
     engine_gpu = float(spec.rollout.tensor_parallel_size) * gpu / sharers_per_device(spec, ("engine",))
     pool = EnginePool(

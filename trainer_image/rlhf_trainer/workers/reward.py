@@ -135,8 +135,10 @@ class RewardScorer:
             )
         else:
             raise RewardSetupError(f"model.reward.type {self.kind!r} is not function, model or http")
-        self.timeout = float(reward.get("timeout_seconds", 30.0))
-        self.threads = int(reward.get("concurrency", 4))
+        # No defaults here: they are the spec's (placement.reward_config), and a key missing must fail,
+        # not leave a user's timeoutSeconds and concurrency silently unapplied.
+        self.timeout = float(reward["timeout_seconds"])
+        self.threads = int(reward["concurrency"])
         self._pool = TimedPool(self.threads, self.timeout)
         # A function or an endpoint may wait on I/O: a request's samples go out in sub-batches, one per
         # thread. A reward model computes: one forward per request batches it best.
