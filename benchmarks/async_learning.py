@@ -22,6 +22,8 @@ from typing import Any
 
 from lib import common, grpo
 
+mean = statistics.fmean  # the standard library's, for the curves and the final rewards
+
 WAYS = ("sync", "async")
 
 
@@ -39,10 +41,6 @@ def child(way: str, args: argparse.Namespace) -> None:
 def measure(way: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     flags = {"steps": args.steps, "seed": seed}
     return common.run_child(__file__, way, 0, flags, dict(os.environ), timeout=1200)
-
-
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 def main() -> int:
