@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make test`: set-up, the local control plane, lint, then every test group, with each stage's time.
+# `make test`: set-up, the local control plane, then every test group with lint beside them, with each stage's time.
 # Every pytest stage must collect tests (exit 5 is a failure). Ends with one "N passed, N failed" line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +63,7 @@ PY
 }
 
 # Cold, the builds are most of the run. The images (mostly disk and network) are built in the background
-# beside everything up to `cluster-up`; the binaries `up` runs, beside lint and the trainer tests (which
+# beside everything up to `cluster-up`; the binaries `up` runs, beside the trainer tests (which
 # need no cluster); the binaries only some stages use (Prometheus, the floor API server), beside the
 # stages after `cluster-up`. A background stage runs at the lowest CPU priority, so it takes only the CPU
 # the foreground leaves idle, and is joined before the first stage that needs it. Warm, each takes seconds.
@@ -74,14 +74,17 @@ started_cluster=0
 if ! python3 devcluster/devcluster.py status >/dev/null 2>&1; then started_cluster=1; fi
 bg_start cluster-build python3 devcluster/devcluster.py build up
 
-stage lint make -s lint || status=1
 pytest_stage trainer tests -m trainer || status=1
 bg_join cluster-build || { summary; exit 1; }
 bg_start test-binaries python3 devcluster/devcluster.py build test
 bg_join images || status=1
 stage cluster-up python3 devcluster/devcluster.py up || { summary; exit 1; }
 pytest_stage unit tests -m unit || status=1  # the chart's unit tests run the Helm built above
+# Lint (about 3 min of CPU) beside the cluster tests, which mostly wait on the operator and the control
+# plane: at the lowest priority it only takes the CPU they leave idle.
+bg_start lint make -s lint
 pytest_stage cluster tests -m cluster || status=1
+bg_join lint || status=1
 pytest_stage security tests -m "security and not realnode" || status=1
 pytest_stage reliability tests -m reliability || status=1
 bg_join test-binaries || status=1

@@ -1,11 +1,11 @@
 """The chart's alerts, for real: Prometheus scrapes the real operator and the real trainer through the
 chart's own monitors, evaluates the chart's own rules, and Alertmanager notifies a webhook of the test.
 
-Scenarios (DESIGN.md §4, docs/monitoring.md): a healthy job alerts nothing and fills every dashboard
-panel; a hanging reward fires a stall alert naming the phase, though the operator restarts the stuck
-attempt (onStall: Restart), and it resolves when the restarted attempt completes a step;
-reward errors fire RLHFJobRewardErrors; a trainer restart resets no counter into a false alert; the
-operator killed fires RLHFOperatorDown, which resolves when it is back. Two trainer runs in all.
+Scenarios (DESIGN.md §4, docs/monitoring.md), one trainer run: its first healthy steps alert nothing
+and fill every dashboard panel; reward errors fire RLHFJobRewardErrors; a hanging reward fires a stall
+alert naming the phase, though the operator restarts the stuck attempt (onStall: Restart), and it
+resolves when the restarted attempt completes a step; a trainer restart resets no counter into a false
+alert. The operator killed fires RLHFOperatorDown, which resolves when it is back (test_operator_down.py).
 """
 
 from __future__ import annotations
@@ -70,40 +70,6 @@ def ours(m: Monitored, alerts: list[tuple[float, dict[str, Any]]]) -> list[tuple
     return [(t, a) for t, a in alerts if a["labels"].get("alertname") in m.alert_names]
 
 
-def test_a_healthy_job_alerts_nothing_and_every_dashboard_panel_has_data(
-    cluster: Cluster, ray_head: RayHead, monitored: Monitored, tiny_model: Path, tmp_path: Path
-) -> None:
-    ns, name = monitored.namespace, "healthy"
-    exprs = dashboard_exprs()
-    cluster.apply(tiny_job(name, tiny_model, tmp_path / "ckpt", steps=6), ns)
-    answered: dict[str, int] = {}  # expr -> most series seen in one query while the job ran
-
-    def finished() -> dict[str, Any] | None:
-        st = job_status(cluster, ns, name)
-        if st.get("phase") == "Running" and (st.get("step") or 0) >= 1:
-            for _, expr in exprs:
-                n = len(monitored.stack.query(substitute(expr, ns, name)))
-                answered[expr] = max(answered.get(expr, 0), n)
-        return st if st.get("phase") in ("Succeeded", "Failed") else None
-
-    st = wait_for(finished, 900, "the healthy job to finish", interval=1)
-    assert st["phase"] == "Succeeded", st
-    time.sleep(3 * SCRAPE_INTERVAL_SECONDS)  # the last scrapes and evaluations of the run
-    empty = [(title, expr) for title, expr in exprs if not answered.get(expr)]
-    assert not empty, f"dashboard panels without a series while the job ran: {empty}"
-    delivered = ours(monitored, monitored.webhook.alerts())
-    assert not delivered, f"a healthy run delivered alerts: {[a for _, a in delivered]}"
-    # The run really was watched: the trainer's target was discovered and scraped (not only the operator).
-    # (Over the run: the finished job's target is gone, so its series are stale now; the driver exits
-    # right after step 6, usually between two scrapes, so the last value seen may be 5.)
-    q = f'max_over_time(rlhf_steps_completed_total{{namespace="{ns}", rlhfjob="{name}"}}[10m])'
-    scraped = monitored.stack.query(q)
-    assert scraped and float(scraped[0]["value"][1]) >= 5, scraped
-    print(
-        f"healthy: {len(exprs)} dashboard queries all answered; no alert; steps scraped up to {scraped[0]['value'][1]}"
-    )
-
-
 def value(m: Monitored, expr: str) -> float | None:
     res = m.stack.query(expr)
     return max(float(r["value"][1]) for r in res) if res else None
@@ -133,7 +99,11 @@ def first_step_after(m: Monitored, sel: str, step: int, since: float) -> float:
     return done_at[t]
 
 
-def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
+# The healthy stretch at the start of the run: long enough for a wrong alert (`for` 5 s here) to fire.
+HEALTHY_STEPS = 5
+
+
+def test_healthy_steps_alert_nothing_then_stall_reward_errors_and_a_restart_notify_as_a_user_sees_them(
     cluster: Cluster, ray_head: RayHead, monitored: Monitored, tiny_model: Path, tmp_path: Path
 ) -> None:
     ns, name, m = monitored.namespace, "stuck", monitored
@@ -158,7 +128,29 @@ def test_stall_reward_errors_and_a_trainer_restart_notify_as_a_user_sees_them(
     doc["spec"]["pods"] = {"env": [{"name": "RLHF_TEST_REWARD_CONTROL", "value": str(control)}]}
     cluster.apply(doc, ns)
     try:
-        wait_for(lambda: (job_status(cluster, ns, name).get("step") or 0) >= 1 or None, 600, "a first step")
+        # 0. Healthy steps: no alert, and every query of the chart's dashboards answers while the job runs.
+        exprs = dashboard_exprs()
+        answered: dict[str, int] = {}  # expr -> most series seen in one query while the job ran
+
+        def healthy() -> dict[str, Any] | None:
+            st = job_status(cluster, ns, name)
+            assert st.get("phase") != "Failed", st
+            if st.get("phase") == "Running" and (st.get("step") or 0) >= 1:
+                for _, expr in exprs:
+                    n = len(m.stack.query(substitute(expr, ns, name)))
+                    answered[expr] = max(answered.get(expr, 0), n)
+            return st if (st.get("step") or 0) >= HEALTHY_STEPS else None
+
+        wait_for(healthy, 600, f"{HEALTHY_STEPS} healthy steps", interval=1)
+        time.sleep(3 * SCRAPE_INTERVAL_SECONDS)  # the last scrapes and evaluations of the healthy stretch
+        empty = [(title, expr) for title, expr in exprs if not answered.get(expr)]
+        assert not empty, f"dashboard panels without a series while the job ran: {empty}"
+        delivered = ours(m, m.webhook.alerts())
+        assert not delivered, f"healthy steps delivered alerts: {[a for _, a in delivered]}"
+        # The run really was watched: the trainer's target was discovered and scraped (not only the operator).
+        scraped = value(m, f"rlhf_steps_completed_total{{{sel}}}")
+        assert scraped is not None and scraped >= HEALTHY_STEPS, scraped
+        print(f"healthy: {len(exprs)} dashboard queries all answered; no alert over {scraped:.0f} steps")
 
         # 1. Reward errors on some samples: RLHFJobRewardErrors fires with the job's labels.
         control.write_text("raise")
