@@ -72,8 +72,8 @@ HANDLER_THREADS = int(os.environ.get("RLHF_HANDLER_THREADS") or "20")
 API_CONNECTIONS = max(8, int(os.environ.get("RLHF_API_CONNECTIONS") or "64"))
 # How long kopf keeps an object's event worker after its last event (kopf's default: 5 s). An idle worker
 # holds the object's last event, a whole object, so in a burst kopf kept about one of every watched job,
-# RayCluster and pod; a new event after it exits starts a new worker.
-WORKER_IDLE_SECONDS = 0.5
+# RayCluster and pod; a new event after it exits starts a new worker (`RLHF_WORKER_IDLE_SECONDS`).
+WORKER_IDLE_SECONDS = float(os.environ.get("RLHF_WORKER_IDLE_SECONDS") or "0.5")
 _api: k8s.ApiClient | None = None
 
 # kopf hands a timer the latest body its watch has delivered, which under load (100 jobs on 2 CPUs) can
