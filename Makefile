@@ -48,6 +48,8 @@ lint: setup ## ruff, mypy and the import-layer contracts (lint-imports)
 	@$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	@$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE) --strict images/build_images.py images/containerd_runtime.py images/image_recipe.py
 	@$(VENV)/bin/lint-imports --no-logo
+	@# Every collected test is in a stage of `make test` (tests/stages.py fails the collection otherwise).
+	@$(PY) -m pytest --collect-only -q -p no:cacheprovider tests >/dev/null || { $(PY) -m pytest --collect-only -q -p no:cacheprovider tests | tail -5; exit 1; }
 
 crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model
 	@$(PY) -m rlhf_api.crd --write

@@ -78,6 +78,8 @@ pytest_stage trainer tests -m trainer || status=1
 bg_join cluster-build || { summary; exit 1; }
 bg_start test-binaries python3 devcluster/devcluster.py build test
 bg_join images || status=1
+# The built images run by containerd the way a node runs them (uid, read-only root, imports, tiny model).
+pytest_stage images tests -m images || status=1
 stage cluster-up python3 devcluster/devcluster.py up || { summary; exit 1; }
 pytest_stage unit tests -m unit || status=1  # the chart's unit tests run the Helm built above
 # Lint (about 3 min of CPU) beside the cluster tests, which mostly wait on the operator and the control

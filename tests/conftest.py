@@ -32,7 +32,15 @@ from support import (
 
 sys.path.insert(0, str(ROOT / "devcluster"))
 
+import stages
+
 import devcluster
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Before any -m deselection: a collected test that no stage of `make test` selects fails the run."""
+    stages.check_collection(items)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

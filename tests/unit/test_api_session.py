@@ -6,7 +6,10 @@ import asyncio
 import ssl
 
 import kopf
+import pytest
 from rlhf_operator import handlers
+
+pytestmark = pytest.mark.unit
 
 
 def test_the_session_keeps_kopf_credentials_and_caps_its_connections() -> None:

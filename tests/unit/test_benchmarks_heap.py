@@ -10,7 +10,10 @@ from support import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import pytest
 from lib import heap
+
+pytestmark = pytest.mark.unit
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 SITE = "/venv/lib/python3.11/site-packages"

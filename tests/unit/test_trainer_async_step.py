@@ -19,6 +19,8 @@ from rlhf_trainer.pipeline import Background
 from rlhf_trainer.rollout.dispatch import Rollout
 from rlhf_trainer.transfer import ChunkMeta
 
+pytestmark = pytest.mark.unit
+
 
 def _spec(**async_: Any) -> RLHFJobSpec:
     return RLHFJobSpec.model_validate(

@@ -9,6 +9,8 @@ import time
 import pytest
 from rlhf_trainer.pipeline import Background, admit, busy_seconds, idle_ratio, staleness
 
+pytestmark = pytest.mark.unit
+
 
 def test_staleness_counts_optimizer_steps_between_generating_and_trained_weights() -> None:
     assert staleness(5, 4) == 1  # generated during the last step, with the weights before it
