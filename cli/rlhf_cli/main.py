@@ -69,6 +69,12 @@ FORWARDED: dict[str, Forwarded] = {
         "main",
         "trainer",
     ),
+    "plan": Forwarded(
+        "print a job's device map (ranks, reward model, engines -> pod and GPU) on a local Ray",
+        "rlhf_trainer.device_map",
+        "main",
+        "trainer",
+    ),
     "make-tiny-model": Forwarded(
         "build the offline tiny model, tokenizer and prompt dataset",
         "rlhf_trainer.cli",

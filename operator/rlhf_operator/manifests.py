@@ -22,6 +22,7 @@ from rlhf_api.constants import (
     TRAINER_RESOURCE,
 )
 from rlhf_api.pod_settings import PodRole
+from rlhf_api.pod_shape import trainer_pods
 from rlhf_api.spec import GROUP, PodSettings, RLHFJob, RLHFJobSpec
 
 from rlhf_operator import kueue, security
@@ -79,14 +80,6 @@ def child_labels(job: RLHFJob) -> dict[str, str]:
     labels.update(MANAGED_BY)
     labels[JOB_LABEL] = job.name
     return labels
-
-
-def trainer_pods(spec: RLHFJobSpec) -> tuple[int, int]:
-    """(pods, GPUs per pod) of the trainer worker group."""
-    groups = spec.gpu_groups()
-    pods = sum(placement.nodes for _, placement in groups)
-    gpus = max(placement.gpus_per_node for _, placement in groups)
-    return pods, gpus
 
 
 def effective_engines(spec: RLHFJobSpec) -> int:

@@ -24,11 +24,11 @@ import ray
 from rlhf_api.constants import INPUT_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE
 from rlhf_api.spec import RLHFJobSpec
 
-from rlhf_trainer import container_log, device
+from rlhf_trainer import container_log, device, device_plan
 from rlhf_trainer.checkpoint import Checkpointer, resume_point
 from rlhf_trainer.config import InputError, load_spec_arg, preflight
 from rlhf_trainer.data import PromptDataset
-from rlhf_trainer.export import EXPORT_INFO, export_actor
+from rlhf_trainer.export import EXPORT_INFO, export_on_trainer
 from rlhf_trainer.faults import FaultInjector, fail_at_start
 from rlhf_trainer.loop import StepContext, StepReport, abandon, run_step
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
@@ -46,8 +46,11 @@ from rlhf_trainer.weight_sync.manager import WeightSyncManager, choose_backend
 # ---------------------------------------------------------------------------------------------- ray
 
 
-def connect_ray(processes: int) -> bool:
-    """Connect to RAY_ADDRESS or a running local cluster, else start one; True if we started it."""
+def connect_ray(processes: int, standin_gpus: int = 0) -> bool:
+    """Connect to RAY_ADDRESS or a running local cluster, else start one; True if we started it.
+
+    A local Ray started under the CPU stand-in advertises `standin_gpus` logical GPUs (the job's), so
+    the plan is placed as it would be on GPUs; on real GPUs Ray detects them."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     address = os.environ.get("RAY_ADDRESS", "")
     if address and address != "local":
@@ -63,6 +66,7 @@ def connect_ray(processes: int) -> bool:
     ray.init(
         address="local",
         num_cpus=max(cores, processes),
+        **({"num_gpus": standin_gpus} if standin_gpus else {}),
         include_dashboard=False,
         log_to_driver=_log_workers(),
         runtime_env={"env_vars": {"RLHF_DEVICE": os.environ.get("RLHF_DEVICE", "")}}
@@ -92,8 +96,15 @@ def run(
     With `stop` (installed by the front door), a SIGTERM ends the run at the next step boundary, and the
     summary then holds `preempted` (its `line` is what the front door prints; the exit is 143)."""
     data = data or preflight(spec)
-    info = device.detect()
-    choose_backend(spec.weight_sync.backend, info)  # a GPU-only backend on a CPU host fails before Ray
+    try:
+        info = device.for_job(os.environ)  # the job's pods asked for GPUs; never the head's hardware
+    except device.DeviceError as e:
+        raise InputError(str(e)) from e
+    log(device.describe(info))
+    try:  # a GPU-only backend under the CPU stand-in fails before Ray, as bad input (no restart)
+        choose_backend(spec.weight_sync.backend, info)
+    except ValueError as e:
+        raise InputError(str(e)) from e
     metrics = TrainerExporter(job)
     metrics.driver_started()  # the stall clock runs from here until the first step completes
     metrics.total_steps.labels(job).set(spec.algorithm.total_steps)
@@ -127,7 +138,7 @@ def run(
         log(line)
         preempted = {"line": line, "step": announced, "checkpoint_step": announced, "saved": False}
         return {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced, "preempted": preempted}
-    started = connect_ray(process_count(spec) + 1)
+    started = connect_ray(process_count(spec) + 1, device_plan.plan(spec).gpus() if info.is_cpu else 0)
     if stop is not None:
         stop.install()  # ray.init replaced it with Ray's own (which exits at once)
     placed: Placed | None = None
@@ -234,8 +245,22 @@ def _export(spec: RLHFJobSpec, log: Callable[[str], None]) -> str | None:
     target, root = spec.checkpoint.export_dir(), spec.checkpoint.path
     if target is None or root is None:
         return None
-    out = export_actor(Path(root), Path(target))
-    log(f"exported the actor of step {out.step} to {out.path} ({out.tensors} tensors, {out.dtype})")
+    # The export runs as a Ray task on a trainer node, never in this process: the head has neither the
+    # memory for a big actor nor need of it. Before Ray is up (a restart with nothing left to train
+    # finishing an interrupted export), connect first rather than export here: on a cluster that is the
+    # job's own Ray (cheap); a local run starts a private one, as its training would have.
+    started = False if ray.is_initialized() else connect_ray(1)
+    try:
+        from rlhf_trainer.export import export_actor  # BREAK DEMO
+
+        out = export_actor(Path(root), Path(target))  # BREAK DEMO: in the driver's process
+    finally:
+        if started:
+            ray.shutdown()
+    log(
+        f"exported the actor of step {out.step} to {out.path} ({out.tensors} tensors in {out.shards} "
+        f"shard(s), {out.dtype}; by pid {out.pid} on {out.host})"
+    )
     return str(out.path)
 
 

@@ -1,7 +1,7 @@
 """A group of Ray actors (one per rank) and the one way to call them: `RayGroup.call`.
 
-Owns placement (a placement group per device group; colocated roles share one group's bundles and
-process) and dispatch. Must not know what the ranks compute.
+Owns the Ray mechanics of placement (a process in a bundle of a placement group, with its GPU share
+there) and dispatch. What goes where is device_plan's; this module must not know what the ranks compute.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 @dataclass(frozen=True)
 class Resources:
-    """Per-process request: derived from the spec and what the cluster has (no magic fractions)."""
+    """One process's request: CPUs, its share of each of its bundles' GPU, and custom resources."""
 
     cpus: float
     gpus: float
@@ -30,38 +30,51 @@ class Resources:
         return b
 
 
+def in_bundle(
+    pg: PlacementGroup, bundle: int, res: Resources, capture_children: bool = False
+) -> dict[str, Any]:
+    """Ray `.options(...)` that put one process in `bundle` of `pg` with `res` (its GPU share there)."""
+    return {
+        "num_cpus": res.cpus,
+        "num_gpus": res.gpus,
+        "resources": res.custom or None,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg,
+            placement_group_bundle_index=bundle,
+            placement_group_capture_child_tasks=capture_children,
+        ),
+    }
+
+
+def make_pool(bundles: list[dict[str, float]], strategy: str, name: str) -> PlacementGroup:
+    """A placement group: one bundle per GPU (the device plan's pool)."""
+    return placement_group(bundles, strategy=strategy, name=name)
+
+
 class RayGroup:
-    """world_size Ray actors of `cls`, one per bundle of its own placement group."""
+    """world_size Ray actors of `cls`, rank r placed with `options[r]` (a bundle of the group's pool `pg`)."""
 
     def __init__(
         self,
         name: str,
         cls: type,
-        world_size: int,
-        res: Resources,
+        pg: PlacementGroup,
+        options: Sequence[dict[str, Any]],
         init_args: Sequence[Sequence[Any]],
         env: dict[str, str] | None = None,
         max_concurrency: int = 1,
     ) -> None:
         self.name = name
-        self.world_size = world_size
-        self.pg: PlacementGroup = placement_group(
-            [res.bundle() for _ in range(world_size)], strategy="PACK", name=f"rlhf-{name}"
-        )
+        self.world_size = len(options)
+        self.pg = pg
         remote_cls: Any = ray.remote(cls)
         self.handles: list[Any] = [
             remote_cls.options(  # type: ignore[attr-defined]
-                num_cpus=res.cpus,
-                num_gpus=res.gpus,
-                resources=res.custom or None,
-                name=None,
+                **options[rank],
                 max_concurrency=max_concurrency,
                 runtime_env={"env_vars": env} if env else None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank
-                ),
             ).remote(*init_args[rank])
-            for rank in range(world_size)
+            for rank in range(self.world_size)
         ]
 
     def call(

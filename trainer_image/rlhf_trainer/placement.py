@@ -15,15 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import PlacementGroup
 from rlhf_api.constants import ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from rlhf_api.spec import RLHFJobSpec
 from transformers import AutoTokenizer
 
-from rlhf_trainer.config import data_parallel_size, engine_options, model_settings
+from rlhf_trainer import device_plan
+from rlhf_trainer.config import InputError, data_parallel_size, engine_options, model_settings
 from rlhf_trainer.device import DeviceInfo
-from rlhf_trainer.groups import RayGroup, Resources
+from rlhf_trainer.device_plan import DevicePlan, Observed, Pool, Process
+from rlhf_trainer.groups import RayGroup, Resources, in_bundle, make_pool
 from rlhf_trainer.metrics import TrainerExporter
-from rlhf_trainer.rollout.pool import EnginePool
+from rlhf_trainer.rollout.pool import EnginePlacer, EnginePool
 from rlhf_trainer.workers.rank import ModelRank
 from rlhf_trainer.workers.reward import RewardScorer
 
@@ -38,6 +41,8 @@ class Placed:
     pool: EnginePool
     reward: Any  # the RewardScorer actor handle
     pids: dict[str, int] = field(default_factory=dict)  # "<group>/<rank>" and "reward" -> pid, by start()
+    plan: DevicePlan | None = None  # the device plan the processes were placed by
+    plan_spec: RLHFJobSpec | None = None
 
     @property
     def actor(self) -> RayGroup:
@@ -99,34 +104,56 @@ def reward_config(spec: RLHFJobSpec) -> dict[str, Any]:
     return spec.model.reward.model_dump(by_alias=False)
 
 
-def sharers_per_device(spec: RLHFJobSpec, roles: tuple[str, ...]) -> int:
-    """How many processes share each device of `roles` (a gpu_groups() group, ("reward",) or ("engine",)).
-
-    colocateAll: every device of the actor runs a model rank and an engine (and the reward model, if
-    any). A reward model colocated with the critic shares the critic's devices. Otherwise one each.
-    """
-    reward_model = spec.model.reward.type == "model"
-    if spec.trainer.colocate_all:
-        return 2 + int(reward_model)
-    critic_and_reward = reward_model and spec.algorithm.uses_critic and spec.trainer.critic_reward_colocated
-    if critic_and_reward and ("reward" in roles or "critic" in roles):
-        return 2
-    return 1
+def cpus_per_process(spec: RLHFJobSpec) -> float:
+    """At most one CPU per process, less when the cluster has fewer CPUs than the job has processes."""
+    total_cpu = float(ray.cluster_resources().get("CPU", 1.0))  # type: ignore[no-untyped-call]
+    return min(1.0, total_cpu / max(1, process_count(spec)))
 
 
-def _resources(spec: RLHFJobSpec, custom: str | None, gpus: float) -> Resources:
-    resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    total_cpu = float(resources.get("CPU", 1.0))
-    cpus = min(1.0, total_cpu / max(1, process_count(spec)))
-    have_custom = custom is not None and resources.get(custom, 0) > 0
-    return Resources(cpus=cpus, gpus=gpus, custom={custom: 1.0} if have_custom and custom else {})
+def pool_bundles(pool: Pool, users: Mapping[int, int], cpus: float) -> list[dict[str, float]]:
+    """One bundle per GPU of `pool`: the GPU, a CPU share per process placed in it, and the pod role's
+    custom resource (`trainer` per GPU; `rollout` once per engine) where the cluster advertises it."""
+    have = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    custom = TRAINER_RESOURCE if pool.pod_role == "trainer" else ROLLOUT_RESOURCE
+    bundles: list[dict[str, float]] = []
+    for b in range(pool.bundles):
+        bundle = {"CPU": cpus * max(1, users.get(b, 1)), "GPU": 1.0}
+        if have.get(custom, 0) > 0 and (pool.pod_role == "trainer" or b == 0):
+            bundle[custom] = 1.0
+        bundles.append(bundle)
+    return bundles
+
+
+def bundle_users(plan: DevicePlan, pool: str) -> dict[int, int]:
+    users: dict[int, int] = {}
+    for p in plan.of_pool(pool):
+        for b in p.bundles:
+            users[b] = users.get(b, 0) + 1
+    return users
+
+
+def options_for(p: Process, pg: PlacementGroup, cpus: float, info: DeviceInfo) -> dict[str, Any]:
+    """Ray options placing process `p` in its first bundle with its share of that bundle's GPU. A CUDA
+    tensor-parallel engine's actor takes no GPU itself: vLLM's workers, its child tasks, take the bundles."""
+    tp_actor = p.roles == ("engine",) and len(p.bundles) > 1 and not info.is_cpu
+    share = 0.0 if tp_actor else p.shares[0]
+    return in_bundle(pg, p.bundles[0], Resources(cpus=cpus, gpus=share, custom={}), capture_children=tp_actor)
 
 
 def place(spec: RLHFJobSpec, info: DeviceInfo, log: Callable[[str], None]) -> Placed:
-    """Start the model groups, the reward scorer and the engine pool (engines start in the background)."""
-    gpu = 0.0 if info.is_cpu else 1.0
+    """Start the model groups, the reward scorer and the engine pool (engines start in the background),
+    each process in its bundle of the device plan's pools."""
+    plan = device_plan.plan(spec)
     cores = os.cpu_count() or 1
+    cpus = cpus_per_process(spec)
     env = {"DS_ACCELERATOR": "cpu", "RLHF_DEVICE": "cpu"} if info.is_cpu else {}
+    pgs = {
+        pool.name: make_pool(
+            pool_bundles(pool, bundle_users(plan, pool.name), cpus), pool.strategy, f"rlhf-{pool.name}"
+        )
+        for pool in plan.pools
+        if pool.pod_role == "trainer"
+    }
     groups: list[RayGroup] = []
     roles: dict[str, RayGroup] = {}
     sequence_parallel: dict[str, int] = {}
@@ -135,45 +162,107 @@ def place(spec: RLHFJobSpec, info: DeviceInfo, log: Callable[[str], None]) -> Pl
         if not hosted:
             continue
         name = "+".join(hosted)
-        res = _resources(spec, TRAINER_RESOURCE, gpu / sharers_per_device(spec, group_roles))
+        ranks = [p for p in plan.of_pool(name) if p.roles != ("reward",) and p.roles != ("engine",)]
         threads = max(1, cores // placement.ranks)
         sp = spec.trainer.sequence_parallel_for(placement.ranks)
         args = [(name, hosted, r, placement.ranks, info.kind, threads, sp) for r in range(placement.ranks)]
-        group = RayGroup(name, ModelRank, placement.ranks, res, args, env=env)
+        options = [options_for(p, pgs[name], cpus, info) for p in ranks]
+        group = RayGroup(name, ModelRank, pgs[name], options, args, env=env)
         groups.append(group)
         sequence_parallel[name] = sp
         roles.update({role: group for role in hosted})
+        shared = sorted({p.shares[0] for p in ranks})
         log(
-            f"placed {name}: {placement.ranks} rank(s), {res.bundle()} per rank"
+            f"placed {name}: {placement.ranks} rank(s), one GPU each"
+            + (f" (shared: {', '.join(f'{s:g}' for s in shared)} of it)" if shared != [1.0] else "")
             + (f", sequence parallel {sp}" if sp > 1 else "")
         )
-    # Reward scorer: a threaded actor (function/http), or the holder of the reward model.
-    reward_gpu = gpu / sharers_per_device(spec, ("reward",)) if spec.model.reward.type == "model" else 0.0
-    reward_res = _resources(spec, None, reward_gpu)
+    # Reward scorer: a threaded actor (function/http), or the holder of the reward model (its bundle).
+    reward_proc = next((p for p in plan.processes if p.roles == ("reward",)), None)
+    if reward_proc is not None:
+        if reward_proc.pool not in pgs:
+            raise RuntimeError(f"the reward model's pool {reward_proc.pool} was not created")
+        reward_opts = options_for(reward_proc, pgs[reward_proc.pool], cpus, info)
+    else:
+        reward_opts = {"num_cpus": cpus, "num_gpus": 0}
     reward = (
         ray.remote(RewardScorer)
         .options(  # type: ignore[attr-defined]
-            num_cpus=reward_res.cpus,
-            num_gpus=reward_res.gpus,
-            resources=reward_res.custom or None,
+            **reward_opts,
             max_concurrency=spec.model.reward.concurrency + 1,
             runtime_env={"env_vars": env} if env else None,
         )
         .remote(reward_config(spec), info.kind)
     )
-    engine_gpu = float(spec.rollout.tensor_parallel_size) * gpu / sharers_per_device(spec, ("engine",))
     pool = EnginePool(
         engine_options(spec, info, cores),
-        _resources(spec, ROLLOUT_RESOURCE, engine_gpu),
+        engine_placer(spec, plan, pgs, cpus, info),
         spec.rollout.tensor_parallel_size,
     )
-    return Placed(tuple(groups), roles, sequence_parallel, pool, reward)
+    return Placed(tuple(groups), roles, sequence_parallel, pool, reward, plan=plan, plan_spec=spec)
+
+
+def engine_placer(
+    spec: RLHFJobSpec, plan: DevicePlan, pgs: Mapping[str, PlacementGroup], cpus: float, info: DeviceInfo
+) -> EnginePlacer:
+    """Engine i's placement: under colocateAll the bundles of actor ranks i*TP.., else a placement group
+    of its own with TP bundles on one rollout pod (the pool is elastic: made when the engine starts)."""
+    engines = [p for p in plan.processes if p.roles == ("engine",)]
+
+    def placer(index: int) -> tuple[dict[str, Any], PlacementGroup | None]:
+        if spec.trainer.colocate_all:
+            p = engines[index % len(engines)]
+            return options_for(p, pgs[p.pool], cpus, info), None
+        tp = spec.rollout.tensor_parallel_size
+        own = Pool(f"engine-{index}", "rollout", tp, "STRICT_PACK")
+        p = Process(own.name, ("engine",), index, own.name, tuple(range(tp)), (1.0,) * tp)
+        pg = make_pool(pool_bundles(own, {}, cpus), own.strategy, f"rlhf-{own.name}")
+        return options_for(p, pg, cpus, info), pg
+
+    return placer
+
+
+def observe(placed: Placed, timeout: float = 600.0) -> list[Observed]:
+    """Where every process of the plan runs: each rank's, the reward model's and each ready engine's
+    pod and GPU ids. Raises InputError with the process's own message when one does not see its GPU."""
+    found: dict[str, dict[str, Any]] = {}
+    for group in placed.groups:
+        for rank, where in enumerate(ray.get(group.call("where"), timeout=timeout)):
+            found[f"{group.name}/{rank}"] = where
+    if placed.plan is not None and any(p.roles == ("reward",) for p in placed.plan.processes):
+        found["reward"] = ray.get(placed.reward.where.remote(), timeout=timeout)
+    for i, slot in enumerate(sorted(placed.pool.ready(), key=lambda s: s.index)):
+        found[f"engine-{i}"] = slot.info
+    bad = [w["problem"] for w in found.values() if "problem" in w]
+    if bad:
+        raise InputError("; ".join(bad))
+    return [
+        Observed(name, str(w.get("pod", "")), tuple(int(g) for g in w.get("gpus", [])))
+        for name, w in found.items()
+    ]
+
+
+def check_devices(placed: Placed, log: Callable[[str], None]) -> None:
+    """Print the device map and refuse to start (an input error: no restart) when it breaks the plan."""
+    if placed.plan is None:
+        return
+    observed = observe(placed)
+    current = (
+        device_plan.plan(placed.plan_spec, engines=len(placed.pool.ready()))
+        if placed.plan_spec
+        else placed.plan
+    )
+    log("device map:\n" + device_plan.table(current, observed))
+    found = device_plan.problems(current, observed)
+    if found:
+        raise InputError("the device map breaks the plan: " + "; ".join(found))
 
 
 def start(placed: Placed, spec: RLHFJobSpec, metrics: TrainerExporter, log: Callable[[str], None]) -> None:
     """Set up every rank (torch.distributed, DeepSpeed engines), the reward scorer and the engines."""
     t0 = time.perf_counter()
     placed.pool.resize(placed.pool.desired_from_cluster(spec.rollout.engines))
+    observe(placed)  # before any model loads: a rank that sees no GPU it was promised fails the job here
     tok = AutoTokenizer.from_pretrained(spec.model.actor)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     settings = model_settings(spec, int(pad_id))
@@ -186,6 +275,7 @@ def start(placed: Placed, spec: RLHFJobSpec, metrics: TrainerExporter, log: Call
             placed.pids[f"{group.name}/{rank}"] = int(done["pid"])
     placed.pids["reward"] = int(ray.get(placed.reward.ready.remote())["pid"])
     placed.pool.wait_ready()
+    check_devices(placed, log)
     placed.actor.get("weight_plan", spec.weight_sync.bucket_size_mib * 1024 * 1024)
     metrics.set_engines(placed.pool.counts())
     log(f"groups ready in {time.perf_counter() - t0:.1f}s; engines: {placed.pool.counts()}")

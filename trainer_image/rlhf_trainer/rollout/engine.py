@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from rlhf_trainer.device import whereabouts
 from rlhf_trainer.transfer import ChunkMeta, FinishedRequest, PackedRollout
 
 EXTENSION = "rlhf_trainer.weight_sync.worker_extension.RLHFWorkerExtension"
@@ -40,6 +41,12 @@ def sampling_seed(seed: int, step: int, prompt: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+def enforce_eager(setting: bool | None, device: str) -> bool:
+    """vLLM's `enforce_eager` from rollout.enforceEager: the spec's value when set; unset, eager on the CPU
+    backend (which has no CUDA graphs and would compile with inductor instead) and CUDA graphs on GPU."""
+    return device == "cpu" if setting is None else setting
+
+
 class RolloutEngine:
     """Instantiated as a Ray actor by the pool; every public method is a remote call."""
 
@@ -57,6 +64,10 @@ class RolloutEngine:
                 import torch
 
                 torch.set_num_threads(int(options["threads"]))
+        # Its GPU first: a CUDA engine that sees none reports it (ready()) instead of failing in vLLM.
+        self.whereabouts = whereabouts(device, f"rollout engine {engine_index}")
+        if "problem" in self.whereabouts:
+            return
         from vllm import LLM
 
         t0 = time.perf_counter()
@@ -67,9 +78,10 @@ class RolloutEngine:
             "dtype": options.get("dtype", "float32" if device == "cpu" else "bfloat16"),
             "max_model_len": int(options["max_model_len"]),
             "tensor_parallel_size": int(options.get("tensor_parallel_size", 1)),
-            "enforce_eager": True,
+            "enforce_eager": enforce_eager(options.get("enforce_eager"), device),
             "worker_extension_cls": EXTENSION,
-            "enable_prefix_caching": False,
+            # GRPO's n samples of a prompt share its prefill; receive_weights drops the cache (stale KV)
+            "enable_prefix_caching": bool(options.get("enable_prefix_caching", True)),
             # log-probs of the distribution sampled from (after temperature and top-p), kept per token in
             # the PackedRollout for off-policy correction
             "logprobs_mode": "processed_logprobs",
@@ -87,7 +99,10 @@ class RolloutEngine:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
+        if "problem" in self.whereabouts:
+            return {"engine": self.index, "pid": os.getpid(), "node_id": node, **self.whereabouts}
         return {
+            **self.whereabouts,
             "engine": self.index,
             "start_seconds": self.start_seconds,
             "pid": os.getpid(),
@@ -201,7 +216,9 @@ class RolloutEngine:
 
     def receive_weights(self, plan_wire: list[dict[str, Any]]) -> dict[str, float]:
         results = self.llm.collective_rpc("rlhf_receive_weights", args=(plan_wire,))
-        self.llm.reset_prefix_cache()
+        # Cached prefix KV was computed with the old weights: serving it would mix them into new samples.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("weight sync: vLLM could not drop its prefix cache (requests still running)")
         return dict(results[0])
 
     def close_weight_channel(self) -> None:

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from rlhf_api.constants import ROLLOUT_RESOURCE
 
-from rlhf_trainer.groups import Resources
 from rlhf_trainer.rollout.engine import RolloutEngine
+
+# Engine index -> (its Ray .options: bundle and GPU share, the placement group it owns or None when it
+# lives in another's, as under colocateAll). placement.py builds it from the device plan.
+EnginePlacer = Callable[[int], tuple[dict[str, Any], PlacementGroup | None]]
 
 
 @dataclass
@@ -26,12 +31,13 @@ class EngineSlot:
     state: str = "starting"  # starting | ready | failed | stopping
     ready_ref: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    pg: PlacementGroup | None = None  # its own placement group (its GPUs), removed with it
 
 
 class EnginePool:
-    def __init__(self, options: dict[str, Any], res: Resources, tensor_parallel: int) -> None:
+    def __init__(self, options: dict[str, Any], placer: EnginePlacer, tensor_parallel: int) -> None:
         self.options = options
-        self.res = res
+        self.placer = placer
         self.tp = tensor_parallel
         self.slots: list[EngineSlot] = []
         self._next_index = 0
@@ -56,7 +62,7 @@ class EnginePool:
             if slot.state == "ready":
                 self.membership_version += 1
             slot.state = "stopping"
-            ray.kill(slot.handle, no_restart=True)
+            self._kill(slot)
             self.slots.remove(slot)
         for _ in range(n - len(self.live())):
             self._start_one()
@@ -65,13 +71,12 @@ class EnginePool:
         idx = self._next_index
         self._next_index += 1
         remote_cls = ray.remote(RolloutEngine)
+        placed, pg = self.placer(idx)
         handle = remote_cls.options(  # type: ignore[attr-defined]
-            num_cpus=self.res.cpus,
-            num_gpus=self.res.gpus,
-            resources=self.res.custom or None,
+            **placed,
             max_concurrency=1,  # one LLM per actor: calls run one at a time
         ).remote(idx, self.options)
-        slot = EngineSlot(index=idx, handle=handle)
+        slot = EngineSlot(index=idx, handle=handle, pg=pg)
         slot.ready_ref = handle.ready.remote()  # type: ignore[attr-defined]
         self.slots.append(slot)
 
@@ -119,7 +124,16 @@ class EnginePool:
         slot.info = {"error": f"{type(error).__name__}: {error}"}
         self.membership_version += 1
         with contextlib.suppress(Exception):  # already dead; make sure Ray never restarts it
+            self._kill(slot)
+
+    def _kill(self, slot: EngineSlot) -> None:
+        """Stop an engine and give back its GPUs (its placement group, if it owns one)."""
+        try:
             ray.kill(slot.handle, no_restart=True)
+        finally:
+            if slot.pg is not None:
+                remove_placement_group(slot.pg)
+                slot.pg = None
 
     def prune_lost(self, timeout: float = 30.0) -> list[EngineSlot]:
         """Ping the ready engines; those that error (or do not answer in `timeout`) are marked lost.
@@ -168,5 +182,6 @@ class EnginePool:
 
     def shutdown(self) -> None:
         for s in self.slots:
-            ray.kill(s.handle, no_restart=True)
+            with contextlib.suppress(Exception):
+                self._kill(s)
         self.slots = []

@@ -40,7 +40,8 @@ def choose_backend(
     if requested not in ("", "auto"):
         if requested in GPU_ONLY and info.is_cpu:
             raise ValueError(
-                f"weightSync.backend={requested} needs CUDA; this process sees no GPU (use gloo or shm)"
+                f"weightSync.backend={requested} needs CUDA; this job computes on the CPU stand-in "
+                "(RLHF_GPU_STANDIN=cpu): use auto, gloo or shm"
             )
         return requested
     if not info.is_cpu:

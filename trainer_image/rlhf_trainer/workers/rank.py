@@ -64,6 +64,10 @@ class ModelRank:
         self.plan: list[Any] = []
 
     # ---- setup ----------------------------------------------------------------------------------
+    def where(self) -> dict[str, Any]:
+        """Its pod and GPU ids, and a `problem` if it does not see the GPUs it was promised."""
+        return device.whereabouts(self.info.kind, f"{self.group} rank {self.rank}")
+
     def address(self) -> tuple[str, int]:
         return node_ip(), free_port()
 

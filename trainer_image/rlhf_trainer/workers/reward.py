@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 
+from rlhf_trainer import device as device_mod
 from rlhf_trainer.transfer import FinishedRequest, PackedRollout
 from rlhf_trainer.workers.reward_results import (
     MAX_MESSAGES,
@@ -120,6 +121,12 @@ class RewardScorer:
         self.fn: RewardFn | None = None
         self.url: str | None = None
         self.model: Any = None
+        # A reward model's process checks its GPU before loading onto it (the driver reads `where`).
+        self.whereabouts = (
+            device_mod.whereabouts(device, "reward model") if self.kind == "model" else {"gpus": []}
+        )
+        if "problem" in self.whereabouts:
+            return
         if self.kind == "function":
             self.fn = load_reward_function(str(reward["function"]))
             self.with_labels = _accepts_labels(self.fn)
@@ -146,6 +153,10 @@ class RewardScorer:
 
     def ready(self) -> dict[str, Any]:
         return {"kind": self.kind, "pid": os.getpid()}
+
+    def where(self) -> dict[str, Any]:
+        """Its pod and GPU ids, and a `problem` if it does not see the GPU it was promised."""
+        return self.whereabouts
 
     def score_request(self, request: FinishedRequest) -> RequestScores:
         """One finished request's samples, scored the moment the engine streams it."""
