@@ -300,6 +300,7 @@ def real_pods(t_all: float) -> int:
         "--create-namespace", "--wait", "--timeout", "5m",
         "--set", f"image.repository={op_repo}", "--set", f"image.tag={op_tag}",
         "--set", f"jobDefaults.trainerImage.repository={tr_repo}", "--set", f"jobDefaults.trainerImage.tag={tr_tag}",
+        "--set", "jobDefaults.gpuStandIn=cpu",  # the node's nvidia.com/gpu is advertised, not real
         "--set", "nodeSelector.rlhf\\.dev/node=real",
         "--set", "tolerations[0].key=rlhf.dev/real-node", "--set", "tolerations[0].operator=Exists",
     )  # fmt: skip
@@ -385,6 +386,7 @@ def main() -> int:
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={DASHBOARD_PORT}",
                 "--num-cpus=4",
+                "--num-gpus=16",  # logical GPUs: the jobs' whole-GPU placement, under the CPU stand-in
                 "--disable-usage-stats",
                 "--temp-dir=/tmp/rlhf-demo-ray",
                 "--min-worker-port=31000",
@@ -400,6 +402,7 @@ def main() -> int:
                 "RLHF_DEV_DASHBOARD_PORT": str(DASHBOARD_PORT),
                 "RLHF_OPERATOR_METRICS_PORT": "0",
                 "RLHF_RECONCILE_INTERVAL": "1",
+                "RLHF_GPU_STANDIN": "cpu",  # KWOK's GPUs are advertised, not real
             },
         )
         done(

@@ -139,6 +139,8 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={RAY_DASHBOARD_PORT}",
                 "--num-cpus=4",
+                # Logical GPUs for every job's whole-GPU placement under the CPU stand-in (RLHF_GPU_STANDIN).
+                "--num-gpus=16",
                 "--include-dashboard=true",
                 "--disable-usage-stats",
                 f"--temp-dir={temp}",

@@ -207,6 +207,8 @@ class OperatorProcess:
             "RLHF_DEV_DASHBOARD_PORT": str(RAY_DASHBOARD_PORT),
             "RLHF_OPERATOR_METRICS_PORT": "0",
             "RLHF_RECONCILE_INTERVAL": "1",
+            # KWOK's nvidia.com/gpu is advertised, not real: the named CPU stand-in (docs/gpu-cluster.md).
+            "RLHF_GPU_STANDIN": "cpu",
             **self.extra_env,
             **env,
         }

@@ -25,3 +25,6 @@ PREEMPTED_EXIT_CODE: Final = 143
 SHUTDOWN_MARGIN_SECONDS: Final = 10
 # Env var carrying the trainer's stop budget in seconds (grace period less the margin).
 STOP_BUDGET_ENV: Final = "RLHF_STOP_BUDGET_SECONDS"
+# The named CPU stand-in for GPUs advertised but not real: the operator passes it (chart value
+# jobDefaults.gpuStandIn) to each job's driver, which reads it (rlhf_trainer.device.for_job).
+GPU_STANDIN_ENV: Final = "RLHF_GPU_STANDIN"

@@ -107,7 +107,7 @@ def use_private_ray() -> None:
             "RAY_ADDRESS": "local",
             "RAY_TMPDIR": common.BENCH_RAY_TMP,
             "RLHF_WORKER_LOGS": "0",
-            "RLHF_DEVICE": "cpu",
+            "RLHF_GPU_STANDIN": "cpu",  # no GPU here: logical GPUs placed, CPU kernels (the named stand-in)
             "DS_ACCELERATOR": "cpu",
         }
     )

@@ -53,6 +53,9 @@ REMOTE = throttle.from_env()
 # Development override (docs/development.md): reach every RayCluster head at this host instead of its
 # Service DNS name, because pods never run here and the Ray workload runs on a local Ray head.
 DEV_HEAD_HOST = os.environ.get("RLHF_DEV_HEAD_HOST", "")
+# The named CPU stand-in for GPUs advertised but not real (the chart's jobDefaults.gpuStandIn): passed to
+# every job's driver, which then places on Ray's logical GPUs and computes on CPU. Empty: real GPUs.
+GPU_STANDIN = os.environ.get("RLHF_GPU_STANDIN", "").strip()
 # The trainer image of jobs that name none (the chart's jobDefaults.trainerImage).
 DEFAULT_TRAINER_IMAGE = (
     os.environ.get("RLHF_DEFAULT_TRAINER_IMAGE", "").strip() or constants.DEFAULT_TRAINER_IMAGE
@@ -703,7 +706,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
                 rj.submit(
                     decision.submission_id,
                     manifests.trainer_entrypoint(job),
-                    runtime_env=manifests.trainer_runtime_env(job),
+                    runtime_env=manifests.trainer_runtime_env(job, gpu_standin=GPU_STANDIN),
                     metadata={"rlhfjob": job.name, "namespace": namespace},
                 )
             failpoints.hit("after_submit")

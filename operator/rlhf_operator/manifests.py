@@ -16,6 +16,7 @@ from typing import Any
 from rlhf_api import pod_settings
 from rlhf_api.constants import (
     DEFAULT_TRAINER_IMAGE,
+    GPU_STANDIN_ENV,
     ROLLOUT_RESOURCE,
     SHUTDOWN_MARGIN_SECONDS,
     STOP_BUDGET_ENV,
@@ -333,8 +334,11 @@ def trainer_entrypoint(job: RLHFJob) -> str:
     )
 
 
-def trainer_runtime_env(job: RLHFJob, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The Ray job's runtime env: the spec, the job's identity, and `spec.pods.env`'s literal values.
+def trainer_runtime_env(
+    job: RLHFJob, extra_env: dict[str, str] | None = None, gpu_standin: str = ""
+) -> dict[str, Any]:
+    """The Ray job's runtime env: the spec, the job's identity, `spec.pods.env`'s literal values, and the
+    operator's GPU stand-in setting (`RLHF_GPU_STANDIN`, which a job's own env may override).
 
     The pods' env also reaches every Ray actor this way (Ray workers do not inherit a container's env
     when their raylet was started elsewhere), and under the dev override, where the pods are KWOK's and
@@ -344,6 +348,7 @@ def trainer_runtime_env(job: RLHFJob, extra_env: dict[str, str] | None = None) -
         str(e["name"]): str(e["value"]) for e in (job.spec.pods.env or []) if "name" in e and "value" in e
     }
     env = {
+        **({GPU_STANDIN_ENV: gpu_standin} if gpu_standin else {}),
         **literal,
         "RLHF_SPEC_JSON": job.spec.model_dump_json(by_alias=True, exclude_none=True),
         "RLHF_JOB_NAME": job.name,

@@ -83,7 +83,8 @@ def operator_release(
     tr_repo, tr_tag = images.trainer.rsplit(":", 1)
     values = {
         "image": {"repository": op_repo, "tag": op_tag, "pullPolicy": "Never"},
-        "jobDefaults": {"trainerImage": {"repository": tr_repo, "tag": tr_tag}},
+        # The node's nvidia.com/gpu is advertised, not real: the chart's named CPU stand-in.
+        "jobDefaults": {"trainerImage": {"repository": tr_repo, "tag": tr_tag}, "gpuStandIn": "cpu"},
         "operator": {"logFormat": "json"},
         **on_real_node(),
     }

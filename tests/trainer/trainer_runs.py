@@ -73,6 +73,8 @@ def run_env(ray_tmp: Path) -> dict[str, str]:
         "RAY_TMPDIR": str(ray_tmp),
         "RLHF_WORKER_LOGS": "0",
         "PYTHONUNBUFFERED": "1",
+        # No GPU here: the job's GPUs are Ray's logical ones, computed on with CPU kernels (named stand-in).
+        "RLHF_GPU_STANDIN": "cpu",
     }
 
 

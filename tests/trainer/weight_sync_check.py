@@ -10,6 +10,7 @@ Usage: weight_sync_check.py MANIFEST [path.to.field=value ...]
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,11 @@ import ray
 import torch
 import yaml
 from prometheus_client import generate_latest
+from rlhf_trainer import device_plan
 from rlhf_trainer.checkpoint import Checkpointer
 from rlhf_trainer.cli import apply_overrides
 from rlhf_trainer.config import parse_spec, preflight
-from rlhf_trainer.device import detect
+from rlhf_trainer.device import for_job
 from rlhf_trainer.driver import connect_ray
 from rlhf_trainer.export import export_actor
 from rlhf_trainer.loop import StepContext, run_step
@@ -52,8 +54,10 @@ def main() -> int:
     manifest = apply_overrides(yaml.safe_load(Path(sys.argv[1]).read_text()), sys.argv[2:])
     spec = parse_spec(manifest)
     data = preflight(spec)
-    metrics, info = TrainerExporter("wscheck"), detect()
-    started = connect_ray(process_count(spec) + 1)
+    metrics, info = TrainerExporter("wscheck"), for_job(os.environ)  # the runner sets the CPU stand-in
+    started = connect_ray(
+        process_count(spec) + 1, device_plan.most_gpus(spec) + 1 if info.is_cpu else 0
+    )  # +1: it grows the pool
     placed: Placed | None = None
     sync: WeightSyncManager | None = None
     try:

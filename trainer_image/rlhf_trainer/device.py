@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-STANDIN_ENV = "RLHF_GPU_STANDIN"
+from rlhf_api.constants import GPU_STANDIN_ENV
+
+STANDIN_ENV = GPU_STANDIN_ENV
 STANDINS = ("cpu",)
 
 

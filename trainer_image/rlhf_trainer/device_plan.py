@@ -111,6 +111,13 @@ def plan(spec: RLHFJobSpec, engines: int | None = None) -> DevicePlan:
     return DevicePlan(tuple(pools), processes)
 
 
+def most_gpus(spec: RLHFJobSpec) -> int:
+    """GPUs of the plan at the most engines the job may run (the autoscaler's maximum): what a local Ray
+    started under the CPU stand-in advertises as logical GPUs."""
+    auto = spec.rollout.autoscaling
+    return plan(spec, max(spec.rollout.engines, auto.max_engines if auto.enabled else 0)).gpus()
+
+
 def expected_sharing(device_plan: DevicePlan) -> dict[str, frozenset[str]]:
     """For each process, the processes it must share each of its GPUs with (same pool and bundle)."""
     by_slot: dict[tuple[str, int], set[str]] = defaultdict(set)

@@ -138,7 +138,7 @@ def run(
         log(line)
         preempted = {"line": line, "step": announced, "checkpoint_step": announced, "saved": False}
         return {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced, "preempted": preempted}
-    started = connect_ray(process_count(spec) + 1, device_plan.plan(spec).gpus() if info.is_cpu else 0)
+    started = connect_ray(process_count(spec) + 1, device_plan.most_gpus(spec) if info.is_cpu else 0)
     if stop is not None:
         stop.install()  # ray.init replaced it with Ray's own (which exits at once)
     placed: Placed | None = None
@@ -251,9 +251,7 @@ def _export(spec: RLHFJobSpec, log: Callable[[str], None]) -> str | None:
     # job's own Ray (cheap); a local run starts a private one, as its training would have.
     started = False if ray.is_initialized() else connect_ray(1)
     try:
-        from rlhf_trainer.export import export_actor  # BREAK DEMO
-
-        out = export_actor(Path(root), Path(target))  # BREAK DEMO: in the driver's process
+        out = export_on_trainer(Path(root), Path(target))
     finally:
         if started:
             ray.shutdown()
