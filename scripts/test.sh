@@ -75,6 +75,8 @@ if ! python3 devcluster/devcluster.py status >/dev/null 2>&1; then started_clust
 bg_start cluster-build python3 devcluster/devcluster.py build up
 
 pytest_stage trainer tests -m trainer || status=1
+# The GPU path on Ray's logical GPUs: `rlhf plan` on four geometries (the real-node run is in realnode).
+pytest_stage gpushape tests -m "gpushape and not realnode" || status=1
 bg_join cluster-build || { summary; exit 1; }
 bg_start test-binaries python3 devcluster/devcluster.py build test
 bg_join images || status=1

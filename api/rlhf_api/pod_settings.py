@@ -1,5 +1,6 @@
-"""A role's effective pod settings: the job-wide defaults under `spec.pods`, refined by `pods.<role>`,
-over the defaults that make every pod pass the restricted Pod Security Standard. Pure.
+"""A role's effective pod settings: the job-wide defaults under `spec.pods`, refined by `pods.fabric` for
+the pods that talk NCCL (trainer and rollout), then by `pods.<role>`, over the defaults that make every
+pod pass the restricted Pod Security Standard. Pure.
 
 Merge rules (documented in docs/api.md): maps merge key by key; name-keyed lists merge by that key
 (the role's entry replaces the default's, in the default's place); tolerations and envFrom add up;
@@ -15,6 +16,8 @@ from rlhf_api.spec import DEFAULT_GPU_RESOURCE, PodSettings, PodsSpec
 
 PodRole = Literal["head", "trainer", "rollout"]
 POD_ROLES: Final[tuple[PodRole, ...]] = ("head", "trainer", "rollout")
+# The roles whose pods join NCCL groups (ZeRO-3 among trainer ranks, the weight sync with the engines).
+FABRIC_ROLES: Final[tuple[PodRole, ...]] = ("trainer", "rollout")
 # The trainer image's user (trainer_image/Dockerfile). The restricted profile needs a non-root uid, no
 # privilege escalation, every capability dropped and a seccomp profile; fsGroup makes a PVC writable.
 IMAGE_UID: Final = 10001
@@ -97,8 +100,10 @@ def _resources(base: Any, over: Any) -> Any:
 
 
 def for_role(pods: PodsSpec, role: PodRole) -> PodSettings:
-    """The settings of `role`'s pods, before the restricted-profile defaults (see `security_contexts`)."""
-    return merged(pods, getattr(pods, role))
+    """The settings of `role`'s pods: the job-wide defaults, then `pods.fabric` (FABRIC_ROLES only), then
+    `pods.<role>`; before the restricted-profile defaults (see `security_contexts`)."""
+    defaults = merged(pods, pods.fabric) if role in FABRIC_ROLES else pods
+    return merged(defaults, getattr(pods, role))
 
 
 def gpu_resource(settings: PodSettings) -> str:

@@ -470,6 +470,18 @@ class RolloutSpec(_Spec):
     enable_sleep: bool = Field(
         default=False, description="Put engines to sleep (free KV cache and weights) while the trainer runs."
     )
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="Run vLLM eagerly: no torch.compile and no CUDA graphs. Unset: compiled with CUDA "
+        "graphs on GPU (faster decoding, after a longer engine start), eager on the CPU backend. true "
+        "saves the start time and the graphs' memory; false on CPU compiles with inductor at start.",
+    )
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="vLLM's prefix caching: a prompt's KV, computed once, serves its other samples "
+        "(algorithm.samplesPerPrompt) and repeated prompts. The cache is dropped at every weight sync, so "
+        "no sample sees KV of older weights.",
+    )
     temperature: float = Field(
         default=1.0,
         gt=0,
@@ -641,14 +653,16 @@ class SecuritySpec(_Spec):
 
 
 class ResourceRequirements(_Spec):
-    """CPU and memory of a pod's container, as in a container's resources. GPUs come from the placements
-    (under the role's gpuResourceName): do not set them here."""
+    """CPU, memory and extended resources of a pod's container, as in a container's resources. GPUs come
+    from the placements (under the role's gpuResourceName): do not set them here."""
 
     requests: dict[str, Quantity] | None = Field(
         default=None, description="Minimum resources, e.g. {cpu: 8, memory: 64Gi}."
     )
     limits: dict[str, Quantity] | None = Field(
-        default=None, description="Maximum resources, e.g. {memory: 64Gi}."
+        default=None,
+        description="Maximum resources, e.g. {memory: 64Gi}; extended resources such as an RDMA device "
+        "(rdma/ib: 1) go here (their request defaults to the limit).",
     )
 
 
@@ -671,7 +685,8 @@ def _k8s(kind: str, description: str) -> Any:
 
 
 class PodSettings(_Spec):
-    """Pod settings of one role (head, trainer or rollout), or the job-wide defaults under `pods`.
+    """Pod settings of one role (head, trainer or rollout), of the pods that talk NCCL (`pods.fabric`),
+    or the job-wide defaults under `pods`.
 
     A role's value wins over the default: maps (nodeSelector, labels, annotations, resources) merge key by
     key; lists keyed by name (env, volumes, volumeMounts by mountPath, imagePullSecrets) merge by that key;
@@ -680,7 +695,9 @@ class PodSettings(_Spec):
     """
 
     resources: ResourceRequirements | None = Field(
-        default=None, description="CPU and memory of the Ray container (GPUs are set from the placements)."
+        default=None,
+        description="CPU, memory and extended resources such as RDMA devices of the Ray container (GPUs "
+        "are set from the placements).",
     )
     gpu_resource_name: str | None = Field(
         default=None,
@@ -756,9 +773,17 @@ class PodSettings(_Spec):
 
 
 class PodsSpec(PodSettings):
-    """Pod settings: the fields here are job-wide defaults; `head`, `trainer` and `rollout` refine them
-    for one role's pods (the head needs no GPU and can land on a CPU node, for example)."""
+    """Pod settings: the fields here are job-wide defaults; `fabric` refines them for every pod that talks
+    NCCL (trainer and rollout); `head`, `trainer` and `rollout` refine them for one role's pods (the head
+    needs no GPU and can land on a CPU node, for example)."""
 
+    fabric: PodSettings | None = Field(
+        default=None,
+        description="Settings of every pod that talks NCCL (the trainer and rollout pods, never the head), "
+        "given once for both: RDMA device resources (e.g. rdma/ib in resources.limits), NCCL_* env, the "
+        "network annotation, IPC_LOCK. Merged over the job-wide defaults; pods.trainer and pods.rollout "
+        "merge over it.",
+    )
     head: PodSettings | None = Field(default=None, description="The Ray head pod (runs the driver, no GPU).")
     trainer: PodSettings | None = Field(
         default=None, description="The trainer pods (actor, critic, reference and reward ranks)."

@@ -185,14 +185,20 @@ K8S_TYPED = {
     for name, field in PodSettings.model_fields.items()
     if isinstance(field.json_schema_extra, dict) and K8S_TYPE_KEY in field.json_schema_extra
 }
-POD_SETTINGS_PATHS = ("spec.pods", "spec.pods.head", "spec.pods.trainer", "spec.pods.rollout")
+POD_SETTINGS_PATHS = (
+    "spec.pods",
+    "spec.pods.fabric",
+    "spec.pods.head",
+    "spec.pods.trainer",
+    "spec.pods.rollout",
+)
 
 
 def _inside_kubernetes_type(path: str) -> bool:
     """Below a core/v1-typed field's own properties: descriptions are dropped there to keep the CRD small."""
     parts = path.replace("[]", "").split(".")
     for i, part in enumerate(parts):
-        if part in K8S_TYPED and i >= 3 and parts[i - 1] in ("pods", "head", "trainer", "rollout"):
+        if part in K8S_TYPED and i >= 3 and parts[i - 1] in ("pods", "fabric", "head", "trainer", "rollout"):
             return len(parts) - i >= 2
     return False
 

@@ -41,3 +41,27 @@ def test_sampling_seeds_follow_seed_step_and_prompt_only() -> None:
     assert sampling_seed(43, 3, 7) != sampling_seed(42, 3, 7)
     # vLLM seeds a prompt's n samples seed, seed + 1, ...: room for them below 2**64
     assert max(seeds) < 2**62
+
+
+def test_enforce_eager_unset_is_eager_on_cpu_only_and_the_spec_wins() -> None:
+    from rlhf_trainer.rollout.engine import enforce_eager
+
+    assert enforce_eager(None, "cpu") is True  # the CPU backend has no CUDA graphs
+    assert enforce_eager(None, "cuda") is False  # CUDA graphs on GPU
+    assert enforce_eager(True, "cuda") is True and enforce_eager(False, "cpu") is False
+
+
+def test_engine_options_carry_the_specs_vllm_modes() -> None:
+    from pathlib import Path
+
+    import yaml
+    from rlhf_trainer.config import engine_options, parse_spec
+    from rlhf_trainer.device import DeviceInfo
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "rlhfjob-tiny.yaml").read_text())
+    cuda = DeviceInfo("cuda", "nccl")
+    defaults = engine_options(parse_spec(doc), cuda, 1)
+    assert defaults["enforce_eager"] is None and defaults["enable_prefix_caching"] is True
+    doc["spec"].setdefault("rollout", {}).update(enforceEager=True, enablePrefixCaching=False)
+    options = engine_options(parse_spec(doc), cuda, 1)
+    assert options["enforce_eager"] is True and options["enable_prefix_caching"] is False

@@ -97,7 +97,7 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, seen: dict[str, object], resume_a
             return resume_at
 
     monkeypatch.setattr(driver, "TrainerExporter", Exporter)
-    monkeypatch.setattr(driver, "connect_ray", lambda processes: False)
+    monkeypatch.setattr(driver, "connect_ray", lambda processes, standin_gpus=0: False)
     monkeypatch.setattr(driver, "place", place)
     monkeypatch.setattr(driver, "start", lambda placed, spec, metrics, log: None)
     monkeypatch.setattr(driver, "resume_point", lambda spec, job: 0 if resume_at is None else resume_at - 1)

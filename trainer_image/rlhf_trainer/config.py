@@ -187,6 +187,8 @@ def engine_options(spec: RLHFJobSpec, info: DeviceInfo, threads: int) -> dict[st
         "tensor_parallel_size": spec.rollout.tensor_parallel_size,
         "gpu_memory_utilization": spec.rollout.gpu_memory_utilization,
         "enable_sleep": spec.rollout.enable_sleep,
+        "enforce_eager": spec.rollout.enforce_eager,  # None: the engine decides by device (engine.enforce_eager)
+        "enable_prefix_caching": spec.rollout.enable_prefix_caching,
         "threads": threads,
         "dtype": "bfloat16"
         if spec.trainer.bf16 and not info.is_cpu

@@ -22,7 +22,7 @@ from rlhf_api.constants import ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from rlhf_api.pod_shape import rollout_pods, trainer_pods
 from rlhf_api.spec import RLHFJobSpec
 
-from rlhf_trainer import device_plan
+from rlhf_trainer import device_plan, groups
 from rlhf_trainer.config import InputError, parse_spec
 from rlhf_trainer.device import DeviceInfo
 from rlhf_trainer.device_plan import Observed
@@ -54,6 +54,7 @@ def map_devices(spec: RLHFJobSpec) -> dict[str, Any]:
 
     from rlhf_trainer import placement
 
+    t0 = time.perf_counter()
     plan = device_plan.plan(spec)
     pods = pods_of(spec)
     cluster = Cluster(
@@ -71,15 +72,22 @@ def map_devices(spec: RLHFJobSpec) -> dict[str, Any]:
             custom = TRAINER_RESOURCE if role == "trainer" else ROLLOUT_RESOURCE
             units = gpus if role == "trainer" else spec.rollout.engines_per_worker
             node = cluster.add_node(
-                num_cpus=1, num_gpus=gpus, resources={custom: units}, object_store_memory=80 << 20
+                wait=False,  # the raylets start side by side; wait_for_nodes below waits for all
+                num_cpus=1,
+                num_gpus=gpus,
+                resources={custom: units},
+                object_store_memory=80 << 20,
             )
             node_pod[node.node_id] = name
-        ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        started = time.perf_counter()
         cpus = 0.01
-        remote_probe: Any = ray.remote(probe)
+        # A GPU task's worker exits after one call by default (max_calls=1): keep it, so one worker per
+        # node serves every probe there, one after another, instead of a process start per probe.
+        remote_probe: Any = ray.remote(max_calls=10_000)(probe)
         pgs = {
-            pool.name: placement.make_pool(
+            pool.name: groups.make_pool(
                 placement.pool_bundles(pool, placement.bundle_users(plan, pool.name), cpus),
                 pool.strategy,
                 pool.name,
@@ -98,18 +106,22 @@ def map_devices(spec: RLHFJobSpec) -> dict[str, Any]:
                 options = placement.options_for(p, pg, cpus, CPU_STANDIN)
             parts = [remote_probe.options(**options).remote()]
             for bundle, share in zip(p.bundles[1:], p.shares[1:], strict=True):  # a TP engine's workers
-                extra = placement.in_bundle(pg, bundle, placement.Resources(cpus, share, {}))
+                extra = groups.in_bundle(pg, bundle, groups.Resources(cpus, share, {}))
                 parts.append(remote_probe.options(**extra).remote())
-            refs[p.name] = parts
+            refs[p.name] = ray.get(parts, timeout=120)  # one at a time: the node's worker is reused
         observed: list[Observed] = []
-        for name, parts in refs.items():
-            got = ray.get(parts, timeout=120)
-            pod = {node_pod.get(w["node_id"], w["node_id"]) for w in got}
-            gpus = tuple(g for w in got for g in w["gpus"])
-            observed.append(Observed(name, ",".join(sorted(pod)), gpus))
+        for name, got in refs.items():
+            pods_seen = {node_pod.get(w["node_id"], w["node_id"]) for w in got}
+            gpu_ids = tuple(int(g) for w in got for g in w["gpus"])
+            observed.append(Observed(name, ",".join(sorted(pods_seen)), gpu_ids))
+        print(
+            f"rlhf plan: {len(pods)} pod(s) as Ray nodes up in {started - t0:.1f}s, "
+            f"{len(refs)} process(es) placed in {time.perf_counter() - started:.1f}s",
+            file=sys.stderr,
+        )
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        cluster.shutdown()  # type: ignore[no-untyped-call]
     pod_gpus = {name: gpus for name, _, gpus in pods}
     found = device_plan.problems(plan, observed, pod_gpus)
     used = [(o.pod, g) for o in observed for g in o.gpus]

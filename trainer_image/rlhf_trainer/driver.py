@@ -63,10 +63,11 @@ def connect_ray(processes: int, standin_gpus: int = 0) -> bool:
         except (ConnectionError, RuntimeError):
             pass
     cores = os.cpu_count() or 1
+    gpus: dict[str, Any] = {"num_gpus": standin_gpus} if standin_gpus else {}
     ray.init(
         address="local",
         num_cpus=max(cores, processes),
-        **({"num_gpus": standin_gpus} if standin_gpus else {}),
+        **gpus,
         include_dashboard=False,
         log_to_driver=_log_workers(),
         runtime_env={"env_vars": {"RLHF_DEVICE": os.environ.get("RLHF_DEVICE", "")}}
@@ -100,7 +101,6 @@ def run(
         info = device.for_job(os.environ)  # the job's pods asked for GPUs; never the head's hardware
     except device.DeviceError as e:
         raise InputError(str(e)) from e
-    log(device.describe(info))
     try:  # a GPU-only backend under the CPU stand-in fails before Ray, as bad input (no restart)
         choose_backend(spec.weight_sync.backend, info)
     except ValueError as e:
@@ -138,6 +138,7 @@ def run(
         log(line)
         preempted = {"line": line, "step": announced, "checkpoint_step": announced, "saved": False}
         return {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced, "preempted": preempted}
+    log(device.describe(info))
     started = connect_ray(process_count(spec) + 1, device_plan.most_gpus(spec) if info.is_cpu else 0)
     if stop is not None:
         stop.install()  # ray.init replaced it with Ray's own (which exits at once)

@@ -48,7 +48,8 @@ def in_bundle(
 
 def make_pool(bundles: list[dict[str, float]], strategy: str, name: str) -> PlacementGroup:
     """A placement group: one bundle per GPU (the device plan's pool)."""
-    return placement_group(bundles, strategy=strategy, name=name)
+    pg: PlacementGroup = placement_group(bundles, strategy=strategy, name=name)
+    return pg
 
 
 class RayGroup:
