@@ -440,3 +440,43 @@ METRICS_CONTRACT = [
     "rlhf_rollout_idle_ratio",
     "rlhf_stale_samples_total",
 ]
+
+
+# ------------------------------------------------------------------------------------------- device maps
+
+DeviceRow = tuple[str, str, tuple[int, ...]]  # (process, pod, Ray GPU ids)
+
+
+def device_map_rows(text: str) -> list[DeviceRow]:
+    """The rows of the device-map table (rlhf_trainer.device_plan.table) in a log or in `rlhf plan`'s
+    output: the first table found, from its PROCESS header to the first line that is not a row."""
+    rows: list[DeviceRow] = []
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.split()[:2] == ["PROCESS", "ROLES"]), None)
+    if start is None:
+        return rows
+    for line in lines[start + 1 :]:
+        parts = line.split()
+        if len(parts) < 5 or not (parts[3] == "-" or parts[3].replace(",", "").isdigit()):
+            break
+        gpus = () if parts[3] == "-" else tuple(int(g) for g in parts[3].split(","))
+        rows.append((parts[0], parts[2], gpus))
+    return rows
+
+
+def device_map_shape(
+    rows: list[DeviceRow],
+) -> tuple[frozenset[frozenset[str]], frozenset[frozenset[str]], dict[str, int]]:
+    """A map up to pod names and GPU numbering: which processes share a pod, which share a GPU, and each
+    process's GPU count. Two placements of one plan on pods of one shape have the same shape."""
+    by_pod: dict[str, set[str]] = {}
+    by_gpu: dict[tuple[str, int], set[str]] = {}
+    for name, pod, gpus in rows:
+        by_pod.setdefault(pod, set()).add(name)
+        for g in gpus:
+            by_gpu.setdefault((pod, g), set()).add(name)
+    return (
+        frozenset(frozenset(v) for v in by_pod.values()),
+        frozenset(frozenset(v) for v in by_gpu.values()),
+        {name: len(gpus) for name, _, gpus in rows},
+    )

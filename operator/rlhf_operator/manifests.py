@@ -208,6 +208,12 @@ def _ray_resources(name: str, amount: int) -> str:
     return f"'{json.dumps({name: amount})}'"
 
 
+def _worker_params(resource: str, amount: int, gpus: int) -> dict[str, str]:
+    """A worker group's `rayStartParams`: its custom resource, and its GPUs as Ray's `num-gpus`, set from
+    the job (KubeRay would infer them only from resource names it knows; a MIG slice's is not one)."""
+    return {"resources": _ray_resources(resource, amount), "num-gpus": str(gpus)}
+
+
 def build_raycluster(
     job: RLHFJob, engines: int | None = None, default_image: str = DEFAULT_TRAINER_IMAGE
 ) -> dict[str, Any]:
@@ -228,7 +234,7 @@ def build_raycluster(
             "replicas": n_trainer,
             "minReplicas": n_trainer,
             "maxReplicas": n_trainer,
-            "rayStartParams": {"resources": _ray_resources(TRAINER_RESOURCE, trainer_gpus)},
+            "rayStartParams": _worker_params(TRAINER_RESOURCE, trainer_gpus, trainer_gpus),
             "template": _pod_template(job, "trainer", trainer_gpus, [], default_image),
         }
     ]
@@ -241,7 +247,7 @@ def build_raycluster(
                 "replicas": n_rollout,
                 "minReplicas": 0,
                 "maxReplicas": max(n_rollout, r.replicas(max_engines)),
-                "rayStartParams": {"resources": _ray_resources(ROLLOUT_RESOURCE, r.engines_per_worker)},
+                "rayStartParams": _worker_params(ROLLOUT_RESOURCE, r.engines_per_worker, r.worker_gpus),
                 "template": _pod_template(job, "rollout", r.worker_gpus, [], default_image),
             }
         )

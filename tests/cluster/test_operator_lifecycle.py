@@ -154,6 +154,31 @@ def test_bad_input_found_by_the_trainer_fails_the_job_at_once_naming_it(
     assert ray_submissions(f"rlhf-{namespace}-typo-{uid}-") == [f"rlhf-{namespace}-typo-{uid}-0"]
 
 
+def test_a_rank_promised_a_gpu_that_sees_none_fails_the_job_naming_its_pod_without_restarts(
+    cluster: Cluster, namespace: str, operator: OperatorProcess, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The job opts out of the operator's CPU stand-in (RLHF_GPU_STANDIN=cpu): its processes compute on
+    the GPUs its pods asked for. Ray gives each rank a whole logical GPU, and no CUDA device exists here:
+    the first rank to look fails the job as bad input, naming itself, its pod and what it saw, once."""
+    job = support.tiny_job("nogpu", tiny_model, tmp_path / "ckpt", steps=2, runPolicy={"backoffLimit": 3})
+    job["spec"]["pods"] = {"env": [{"name": "RLHF_GPU_STANDIN", "value": ""}]}
+    cluster.apply(job, namespace)
+    st = wait_for(
+        lambda: phase_is(cluster, namespace, "nogpu", "Failed", "Restarting"), 300, "the job to fail"
+    )
+    assert st["phase"] == "Failed", st
+    assert st.get("restarts", 0) == 0, st
+    message = st["message"]
+    assert "was promised 1 GPU(s)" in message and "sees 0 CUDA device(s)" in message, message
+    assert " on pod " in message and ("rank" in message or "engine" in message), message
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidInput", failed
+    job_obj = cluster.get("rlhfjob", "nogpu", namespace)
+    assert job_obj is not None
+    uid = job_obj["metadata"]["uid"][:8]
+    assert ray_submissions(f"rlhf-{namespace}-nogpu-{uid}-") == [f"rlhf-{namespace}-nogpu-{uid}-0"]
+
+
 def test_ttl_after_finished_deletes_the_job(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:

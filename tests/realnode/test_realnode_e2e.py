@@ -13,13 +13,14 @@ with nothing running, as kuberay#2161 reports). One run instead of two saves a j
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import Images, job_pods, on_real_node, realnode_job, wait_no_pods
-from support import Cluster, PhaseWatch, step_reports, wait_for
+from support import VENV_BIN, Cluster, PhaseWatch, device_map_rows, device_map_shape, step_reports, wait_for
 
 pytestmark = pytest.mark.realnode
 
@@ -142,12 +143,28 @@ def head_steps(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
 STEPS = 40
 
 
+@pytest.mark.gpushape
 @pytest.mark.security
 def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_survives_losing_its_head(
-    cluster: Cluster, namespace: str, real_node: str, images: Images, operator_release: str, local_data: str
+    cluster: Cluster,
+    namespace: str,
+    real_node: str,
+    images: Images,
+    operator_release: str,
+    local_data: str,
+    tmp_path: Path,
 ) -> None:
     t0 = time.monotonic()
     job = realnode_job("tiny", local_data, steps=STEPS, interval=4, rollout={"engines": 2})
+    # The device map `rlhf plan` gives this spec (before the pods start: it runs a Ray of its own).
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(json.dumps(job))
+    planned = subprocess.run(
+        [str(VENV_BIN / "rlhf"), "plan", str(manifest)], capture_output=True, text=True, timeout=300
+    )
+    assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-2000:]
+    plan_rows = device_map_rows(planned.stdout)
+    assert plan_rows, planned.stdout
     cluster.apply(job, namespace)
     roles = wait_for(
         lambda: all_running_on(cluster, namespace, real_node, rollout=2),
@@ -161,6 +178,17 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     # the trainer's timings.
     st = wait_step(cluster, namespace, "tiny", 2, 900)
     print(f"pods Running and step 2 in status after {time.monotonic() - t0:.0f}s")
+    # The pods asked for the node's advertised GPUs; Ray saw them as logical GPUs, and the driver placed
+    # every process on whole ones under the named stand-in, with the map `rlhf plan` gives the same spec.
+    head_log = cluster.kubectl(
+        "logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]
+    ).stdout
+    assert "device: CPU stand-in for GPUs (RLHF_GPU_STANDIN=cpu)" in head_log, head_log[-3000:]
+    ran_rows = device_map_rows(head_log.split("device map:", 1)[-1])
+    print("device map in the head's log:", ran_rows, "\nrlhf plan:", plan_rows)
+    assert ran_rows and all(len(gpus) == 1 for _, _, gpus in ran_rows), ran_rows
+    assert {pod for _, pod, _ in ran_rows} <= {p["metadata"]["name"] for pods in roles.values() for p in pods}
+    assert device_map_shape(ran_rows) == device_map_shape(plan_rows), (ran_rows, plan_rows)
     # The scraped timings: every phase of a gae step, weight sync and reward as phases of their own.
     # (The tiny task's reward is a string function: microseconds, so only its presence is checked.)
     assert "reward" in st["phaseSeconds"], st["phaseSeconds"]

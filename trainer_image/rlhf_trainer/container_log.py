@@ -1,5 +1,5 @@
-"""Echoes the driver's step and error lines to the head container's own log, so `kubectl logs` of the
-head pod shows them. Ray sends a job driver's output to the job's log file on the head, where a
+"""Echoes the driver's log lines (device map, steps, errors) to the head container's own log, so
+`kubectl logs` of the head pod shows them. Ray sends a job driver's output to the job's log file on the head, where a
 Kubernetes user does not look. Best effort: outside a head pod, or when the stream cannot be opened,
 it does nothing (the Ray job log keeps every line either way).
 """

@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
             args.job_name,
             steps=args.steps,
             stop=stop,
+            log=_say,  # the device map and start-up lines reach `kubectl logs` of the head too
             on_step=lambda r: _say(
                 json.dumps(
                     {
