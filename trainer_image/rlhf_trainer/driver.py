@@ -344,6 +344,10 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
             ),
         )
     except InputError as e:
+        # Disconnected first: workers' output streamed to this driver (a killed actor's dump) must not
+        # land after the `error:` line, which the operator reads from the log's tail.
+        if ray.is_initialized():
+            ray.shutdown()
         _say(f"error: {e}", sys.stderr)
         return INPUT_ERROR_EXIT_CODE  # the operator fails the job with this line, without a restart
     except Exception as e:

@@ -235,7 +235,8 @@ def observe(placed: Placed, timeout: float = 600.0) -> list[Observed]:
         found[f"engine-{i}"] = slot.info
     bad = [w["problem"] for w in found.values() if "problem" in w]
     if bad:
-        raise InputError("; ".join(bad))
+        more = f" (and {len(bad) - 1} more process(es) alike)" if len(bad) > 1 else ""
+        raise InputError(bad[0] + more)
     return [
         Observed(name, str(w.get("pod", "")), tuple(int(g) for g in w.get("gpus", [])))
         for name, w in found.items()
