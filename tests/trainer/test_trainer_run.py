@@ -103,7 +103,7 @@ def test_ppo_gae_with_sequence_parallel_2_learns_checkpoints_and_serves_metrics(
     assert run.summary["export"] == str(ckpt / "model")
     exported = json.loads((ckpt / "model" / "rlhf_export.json").read_text())
     assert exported["step"] == 20 and exported["checkpoint"] == str(ckpt / "step-00000020"), exported
-    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {
+    assert {"config.json", "model.safetensors.index.json", "tokenizer_config.json"} <= {
         p.name for p in (ckpt / "model").iterdir()
     }
     last_ckpt = ckpt / "step-00000020"

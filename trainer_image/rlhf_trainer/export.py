@@ -1,8 +1,9 @@
-"""Export a checkpoint's actor as a Hugging Face model directory: safetensors, config, tokenizer.
+"""Export a checkpoint's actor as a Hugging Face model directory: safetensors shards with their index, config, tokenizer.
 
-Owns turning one ZeRO-3 checkpoint's actor shards (the fp32 master weights) into a model that loads in
-transformers and vLLM, written atomically beside or away from the checkpoints (`rlhf export`, and the
-driver at the end of a run). Must not start Ray or train; reads only the files it is given.
+Owns reading one ZeRO-3 checkpoint's actor (the fp32 master weights) tensor by tensor into bounded shards
+that load in transformers and vLLM, written atomically; and where the driver's export runs
+(`export_on_trainer`: a Ray task on a trainer node, never the driver's process). Must not start Ray, train,
+nor hold the whole model.
 """
 
 from __future__ import annotations
@@ -11,16 +12,26 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rlhf_api.constants import TRAINER_RESOURCE
 
 from rlhf_trainer.checkpoint import STATE_FILE, CheckpointStore
 from rlhf_trainer.config import InputError
 
 EXPORT_INFO = "rlhf_export.json"
+INDEX_FILE = "model.safetensors.index.json"
+# The exporting process holds one output shard (plus the tensor being cast) at a time.
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+# The export task reserves no CPU: the ranks keep theirs (idle while the driver waits on the export), and
+# a job's placement may have reserved every CPU of the node, where any reservation would wait forever.
+EXPORT_TASK_CPUS = 0.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +41,9 @@ class Exported:
     base: str
     tensors: int
     dtype: str
+    shards: int
+    pid: int  # the process that read the checkpoint and wrote the shards, and its host
+    host: str
 
 
 def find_checkpoint(path: Path) -> tuple[int, Path, dict[str, Any]]:
@@ -46,17 +60,37 @@ def find_checkpoint(path: Path) -> tuple[int, Path, dict[str, Any]]:
     return latest
 
 
+def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """The names in order, cut into shards of at most `max_shard_bytes` (a bigger tensor gets its own)."""
+    shards: list[list[str]] = []
+    used = 0
+    for name, size in sizes.items():
+        if not shards or used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
 def export_actor(
-    checkpoint: Path, outdir: Path, base: str | None = None, dtype: str | None = None
+    checkpoint: Path,
+    outdir: Path,
+    base: str | None = None,
+    dtype: str | None = None,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Exported:
     """Write the actor of `checkpoint` to `outdir` (replaced whole if it exists); returns what was written.
 
     `base`: the model directory whose config and tokenizer the actor was trained from (default: the
     checkpoint's recorded `model.actor`). `dtype`: float32, bfloat16 or float16 (default: the base
-    config's own dtype).
+    config's own dtype). The weights go to `model-0000i-of-0000N.safetensors`, each at most
+    `max_shard_bytes` (unless one tensor is bigger), named in `model.safetensors.index.json`.
     """
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     step, path, state = find_checkpoint(checkpoint)
@@ -66,24 +100,47 @@ def export_actor(
     if not (path / "actor").is_dir():
         raise InputError(f"{path}: no actor shards (actor/) in this checkpoint")
     config = AutoConfig.from_pretrained(base)
-    torch_dtype = getattr(torch, dtype) if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
+    torch_dtype = getattr(torch, dtype) if dtype else (getattr(config, "dtype", None) or torch.float32)
     if isinstance(torch_dtype, str):
         torch_dtype = getattr(torch, torch_dtype)
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="actor")
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)  # type: ignore[no-untyped-call]
-    result = model.load_state_dict(weights, strict=False)
+    # Lazy: each tensor is gathered from the ranks' fp32 partitions (memory-mapped) when it is asked for.
+    lazy = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="actor", lazy_mode=True)
+    with torch.device("meta"):  # the architecture's names and generation defaults; nothing allocated
+        skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    expected = set(skeleton.state_dict())
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(result.missing_keys) - tied or result.unexpected_keys:
+    missing, unexpected = sorted(expected - tied - set(lazy)), sorted(set(lazy) - expected)
+    if missing or unexpected:
         raise InputError(
             f"{path}: the actor's weights do not fit {base}'s architecture "
-            f"(missing {sorted(set(result.missing_keys) - tied)[:5]}, unexpected {result.unexpected_keys[:5]})"
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
-    model = model.to(torch_dtype)
+
+    def cast_to(t: Any) -> Any:
+        return torch_dtype if t.dtype.is_floating_point else t.dtype
+
+    names = [n for n in lazy if n not in tied]  # a tied lm_head is the embedding: written once
+    sizes = {n: lazy[n].shape.numel() * cast_to(lazy[n]).itemsize for n in names}
+    shards = plan_shards(sizes, max_shard_bytes)
     outdir = outdir.resolve()
     outdir.parent.mkdir(parents=True, exist_ok=True)
     tmp = outdir.parent / f".tmp-{outdir.name}-{uuid.uuid4().hex[:8]}"
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        tmp.mkdir()
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {n: lazy[n].contiguous().to(cast_to(lazy[n])).contiguous() for n in shard}
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+            del tensors
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        config.dtype = torch_dtype
+        config.architectures = [type(skeleton).__name__]
+        config.save_pretrained(tmp)
+        if skeleton.can_generate():
+            skeleton.generation_config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
         info = {"checkpoint": str(path), "step": step, "job": state.get("job"), "base": base}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1) + "\n")
@@ -93,7 +150,43 @@ def export_actor(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Exported(outdir, step, base, len(weights), str(torch_dtype).removeprefix("torch."))
+    name = str(torch_dtype).removeprefix("torch.")
+    return Exported(outdir, step, base, len(names), name, len(shards), os.getpid(), socket.gethostname())
+
+
+def export_on_trainer(
+    checkpoint: Path, outdir: Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> Exported:
+    """`export_actor` as a Ray task on a trainer node (the checkpoint volume is mounted there, and the
+    memory for a model is), never in this process: the caller (the driver, on the head) only waits for
+    the small `Exported`. Ray must be connected.
+
+    The task is pinned to a node that has the trainer resource (a KubeRay trainer worker), not given a
+    share of that resource: the actor's ranks hold every trainer slot while a run exports, so asking for
+    one would never be granted. Without such a node (a local Ray), it goes wherever Ray puts it.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    trainers = [
+        n["NodeID"]
+        for n in ray.nodes()  # type: ignore[no-untyped-call]
+        if n.get("Alive") and n.get("Resources", {}).get(TRAINER_RESOURCE, 0) > 0
+    ]
+    strategy: Any = NodeAffinitySchedulingStrategy(trainers[0], soft=False) if trainers else "DEFAULT"
+    task = ray.remote(export_actor).options(  # type: ignore[attr-defined]
+        num_cpus=EXPORT_TASK_CPUS,
+        scheduling_strategy=strategy,
+        max_retries=0,  # a failed export is reported, not silently run twice
+        runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}},  # it reads files: no device needed
+    )
+    try:
+        ref = task.remote(checkpoint, outdir, max_shard_bytes=max_shard_bytes)  # type: ignore[call-arg]
+        return ray.get(ref)  # type: ignore[no-any-return]
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, InputError):  # a bad checkpoint or base: the same error as in-process
+            raise e.cause from None
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported step {out.step} ({out.tensors} tensors, {out.dtype}) of {out.base} to {out.path}")
+    print(
+        f"exported step {out.step} ({out.tensors} tensors, {out.dtype}, {out.shards} shard(s)) of {out.base} "
+        f"to {out.path}"
+    )
     return 0
 
 
