@@ -35,7 +35,11 @@ def probe() -> dict[str, Any]:
     the few worker processes Ray starts are reused (placement shows the same: a bundle pins its GPU)."""
     import ray
 
-    return {"node_id": ray.get_runtime_context().get_node_id(), "gpus": [int(g) for g in ray.get_gpu_ids()]}
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "gpus": [int(g) for g in ray.get_gpu_ids()],
+        "pid": os.getpid(),
+    }
 
 
 def pods_of(spec: RLHFJobSpec) -> list[tuple[str, str, int]]:
@@ -51,6 +55,7 @@ def map_devices(spec: RLHFJobSpec) -> dict[str, Any]:
     """Place the plan on a local Ray shaped like the job's pods; the JSON result of `rlhf plan`."""
     import ray
     from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rlhf_trainer import placement
 
@@ -86,6 +91,16 @@ def map_devices(spec: RLHFJobSpec) -> dict[str, Any]:
         # A GPU task's worker exits after one call by default (max_calls=1): keep it, so one worker per
         # node serves every probe there, one after another, instead of a process start per probe.
         remote_probe: Any = ray.remote(max_calls=10_000)(probe)
+        # One worker per pod, started side by side (about 3 s each here); the probes then reuse it.
+        ray.get(
+            [
+                remote_probe.options(
+                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+                ).remote()
+                for node_id in node_pod
+            ],
+            timeout=120,
+        )
         pgs = {
             pool.name: groups.make_pool(
                 placement.pool_bundles(pool, placement.bundle_users(plan, pool.name), cpus),
@@ -104,11 +119,12 @@ def map_devices(spec: RLHFJobSpec) -> dict[str, Any]:
             else:
                 pg = pgs[p.pool]
                 options = placement.options_for(p, pg, cpus, CPU_STANDIN)
-            parts = [remote_probe.options(**options).remote()]
-            for bundle, share in zip(p.bundles[1:], p.shares[1:], strict=True):  # a TP engine's workers
+            # One at a time, so the pod's worker serves them all; then a TP engine's workers, likewise.
+            parts = [ray.get(remote_probe.options(**options).remote(), timeout=120)]
+            for bundle, share in zip(p.bundles[1:], p.shares[1:], strict=True):
                 extra = groups.in_bundle(pg, bundle, groups.Resources(cpus, share, {}))
-                parts.append(remote_probe.options(**extra).remote())
-            refs[p.name] = ray.get(parts, timeout=120)  # one at a time: the node's worker is reused
+                parts.append(ray.get(remote_probe.options(**extra).remote(), timeout=120))
+            refs[p.name] = parts
         observed: list[Observed] = []
         for name, got in refs.items():
             pods_seen = {node_pod.get(w["node_id"], w["node_id"]) for w in got}
