@@ -385,7 +385,7 @@ def main() -> int:
                 f"--port={RAY_PORT}",
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={DASHBOARD_PORT}",
-                "--num-cpus=4",
+                "--num-cpus=16",
                 "--num-gpus=16",  # logical GPUs: the jobs' whole-GPU placement, under the CPU stand-in
                 "--disable-usage-stats",
                 "--temp-dir=/tmp/rlhf-demo-ray",

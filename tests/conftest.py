@@ -138,7 +138,10 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
                 f"--port={RAY_PORT}",
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={RAY_DASHBOARD_PORT}",
-                "--num-cpus=4",
+                # Logical CPUs and GPUs for several jobs at once: each job's processes reserve whole GPUs and
+                # their CPU share in placement groups, all or nothing per group, so two jobs that each got
+                # part of a 4-CPU head waited on each other (a leftover job of an earlier test included).
+                "--num-cpus=16",
                 # Logical GPUs for every job's whole-GPU placement under the CPU stand-in (RLHF_GPU_STANDIN).
                 "--num-gpus=16",
                 "--include-dashboard=true",

@@ -222,9 +222,11 @@ def engine_placer(
     return placer
 
 
-def observe(placed: Placed, timeout: float = 600.0) -> list[Observed]:
+def observe(placed: Placed, timeout: float | None = None) -> list[Observed]:
     """Where every process of the plan runs: each rank's, the reward model's and each ready engine's
-    pod and GPU ids. Raises InputError with the process's own message when one does not see its GPU."""
+    pod and GPU ids. Raises InputError with the process's own message when one does not see its GPU.
+    Waits for the processes to be placed (pods may still be starting); the operator's stall detection
+    covers a job that never is."""
     found: dict[str, dict[str, Any]] = {}
     for group in placed.groups:
         for rank, where in enumerate(ray.get(group.call("where"), timeout=timeout)):
