@@ -2,7 +2,7 @@
 
 Starts a private local Ray with one node per pod of the job (its GPUs as logical GPUs, its custom
 resource as the operator renders it), places a light probe actor per process with the same functions the
-driver uses (`placement.pool_bundles`, `options_for`, `engine_placer`), reads back each probe's node and
+driver uses (`placement.trainer_pools`, `options_for`, `engine_placer`), reads back each probe's node and
 GPU ids, and checks them with `device_plan.problems`. Owns the probe and the output; must not decide any
 placement itself.
 """
@@ -101,15 +101,7 @@ def map_devices(spec: RLHFJobSpec) -> dict[str, Any]:
             ],
             timeout=120,
         )
-        pgs = {
-            pool.name: groups.make_pool(
-                placement.pool_bundles(pool, placement.bundle_users(plan, pool.name), cpus),
-                pool.strategy,
-                pool.name,
-            )
-            for pool in plan.pools
-            if pool.pod_role == "trainer"
-        }
+        pgs = placement.trainer_pools(plan, cpus)
         engine_place = placement.engine_placer(spec, plan, pgs, cpus, CPU_STANDIN)
         refs: dict[str, list[Any]] = {}
         for p in plan.processes:

@@ -57,6 +57,14 @@ class DevicePlan:
     def of_pool(self, name: str) -> list[Process]:
         return [p for p in self.processes if p.pool == name]
 
+    def bundle_users(self, pool: str) -> dict[int, int]:
+        """Bundle index -> the processes of `pool` placed in it."""
+        users: dict[int, int] = defaultdict(int)
+        for p in self.of_pool(pool):
+            for b in p.bundles:
+                users[b] += 1
+        return dict(users)
+
     def gpus(self, pod_role: str | None = None) -> int:
         """GPUs the plan uses (one per bundle), on the pods of `pod_role` or on all."""
         return sum(p.bundles for p in self.pools if pod_role is None or p.pod_role == pod_role)

@@ -124,12 +124,15 @@ def pool_bundles(pool: Pool, users: Mapping[int, int], cpus: float) -> list[dict
     return bundles
 
 
-def bundle_users(plan: DevicePlan, pool: str) -> dict[int, int]:
-    users: dict[int, int] = {}
-    for p in plan.of_pool(pool):
-        for b in p.bundles:
-            users[b] = users.get(b, 0) + 1
-    return users
+def trainer_pools(plan: DevicePlan, cpus: float) -> dict[str, PlacementGroup]:
+    """The placement groups of the plan's trainer-pod pools (engines make theirs as they start)."""
+    return {
+        pool.name: make_pool(
+            pool_bundles(pool, plan.bundle_users(pool.name), cpus), pool.strategy, f"rlhf-{pool.name}"
+        )
+        for pool in plan.pools
+        if pool.pod_role == "trainer"
+    }
 
 
 def options_for(p: Process, pg: PlacementGroup, cpus: float, info: DeviceInfo) -> dict[str, Any]:
@@ -147,13 +150,7 @@ def place(spec: RLHFJobSpec, info: DeviceInfo, log: Callable[[str], None]) -> Pl
     cores = os.cpu_count() or 1
     cpus = cpus_per_process(spec)
     env = {"DS_ACCELERATOR": "cpu", "RLHF_DEVICE": "cpu"} if info.is_cpu else {}
-    pgs = {
-        pool.name: make_pool(
-            pool_bundles(pool, bundle_users(plan, pool.name), cpus), pool.strategy, f"rlhf-{pool.name}"
-        )
-        for pool in plan.pools
-        if pool.pod_role == "trainer"
-    }
+    pgs = trainer_pools(plan, cpus)
     groups: list[RayGroup] = []
     roles: dict[str, RayGroup] = {}
     sequence_parallel: dict[str, int] = {}
