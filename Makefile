@@ -7,7 +7,7 @@ DEVCLUSTER := python3 devcluster/devcluster.py
 # (mypy validates each entry against its source's hash); a clean checkout took about 2 min.
 MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rlhf-operator/mypy
 
-.PHONY: setup test images test-images demo cluster-build cluster-up cluster-down cluster-status kueue-up kueue-down lint crd bench clean
+.PHONY: setup test images images-gpu test-images demo cluster-build cluster-up cluster-down cluster-status kueue-up kueue-down lint crd bench clean
 
 setup: ## Create .venv with everything (idempotent; fast when done)
 	@scripts/setup.sh
@@ -17,6 +17,9 @@ test: ## The full suite: lint, unit, cluster, chart/alerts and trainer tests (pr
 
 images: ## Build the operator and CPU trainer images here (no registry) and load them into containerd
 	@python3 images/build_images.py all
+
+images-gpu: ## Build the GPU trainer image here (about 10 GB, not part of `make test`) and check it with no GPU
+	@python3 images/build_images.py trainer-gpu
 
 test-images: setup ## Run the built images with containerd: uid, read-only root, imports, tiny model
 	@$(PY) -m pytest tests/images -m images

@@ -1,25 +1,30 @@
 #!/usr/bin/env python3
 """`make images`: builds the operator image, the CPU trainer image and the pause image here, with no
-registry, and loads them into the local node's containerd. Owns the order of the steps, the caches
-(content hashes) and the prerequisite checks; what goes into an image is recipe.py's and the
+registry, and loads them into the local node's containerd; `make images-gpu` (step `trainer-gpu`)
+builds the GPU trainer image and checks it with containerd and runc. Owns the order of the steps, the
+caches (content hashes) and the prerequisite checks; what goes into an image is recipe.py's and the
 Dockerfiles', and the runtime process is containerd_runtime.py's.
 
-    python3 images/build_images.py [all|base|operator|trainer|pause|refs|runtime-up|runtime-down|runtime-status]
+    python3 images/build_images.py [all|base|operator|trainer|trainer-gpu|pause|refs|runtime-up|...]
 
 Standard library only (it runs before the project's virtualenv matters). Ends `all` with exactly two
-lines: `operator-image: REF` and `trainer-image: REF`.
+lines: `operator-image: REF` and `trainer-image: REF`; `trainer-gpu` with `trainer-gpu-image: REF`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,6 +35,8 @@ from image_recipe import ROOT, ImageSpec, Wheelhouse
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlhf-operator" / "images"
 PAUSE_SOURCE = Path(__file__).resolve().parent / "pause" / "pause.c"
+HEARTBEAT_S = 30.0  # a long step prints a progress line at least this often
+MAKE_IMAGES = ("operator", "trainer")  # `all`; the GPU trainer image is `make images-gpu`'s alone
 
 # Command -> Debian package that provides it (installed with apt-get when missing and we are root).
 TOOLS = {
@@ -45,6 +52,7 @@ STEPS = (
     "base",
     "operator",
     "trainer",
+    "trainer-gpu",
     "pause",
     "refs",
     "runtime-up",
@@ -67,7 +75,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--no-load",
         action="store_true",
-        help="build only; do not load the images into containerd",
+        help="build only; do not load the images into containerd (trainer-gpu: nor check it)",
     )
     p.add_argument(
         "--keep-runtime",
@@ -149,17 +157,39 @@ def buildah(*args: str) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = HEARTBEAT_S) -> Iterator[None]:
+    """Logs `what: still running (Ns)` every `every` seconds until the block ends: a pip install, an
+    export or an import can be silent for minutes."""
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every):
+            log(f"{what}: still running ({time.monotonic() - t0:.0f}s)")
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def run(cmd: list[str], timeout: float, what: str, cwd: Path | None = None, quiet: bool = False) -> str:
-    """Runs a build step; its output goes to our stdout (progress) unless quiet. Fails naming the step."""
-    proc = subprocess.run(
-        cmd,
-        cwd=cwd,
-        timeout=timeout,
-        text=True,
-        stdout=subprocess.PIPE if quiet else None,
-        stderr=subprocess.STDOUT if quiet else None,
-        stdin=subprocess.DEVNULL,
-    )
+    """Runs a build step; its output goes to our stdout (progress) unless quiet, and a heartbeat line
+    every 30 s either way. Fails naming the step."""
+    with heartbeat(what):
+        proc = subprocess.run(
+            cmd,
+            cwd=cwd,
+            timeout=timeout,
+            text=True,
+            stdout=subprocess.PIPE if quiet else None,
+            stderr=subprocess.STDOUT if quiet else None,
+            stdin=subprocess.DEVNULL,
+        )
     if proc.returncode != 0:
         tail = (proc.stdout or "")[-3000:]
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd[:6])} ...\n{tail}")
@@ -179,9 +209,13 @@ def buildah_images(repository: str) -> set[str]:
     return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
 
 
-def drop_other_tags(repository: str, keep: str) -> None:
-    """One copy of each image in the store: older content hashes of the same repository go."""
-    old = sorted(buildah_images(repository) - {keep})
+def drop_other_tags(keep: str) -> None:
+    """One copy of each image in the store: older content hashes of the same family go (the `cpu-` and
+    `gpu-` trainer tags are two families of one repository)."""
+    family = recipe.family(keep)
+    old = sorted(
+        t for t in buildah_images(keep.rsplit(":", 1)[0]) if recipe.family(t) == family and t != keep
+    )
     if old:
         subprocess.run(buildah("rmi", *old), capture_output=True, timeout=600)
 
@@ -239,7 +273,7 @@ def build_base() -> str:
     except BaseException:
         subprocess.run(buildah("rm", container), capture_output=True, timeout=120)
         raise
-    drop_other_tags(ref.rsplit(":", 1)[0], ref)
+    drop_other_tags(ref)
     log(f"base {ref}: imported in {time.monotonic() - t0:.0f}s")
     return ref
 
@@ -290,6 +324,14 @@ def build_wheelhouse(wh: Wheelhouse) -> Path:
             cwd=ROOT,
             quiet=True,
         )
+    if wh.sdists:
+        out += run(
+            [*base, "download", "--no-deps", "--no-binary=:all:", "--dest", str(partial), *wh.sdists],
+            1800,
+            "pip download (source distributions)",
+            cwd=ROOT,
+            quiet=True,
+        )
     downloaded = [line.split()[1] for line in out.splitlines() if line.strip().startswith("Downloading ")]
     cached = [line for line in out.splitlines() if "Using cached" in line or "already downloaded" in line]
     (partial / "pip.conf").write_text("[global]\nno-index = true\nfind-links = /wheels\n")
@@ -334,7 +376,7 @@ def build_image(spec: ImageSpec, base: str, rt: runtime.Runtime | None) -> str:
     )
     t0 = time.monotonic()
     run(cmd, 5400, f"building {spec.name}")
-    drop_other_tags(repository, ref)
+    drop_other_tags(ref)
     log(f"{spec.name} {ref}: built in {time.monotonic() - t0:.0f}s, {image_size(ref)}")
     return ref
 
@@ -374,18 +416,18 @@ def build_pause() -> str:
         except BaseException:
             subprocess.run(buildah("rm", container), capture_output=True, timeout=120)
             raise
-    drop_other_tags(ref.rsplit(":", 1)[0], ref)
+    drop_other_tags(ref)
     log(f"pause {ref}: built")
     return ref
 
 
 def load(rt: runtime.Runtime, refs: Sequence[str]) -> None:
     """Copies each image from buildah's storage into containerd's k8s.io namespace (unless there),
-    through a temporary docker archive; older tags of the same repository are removed there."""
+    through a temporary docker archive; older tags of the same family are removed there."""
     present = runtime.image_refs(rt)
     for ref in refs:
         repository = ref.rsplit(":", 1)[0]
-        stale = [r for r in present if r.rsplit(":", 1)[0] == repository and r != ref]
+        stale = [r for r in present if recipe.family(r) == recipe.family(ref) and r != ref]
         if ref in present:
             log(f"containerd: {ref} already loaded")
         else:
@@ -401,7 +443,8 @@ def load(rt: runtime.Runtime, refs: Sequence[str]) -> None:
                     quiet=True,
                 )
                 t1 = time.monotonic()
-                runtime.import_archive(rt, archive)
+                with heartbeat(f"import {ref}"):
+                    runtime.import_archive(rt, archive)
             finally:
                 archive.unlink(missing_ok=True)
             log(
@@ -409,6 +452,153 @@ def load(rt: runtime.Runtime, refs: Sequence[str]) -> None:
                 f"(export {t1 - t0:.0f}s, import and unpack {time.monotonic() - t1:.0f}s)"
             )
         runtime.remove_images(rt, runtime.names_to_remove(runtime.image_targets(rt), ref, stale))
+
+
+# ---- the GPU trainer image (`make images-gpu`) ------------------------------------------------------
+
+# Run in the GPU image with no GPU (`ctr run`: loopback only, uid 10001): the stack imports and reports
+# its versions; torch's CUDA is 13.0 and sees no device; FusedAdam was prebuilt and loads; the RDMA user
+# space NCCL loads is there (libibverbs, its providers, librdmacm) and `ibv_devices` runs.
+GPU_IMAGE_CHECK = r"""
+set -euo pipefail
+exec 2>&1
+echo "user: $(id -u):$(id -g), home $HOME, network interfaces: $(ls /sys/class/net | xargs)"
+command -v ibv_devices >/dev/null
+echo "ibv_devices:"; rc=0; ibv_devices || rc=$?; echo "ibv_devices exit status: $rc"
+echo "libibverbs providers: $(ls /usr/lib/x86_64-linux-gnu/libibverbs/ | sed 's/-rdmav[0-9]*[.]so//' | xargs)"
+echo "nvcc (CUDA_HOME=$CUDA_HOME): $("$CUDA_HOME/bin/nvcc" --version | grep release)"
+python - <<'CHECK'
+import ctypes, glob, importlib, os, subprocess, sys, time
+t0 = time.monotonic()
+import torch, vllm, deepspeed, ray, rlhf_trainer
+from deepspeed.git_version_info import installed_ops
+from vllm.platforms import current_platform
+print(f"imports of torch, vllm, deepspeed, ray, rlhf_trainer: {time.monotonic() - t0:.1f}s"
+      f" (python {sys.version.split()[0]})")
+print("torch", torch.__version__, "| torch.version.cuda", torch.version.cuda,
+      "| cuDNN", torch.backends.cudnn.version(), "| NCCL", ".".join(map(str, torch.cuda.nccl.version())))
+print("torch.cuda.is_available():", torch.cuda.is_available())
+print("vllm", vllm.__version__, "| platform:", type(current_platform).__name__)
+importlib.import_module("deepspeed.ops.adam.fused_adam_op")
+prebuilt = sorted(name for name, on in installed_ops.items() if on)
+print("deepspeed", deepspeed.__version__, "| prebuilt ops:", prebuilt, "(fused_adam_op loads)")
+print("ray", ray.__version__)
+for lib in ("libibverbs.so.1", "librdmacm.so.1", "libmlx5.so.1"):
+    ctypes.CDLL(lib)
+print("dlopen of libibverbs.so.1, librdmacm.so.1, libmlx5.so.1: ok")
+# What the CUDA, NCCL and torch libraries link that the image lacks, with their own directories on the
+# search path as torch's loader has them; the driver's libcuda and NVML come from the host.
+site = os.path.dirname(os.path.dirname(torch.__file__))
+libs = glob.glob(f"{site}/nvidia/**/*.so*", recursive=True) + glob.glob(f"{site}/torch/lib/*.so*")
+env = dict(os.environ, LD_LIBRARY_PATH=":".join(sorted({os.path.dirname(lib) for lib in libs})))
+missing = {}
+for lib in libs:
+    out = subprocess.run(["ldd", lib], capture_output=True, text=True, env=env).stdout
+    for dep in {line.split()[0] for line in out.splitlines() if "not found" in line}:
+        if dep not in ("libcuda.so.1", "libnvidia-ml.so.1"):
+            missing.setdefault(dep, []).append(os.path.relpath(lib, site))
+print(f"ldd of {len(libs)} CUDA, NCCL and torch libraries; missing besides the driver's:",
+      "; ".join(f"{dep} (for {', '.join(sorted(users))})" for dep, users in sorted(missing.items())) or "none")
+assert torch.version.cuda.startswith("13.0"), torch.version.cuda
+assert not torch.cuda.is_available()
+assert installed_ops.get("fused_adam"), installed_ops
+CHECK
+"""
+
+
+def check_record(ref: str) -> Path:
+    """Where the in-image check's output is kept: an image with this content hash passed it."""
+    return CACHE / "checks" / f"{ref.rsplit('/', 1)[-1].replace(':', '-')}.txt"
+
+
+def image_config(ref: str) -> dict[str, object]:
+    """The OCI config of an image in buildah's storage (Env, User, WorkingDir, ...)."""
+    out = run(buildah("inspect", "--type", "image", ref), 120, "buildah inspect", quiet=True)
+    config: dict[str, object] = json.loads(out)["OCIv1"]["config"]
+    return config
+
+
+def passwd_home(passwd: Path, uid: str) -> str:
+    """The home directory of `uid` (a number or a name) in an /etc/passwd file; / if it has none."""
+    for line in passwd.read_text().splitlines():
+        fields = line.split(":")
+        if len(fields) >= 6 and uid in (fields[0], fields[2]):
+            return fields[5]
+    return "/"
+
+
+def check_gpu_image(pause: str, ref: str) -> str:
+    """Runs GPU_IMAGE_CHECK in `ref` with containerd and runc, with no GPU, as the image's user, with its
+    environment and working directory; returns the output, fails on error. The root file system is the
+    image's layers in buildah's storage, mounted (`buildah mount`), so nothing is copied: loading the
+    10 GB image into a containerd would need about 15 GB more disk (its compressed content and the
+    unpacked snapshot) and 4 to 5 minutes. The containerd is one of our own, started for the check and
+    removed after, so the real node's containerd (which tests restart) is never touched."""
+    rt = runtime.Runtime(CACHE / "gpu-check")
+    shutil.rmtree(rt.home, ignore_errors=True)  # what an interrupted check left
+    config = image_config(ref)
+    uid, _, gid = str(config.get("User") or "0").partition(":")
+    env_list = config.get("Env")
+    env = [f"--env={e}" for e in env_list] if isinstance(env_list, list) else []
+    cwd = str(config.get("WorkingDir") or "/")
+    container = run(buildah("from", "--quiet", "--pull-never", ref), 300, "buildah from", quiet=True).strip()
+    t0 = time.monotonic()
+    try:
+        rootfs = run(buildah("mount", container), 120, "buildah mount", quiet=True).strip()
+        home = passwd_home(Path(rootfs) / "etc" / "passwd", uid)
+        pid, _ = runtime.start(rt, pause)
+        log(f"in-image check: containerd of its own (pid {pid}), the image's root file system {rootfs}")
+        try:
+            # ctr runs a --rootfs container as root: setpriv drops to the image's user (util-linux's).
+            user = ["setpriv", f"--reuid={uid}", f"--regid={gid or uid}", "--clear-groups"]
+            name = f"rlhf-gpu-check-{uuid.uuid4().hex[:8]}"
+            args = [
+                "run",
+                "--rm",
+                "--rootfs",
+                *env,
+                f"--env=HOME={home}",
+                f"--cwd={cwd}",
+                rootfs,
+                name,
+                *user,
+            ]
+            with heartbeat(f"in-image check of {ref}"):
+                proc = runtime.ctr(rt, *args, "bash", "-c", GPU_IMAGE_CHECK, timeout=900)
+        finally:
+            runtime.stop(rt)
+            shutil.rmtree(rt.home, ignore_errors=True)
+    finally:
+        subprocess.run(buildah("umount", container), capture_output=True, timeout=120)
+        subprocess.run(buildah("rm", container), capture_output=True, timeout=120)
+    output = (proc.stdout + proc.stderr).strip()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the in-image check of {ref} failed (exit {proc.returncode}):\n{output[-4000:]}")
+    log(f"in-image check of {ref}: passed in {time.monotonic() - t0:.0f}s")
+    return output
+
+
+def build_trainer_gpu(pause: str, base: str, check: bool) -> str:
+    """`make images-gpu`: builds the GPU trainer image and runs the in-image check with no GPU. The
+    image stays in buildah's storage, from which it is pushed; it is not loaded into the real node's
+    containerd (nothing here can run it). A content hash that passed the check before skips it and
+    shows the output kept then."""
+    spec = recipe.image_specs()["trainer-gpu"]
+    ref = build_image(spec, base, None)
+    log(f"{spec.name} {ref}: {image_size(ref)} unpacked")
+    if not check:
+        log("--no-load: built only, not checked")
+        return ref
+    record = check_record(ref)
+    if record.exists():
+        log(f"in-image check: passed before for this content hash; its output ({record}):")
+        print(record.read_text().rstrip(), flush=True)
+        return ref
+    output = check_gpu_image(pause, ref)
+    print(output, flush=True)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(output + "\n")
+    return ref
 
 
 def main(argv: Sequence[str]) -> int:
@@ -444,8 +634,13 @@ def main(argv: Sequence[str]) -> int:
         if args.step == "base":
             print(f"base-image: {base}")
             return 0
+        if args.step == "trainer-gpu":
+            ref = build_trainer_gpu(pause, base, check=not args.no_load)
+            log(f"done in {time.monotonic() - t_all:.0f}s")
+            print(f"trainer-gpu-image: {ref}")
+            return 0
         specs = recipe.image_specs()
-        names = ["operator", "trainer"] if args.step == "all" else [args.step]
+        names = list(MAKE_IMAGES) if args.step == "all" else [args.step]
         if args.no_load:
             refs = {name: build_image(specs[name], base, None) for name in names}
         else:

