@@ -17,7 +17,13 @@ from support import ROOT, Cluster, OperatorProcess, free_port, wait_for
 sys.path.insert(0, str(ROOT / "tests" / "chart"))
 
 from chart_tools import CHART, one, render
-from monitored import RELEASE, Monitored, chart_values
+from monitored import (
+    EVALUATION_INTERVAL_SECONDS,
+    RECONCILE_INTERVAL_SECONDS,
+    RELEASE,
+    Monitored,
+    chart_values,
+)
 
 
 def _serves(port: int) -> bool:
@@ -36,7 +42,13 @@ def monitored(cluster: Cluster, namespace: str, rlhf_crd: str, tmp_path: Path) -
     cluster.helm("install", RELEASE, str(CHART), "-n", namespace, "--wait", "--timeout", "120s", *install)
     webhook: WebhookReceiver | None = None
     stack: MonitoringStack | None = None
-    op = OperatorProcess(cluster, tmp_path / "operator.log", {"RLHF_OPERATOR_METRICS_PORT": str(port)})
+    # The reconcile interval named here, not left to OperatorProcess' default: the delivery bounds of
+    # the operator's alerts are derived from it (monitored.py).
+    op_env = {
+        "RLHF_OPERATOR_METRICS_PORT": str(port),
+        "RLHF_RECONCILE_INTERVAL": str(RECONCILE_INTERVAL_SECONDS),
+    }
+    op = OperatorProcess(cluster, tmp_path / "operator.log", op_env)
     try:
         objects = render(*chart_values(port), namespace=namespace)
         monitors = [o for o in objects if o["kind"] in ("ServiceMonitor", "PodMonitor")]
@@ -47,7 +59,13 @@ def monitored(cluster: Cluster, namespace: str, rlhf_crd: str, tmp_path: Path) -
         wait_for(lambda: _serves(port) or None, 120, "the operator's metrics endpoint")
         webhook = WebhookReceiver()
         stack = start_stack(
-            tmp_path / "monitoring", monitors, rule, cluster.kubeconfig, cluster.bin_dir, webhook.url
+            tmp_path / "monitoring",
+            monitors,
+            rule,
+            cluster.kubeconfig,
+            cluster.bin_dir,
+            webhook.url,
+            evaluation_interval_seconds=EVALUATION_INTERVAL_SECONDS,
         )
         names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
         m = Monitored(namespace, op, stack, webhook, rule, names)

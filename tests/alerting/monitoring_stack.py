@@ -29,6 +29,11 @@ from support import free_port, terminate
 # target's own port. Discovery, selector, port name and path stay the monitors'. The real-node issue
 # removes this step: Prometheus then scrapes the pod IP.
 DEV_OVERRIDE_HOST = "127.0.0.1"
+# Alertmanager's route: every alert its own group; a group's first notification after GROUP_WAIT, each
+# later one (a resolved notification) at the group's next flush, GROUP_INTERVAL after the last. The
+# tests' delivery bounds are derived from these (monitored.py).
+GROUP_WAIT_SECONDS = 0
+GROUP_INTERVAL_SECONDS = 1
 
 
 def alertmanager_binary() -> str:
@@ -210,8 +215,12 @@ class MonitoringStack:
     alertmanager_url: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        resp = httpx.get(f"{self.prometheus_url}/api/v1/query", params={"query": expr}, timeout=10)
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, evaluated now or at the Unix time `at`."""
+        params: dict[str, str | float] = {"query": expr}
+        if at is not None:
+            params["time"] = at
+        resp = httpx.get(f"{self.prometheus_url}/api/v1/query", params=params, timeout=10)
         body = resp.json()
         assert body.get("status") == "success", (expr, body)
         result: list[dict[str, Any]] = body["data"]["result"]
@@ -259,18 +268,19 @@ def start_stack(
     kubeconfig: Path,
     bin_dir: Path,
     webhook_url: str,
-    interval: str = "1s",
+    evaluation_interval_seconds: int = 1,
 ) -> MonitoringStack:
-    """Alertmanager (every alert its own group, no wait, resolved notifications on) and Prometheus
-    (the monitors' scrape jobs, the PrometheusRule's groups, evaluation every `interval`)."""
+    """Alertmanager (every alert its own group, GROUP_WAIT/GROUP_INTERVAL, resolved notifications on) and
+    Prometheus (the monitors' scrape jobs, the PrometheusRule's groups, evaluated every
+    `evaluation_interval_seconds`; the monitors set their own scrape interval)."""
     workdir.mkdir(parents=True, exist_ok=True)
     am_port, prom_port = free_port(), free_port()
     am_config = {
         "route": {
             "receiver": "test-webhook",
             "group_by": ["..."],  # one notification per alert: what arrives is that alert's story
-            "group_wait": "0s",
-            "group_interval": "1s",
+            "group_wait": f"{GROUP_WAIT_SECONDS}s",
+            "group_interval": f"{GROUP_INTERVAL_SECONDS}s",
             "repeat_interval": "1h",
         },
         "receivers": [
@@ -280,6 +290,7 @@ def start_stack(
     (workdir / "alertmanager.yml").write_text(yaml.safe_dump(am_config))
     rules = workdir / "rules.yml"
     rules.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
+    interval = f"{evaluation_interval_seconds}s"
     prom_config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval},
         "rule_files": [str(rules)],
