@@ -74,11 +74,16 @@ def on_real_node() -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator_release(
     cluster: Cluster, images: Images, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    """`helm install` of the chart with the operator image built here; the operator runs in its pod."""
+    """`helm install` of the chart with the operator image built here; the operator runs in its pod.
+
+    Per module, and gone (its pod too) before the next module starts: it watches every namespace, so
+    left running it would make the Secrets of later tests' jobs from its own key (`pytest -m security`
+    failed that way in tests/security/test_job_objects.py).
+    """
     op_repo, op_tag = images.operator.rsplit(":", 1)
     tr_repo, tr_tag = images.trainer.rsplit(":", 1)
     values = {
@@ -101,6 +106,14 @@ def operator_release(
     ).stdout
     print(f"--- operator pod log tail ---\n{logs}")
     cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", "--timeout", "120s", check=False)
+    # `helm uninstall --wait` waits for the Deployment, not for its pod, which the garbage collector
+    # deletes after it: the operator in it still acts until then.
+    pods = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/name=rlhf-operator"
+    wait_for(
+        lambda: not cluster.list("pods", OPERATOR_NAMESPACE, selector=pods) or None,
+        120,
+        "the chart's operator pod gone after uninstall",
+    )
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support import ROOT, Cluster, OperatorProcess, free_port, wait_for
+from support import ROOT, Cluster, OperatorProcess, drop_rlhfjobs, free_port, wait_for
 
 pytestmark = pytest.mark.security
 
@@ -30,7 +30,13 @@ SCRAPERS = [
 
 
 @pytest.fixture
-def secured_operator(cluster: Cluster, rlhf_crd: str, tmp_path: Path) -> Any:
+def secured_operator(cluster: Cluster, namespace: str, rlhf_crd: str, tmp_path: Path) -> Any:
+    """The operator with the test's key, watching the test's namespace only, stopped (and its jobs
+    deleted) when the test ends.
+
+    Another operator acting in that namespace (one an earlier test left running) would make the job's
+    Secret from its own key: the token check below fails then, naming the two tokens.
+    """
     key = tmp_path / "ray-token-key"
     key.write_bytes(b"s" * 40)
     op = OperatorProcess(
@@ -43,10 +49,12 @@ def secured_operator(cluster: Cluster, rlhf_crd: str, tmp_path: Path) -> Any:
             "RLHF_OPERATOR_POD_LABELS": json.dumps(OPERATOR_LABELS),
             "RLHF_METRICS_FROM": json.dumps(SCRAPERS),
         },
+        namespaces=[namespace],
     )
     op.start()
     yield key.read_bytes()
     op.stop()
+    drop_rlhfjobs(cluster, namespace)  # before the namespace fixture deletes the namespace
     print(f"--- operator log tail ---\n{op.log_tail()}")
 
 
