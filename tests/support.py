@@ -191,12 +191,24 @@ class RayHead:
 
 
 class OperatorProcess:
-    """`rlhf operator` as a local process pointed at the control plane, with the dev head override."""
+    """`rlhf operator` as a local process pointed at the control plane, with the dev head override.
 
-    def __init__(self, cluster: Cluster, log_path: Path, extra_env: dict[str, str] | None = None) -> None:
+    It watches every namespace unless `namespaces` names some: then it never acts on another test's jobs.
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        log_path: Path,
+        extra_env: dict[str, str] | None = None,
+        namespaces: list[str] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.log_path = log_path
         self.extra_env = extra_env or {}
+        self.scope = (
+            [a for ns in namespaces for a in ("--namespace", ns)] if namespaces else ["--all-namespaces"]
+        )
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, **env: str) -> None:
@@ -214,7 +226,7 @@ class OperatorProcess:
         }
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [str(VENV_BIN / "rlhf"), "operator", "--all-namespaces", "--verbose"],
+            [str(VENV_BIN / "rlhf"), "operator", *self.scope, "--verbose"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,
@@ -239,6 +251,21 @@ class OperatorProcess:
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def drop_rlhfjobs(cluster: Cluster, namespace: str) -> None:
+    """Delete every RLHFJob of `namespace` once no operator acts on it any more.
+
+    The operator's reconcile timer puts kopf's finalizer on each job, and only a running operator takes it
+    off: a job left behind holds its namespace's deletion (Terminating) until some later test's operator
+    comes by. With no operator left, nothing else waits on that finalizer: take it off, then delete.
+    """
+    names = cluster.kubectl("get", "rlhfjobs", "-n", namespace, "-o", "name", check=False).stdout.split()
+    for name in names:
+        unfinalized = '{"metadata":{"finalizers":null}}'
+        cluster.kubectl("patch", name, "-n", namespace, "--type=merge", "-p", unfinalized, check=False)
+    if names:
+        cluster.kubectl("delete", *names, "-n", namespace, "--wait=false", check=False)
 
 
 def terminate(proc: subprocess.Popen[bytes], grace: float = 30) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -251,28 +252,51 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
         while time.monotonic() < deadline:
             assert status(cluster, namespace, "third").get("phase") == "Queued"
             time.sleep(5)
-        writes = audited_writes(namespace, queued_at, datetime.now(UTC))
+        until = datetime.now(UTC)
+        writes = audited_writes(namespace, queued_at, until)
+        operator_writes = [ev for ev in writes if by_operator(ev)]
+        kinds = Counter(
+            "/".join(filter(None, (ev["objectRef"].get("resource"), ev["objectRef"].get("subresource"))))
+            for ev in operator_writes
+        )
+        print(f"\naudit window {queued_at.isoformat()} to {until.isoformat()} in {namespace}: {len(writes)} "
+              f"writes, the operator's by kind: {dict(kinds)}")  # fmt: skip
+        # The positive control: in this same window the selector finds the operator's own writes, its
+        # status patches of the two running holders (a step every few seconds each), so "no fight" below
+        # is a finding about writes that were seen, not an empty selection.
+        status_patched = {
+            ev["objectRef"].get("name")
+            for ev in operator_writes
+            if (ev["objectRef"].get("resource"), ev["objectRef"].get("subresource")) == ("rlhfjobs", "status")
+        }
+        assert {"first", "second"} <= status_patched, (
+            f"the operator's status patches of the running holders are not in the audit window: {status_patched}",
+            sorted({str(ev.get("userAgent")) for ev in writes}),
+        )
         fights = [
             (ev["verb"], ev["objectRef"].get("resource"), ev["objectRef"].get("name"), ev.get("userAgent"))
-            for ev in writes
-            if by_operator(ev)
-            and (
+            for ev in operator_writes
+            if (
                 ev["objectRef"].get("resource") == "workloads"
                 or (ev["objectRef"].get("resource"), ev["objectRef"].get("name")) == ("rayclusters", "third")
             )
         ]
         assert not fights, f"the operator wrote objects Kueue owns fields of: {fights}"
+        workloads = cluster.list("workloads", namespace)
+        # The control of "no eviction": the listing holds the Workloads of all three jobs' RayClusters.
+        owners = {ref.get("name") for w in workloads for ref in w["metadata"].get("ownerReferences", [])}
+        assert {"first", "second", "third"} <= owners, owners
         evicted = [
             (w["metadata"]["name"], c.get("reason"))
-            for w in cluster.list("workloads", namespace)
+            for w in workloads
             for c in w.get("status", {}).get("conditions", [])
             if c["type"] == "Evicted" and c["status"] == "True"
         ]
         assert not evicted, f"a Workload was evicted: {evicted}"
         assert phase_in(cluster, namespace, "first", "Running"), "first keeps running after its scale-up"
         assert not (cluster.get("raycluster", "first", namespace) or {})["spec"].get("suspend")
-        operator_writes = [ev for ev in writes if by_operator(ev)]
-        assert all(
+        # Every write of the operator in the window (non-empty: the control above) is to its own kinds.
+        assert operator_writes and all(
             ev["objectRef"].get("resource") in ("rlhfjobs", "events", "rayclusters") for ev in operator_writes
         ), [(ev["verb"], ev["objectRef"]) for ev in operator_writes]
 
@@ -352,9 +376,14 @@ def test_preemption_saves_a_checkpoint_and_the_job_resumes_from_it_when_readmitt
         saved_step = int(saved[-1].split("at step ")[1].split()[0])
         trained_before = max(r["step"] for r in step_reports(logs))
         assert saved_step == trained_before >= 2, (saved_step, trained_before)
-        assert (tmp_path / "low" / f"step-{saved_step:08d}" / "state.json").exists() or (
-            tmp_path / "low" / f"step-{saved_step:08d}"
-        ).is_dir(), sorted(p.name for p in (tmp_path / "low").iterdir())
+        # The checkpoint the readmitted attempt resumes from: committed (its state file is written last,
+        # then the directory renamed) and of the saved step.
+        state_file = tmp_path / "low" / f"step-{saved_step:08d}" / "trainer_state.json"
+        assert state_file.exists(), sorted(p.name for p in (tmp_path / "low").iterdir())
+        state = json.loads(state_file.read_text())
+        assert state["complete"] is True and state["step"] == saved_step, {
+            k: state.get(k) for k in ("complete", "step", "data")
+        }
 
         # The higher priority runs; then the low one is readmitted, resumes from its checkpoint and ends.
         wait_for(lambda: phase_in(cluster, namespace, "high", "Succeeded"), 600, "high Succeeded", interval=2)

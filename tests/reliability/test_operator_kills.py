@@ -4,13 +4,18 @@ a RayCluster deleted by hand under a running job, and a kube-apiserver restart.
 The 10 jobs of the kill test reach `Running` on STAND-IN TRAINERS: before the operator first starts, the
 test submits a sleeping Ray job under each job's deterministic submission id (as the autoscaling tests
 do), so the operator adopts it as the running trainer and no real trainer is started. What is checked
-is the operator's bookkeeping under kills at fixed points of the reconciliation: exactly one RayCluster
-create per job in the API server's audit log, one submission per job, no restart, every job Running.
+is the operator's bookkeeping under kills that land in the middle of its work: first at its own
+failpoint right after a RayCluster create (before the job's status says so), then, once RayClusters
+exist, each time the incarnation just started has moved one more job to `Running`; every kill is
+preceded by evidence that the incarnation killed did work (a create the audit log counts, a job it
+moved). Then: exactly one RayCluster create per job in the API server's audit log, the operator never
+submitted a trainer of its own over the one it adopted, no restart, every job Running. (The operator's
+own submission under a kill, exactly once, is `cluster/test_operator_lifecycle.py`'s `before_submit`
+and `after_submit` points.)
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections import defaultdict
@@ -35,10 +40,13 @@ from support import (
 
 pytestmark = pytest.mark.reliability
 JOBS = 10
-# When the operator is SIGKILLed (and started again at once): after the k-th RayCluster exists, and
-# after the k-th job is Running. Each point is a condition the test waits for, so every kill happens.
-KILL_AT_CLUSTERS = (1, 3, 5, 7, 9)
-KILL_AT_RUNNING = (1, 4, 7)
+# The kills: MID_CREATE_KILLS at the operator's `after_cluster_create` failpoint (it SIGKILLs itself
+# between a RayCluster create and the status patch that records it), then RUNNING_KILLS SIGKILLs from
+# outside, each the moment the incarnation started last has moved one more job to Running. Each kill
+# needs progress since the previous one, so none can land on an incarnation that did nothing.
+MID_CREATE_KILLS = 4
+RUNNING_KILLS = 4
+BATCHES = [[f"job-{i}" for i in part] for part in (range(0, 3), range(3, 6), range(6, 8), range(8, 10))]
 
 
 def ray_submissions(prefix: str) -> list[str]:
@@ -92,15 +100,18 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
     devcluster.register_nodes(extra)
     names = [f"job-{i}" for i in range(JOBS)]
     sids: dict[str, str] = {}
-    for name in names:
-        doc = tiny_job(name, tiny_model, tmp_path / name, steps=2, runPolicy={"backoffLimit": 1})
-        cluster.apply(doc, namespace)
-        obj = cluster.get("rlhfjob", name, namespace)
-        assert obj is not None
-        sids[name] = manifests.submission_id(RLHFJob.model_validate(obj), obj["metadata"]["uid"], 0)
-    with rayjobs.RayJobsClient(ray_head.dashboard_url) as rj:
-        for sid in sids.values():
-            rj.submit(sid, "sleep 900", metadata={"stand-in": "trainer"})
+
+    def add_jobs(batch: list[str]) -> None:
+        """Apply jobs, and submit each one's stand-in trainer before the operator can see it."""
+        for name in batch:
+            doc = tiny_job(name, tiny_model, tmp_path / name, steps=2, runPolicy={"backoffLimit": 1})
+            cluster.apply(doc, namespace)
+            obj = cluster.get("rlhfjob", name, namespace)
+            assert obj is not None
+            sids[name] = manifests.submission_id(RLHFJob.model_validate(obj), obj["metadata"]["uid"], 0)
+        with rayjobs.RayJobsClient(ray_head.dashboard_url) as rj:
+            for name in batch:
+                rj.submit(sids[name], "sleep 900", metadata={"stand-in": "trainer"})
 
     def statuses() -> dict[str, dict[str, Any]]:
         return {n: (cluster.get("rlhfjob", n, namespace) or {}).get("status", {}) for n in names}
@@ -110,31 +121,45 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
 
     op = OperatorProcess(cluster, tmp_path / "operator.log")
     watch = ClusterWatch(cluster, namespace)
-    kills = 0
+    progress: list[str] = []  # what each killed incarnation did, for the report and the assertions
 
-    def kill_and_restart(at: str) -> None:
-        nonlocal kills
-        assert op.alive(), f"the operator died on its own before the kill {at}:\n{op.log_tail()}"
-        op.kill()
-        kills += 1
-        op.start()
+    def creates() -> int:
+        return sum(len(audited_creates("rayclusters", namespace, n)) for n in sids)
 
     t0 = time.monotonic()
-    op.start()
     try:
-
-        def clusters_at_least(k: int) -> bool | None:
-            return len(cluster.list("rayclusters", namespace)) >= k or None
-
-        def running_at_least(k: int) -> bool | None:
-            return running() >= k or None
-
-        for k in KILL_AT_CLUSTERS:
-            wait_for(functools.partial(clusters_at_least, k), 120, f"{k} RayClusters")
-            kill_and_restart(f"after {k} RayClusters")
-        for k in KILL_AT_RUNNING:
-            wait_for(functools.partial(running_at_least, k), 180, f"{k} jobs Running")
-            kill_and_restart(f"after {k} jobs Running")
+        # 1. Mid-create: each incarnation runs until its first RayCluster create and kills itself there.
+        # The jobs come in MID_CREATE_KILLS batches, one before each of these incarnations: one
+        # incarnation creates the RayClusters of every job it sees at once (its creates overlap), so
+        # each needs jobs of its own without one to reach its failpoint.
+        for i, batch in enumerate(BATCHES):
+            add_jobs(batch)
+            before = creates()
+            marker_dir = tmp_path / f"failpoints-{i}"
+            op.start(RLHF_FAILPOINTS="after_cluster_create", RLHF_FAILPOINTS_DIR=str(marker_dir))
+            wait_for(lambda: not op.alive() or None, 120, f"incarnation {i} to reach after_cluster_create")
+            assert op.proc is not None and op.proc.returncode == -9, (op.proc, op.log_tail())
+            marker = marker_dir / "after_cluster_create"
+            assert marker.exists() and marker.read_text() == str(op.proc.pid), (
+                "killed, but not by its failpoint"
+            )
+            after = creates()
+            assert after > before, (
+                f"incarnation {i} was killed at its create, but the audit log has no new one"
+            )
+            progress.append(f"create ({before} -> {after})")
+        # 2. Running: each incarnation is SIGKILLed from outside right after it moved one more job to Running.
+        for i in range(RUNNING_KILLS):
+            before_running = running()
+            if before_running == JOBS:
+                break  # nothing left to move: the kills so far are reported below
+            op.start()
+            wait_for(
+                lambda b=before_running: running() > b or None, 180, f"incarnation {i} to move a job", 0.1
+            )
+            op.kill()
+            progress.append(f"running ({before_running} -> {running()})")
+        op.start()  # unarmed: it must converge
         wait_for(lambda: running() == JOBS or None, 300, "every job Running")
         converged = time.monotonic() - t0
         time.sleep(5)  # a few more reconcile rounds (1 s apart): nothing may change any more
@@ -152,9 +177,14 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
         for i in extra:
             cluster.kubectl("delete", "node", f"kwok-gpu-{i}", "--wait=false", check=False)
     print(
-        f"\n{JOBS} jobs, operator SIGKILLed {kills} times: all Running {converged:.0f}s after its first start"
+        f"\n{JOBS} jobs, operator SIGKILLed {len(progress)} times, each after progress of its own: "
+        f"{', '.join(progress)}; all Running {converged:.0f}s after its first start"
     )
-    assert kills == len(KILL_AT_CLUSTERS) + len(KILL_AT_RUNNING) == 8
+    # Every mid-create kill fired; at least two incarnations were killed right after moving a job, in a
+    # run where every earlier kill left jobs still to move (the stand-ins make Running quick: one
+    # incarnation may move several jobs before the poller sees the first).
+    assert sum(p.startswith("create") for p in progress) == MID_CREATE_KILLS
+    assert sum(p.startswith("running") for p in progress) >= 2, progress
     for name in names:
         st = sts[name]
         assert st.get("phase") == "Running", (name, st)

@@ -189,6 +189,19 @@ def test_grpo_learns_and_every_engine_greedy_equals_hf_from_gathered_weights(
     assert not list(Path("/dev/shm").glob("rlhf-weights-wscheck-*")), "the shm sync buffer outlived the run"
 
 
+def _wait_delivered(pid: int, sig: int, timeout: float = 10) -> None:
+    """Until `sig` is no longer pending for the process `pid` (/proc: a thread of it has taken the signal,
+    so its Python handler runs at the main thread's next bytecode)."""
+    bit = 1 << (sig - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = dict(ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines())
+        if not (int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & bit:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"signal {sig} still pending for pid {pid} after {timeout} s")
+
+
 def test_preemption_saves_or_keeps_a_checkpoint_and_the_next_run_resumes_after_it(
     tiny: Path, tmp_path: Path, ray_tmp: Path, popen_group: list[subprocess.Popen[str]]
 ) -> None:
@@ -203,7 +216,13 @@ def test_preemption_saves_or_keeps_a_checkpoint_and_the_next_run_resumes_after_i
     sets = [*tiny_sets(tiny, ckpt), "algorithm.totalSteps=6", "checkpoint.intervalSteps=2",
             "checkpoint.keepLast=5", "rollout.temperature=0.7", f"metadata.name={job}"]  # fmt: skip
     hook: list[subprocess.Popen[str]] = []
+    # The fault layer holds step 3's save with every shard written and nothing committed
+    # (`checkpoint_hold@3`) until the test releases it: the second SIGTERM lands mid-save every run.
+    marks = tmp_path / "faults"
+    held = marks / "checkpoint_hold@3"
+    faults = {"RLHF_TRAINER_FAULTS": "checkpoint_hold@3", "RLHF_TRAINER_FAULTS_DIR": str(marks)}
     second_signal_mid_save: list[str] = []
+    hold_seconds: list[float] = []
 
     def prestop(pid: int) -> None:  # what the kubelet runs in the head container before it stops it
         cmd = [sys.executable, "-m", "rlhf_trainer.preempt", "--job", job, "--budget", "120"]
@@ -212,16 +231,20 @@ def test_preemption_saves_or_keeps_a_checkpoint_and_the_next_run_resumes_after_i
 
     def again_mid_save(pid: int) -> None:  # Ray's stop_job after the hook: SIGTERM again, while it saves
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and popen_group[0].poll() is None:
-            partial = [p.name for p in ckpt.glob(".tmp-step-00000003-*")]
-            if partial:
+        while not held.exists() and time.monotonic() < deadline and popen_group[0].poll() is None:
+            time.sleep(0.05)
+        t_held = time.monotonic()
+        try:
+            if held.exists():
+                second_signal_mid_save.extend(p.name for p in ckpt.glob(".tmp-step-00000003-*"))
                 os.kill(pid, signal.SIGTERM)
-                second_signal_mid_save.extend(partial)
-                return
-            time.sleep(0.005)  # the save takes ~0.07 s here
+                _wait_delivered(pid, signal.SIGTERM)  # taken by the driver's handler before the release
+        finally:
+            (marks / "checkpoint_hold@3.release").touch()
+            hold_seconds.append(time.monotonic() - t_held)
 
     a = run_driver_and_stop(spec_of(EXAMPLE, sets), job, tmp_path, ray_tmp, popen_group, after_step=2,
-                            stop=prestop, during=again_mid_save, env={STOP_BUDGET_ENV: "120"})  # fmt: skip
+                            stop=prestop, during=again_mid_save, env={STOP_BUDGET_ENV: "120", **faults})  # fmt: skip
     assert a.returncode == PREEMPTED_EXIT_CODE == 143, a.stderr[-3000:]
     # The stop came 1 s after step 2's line, so step 3 (no interval checkpoint) was finished, then saved.
     assert "preempted: saved checkpoint at step 3 (lost 0 steps)" in a.stdout, a.stdout[-2000:]
@@ -230,17 +253,14 @@ def test_preemption_saves_or_keeps_a_checkpoint_and_the_next_run_resumes_after_i
     assert all(set(r) == {"step", "reward_mean", "phase_seconds", "engines"} for r in a.reports), a.reports
     assert a.summary is not None
     preempted = a.summary["preempted"]
-    # The second SIGTERM aborted nothing. The save lasts ~0.07 s, and a loaded machine can let the poller
-    # miss it: then only one signal came (the handler's own test sends the second for sure).
-    # (A signal sent just as the save ends may land after the summary counted them.)
-    assert preempted["saved"] and preempted["signals"] in ((1, 2) if second_signal_mid_save else (1,)), (
-        preempted
-    )
-    if not second_signal_mid_save:
-        print("\nA: the save finished before the poller saw it; no second SIGTERM sent")
+    # The second SIGTERM came while step 3's shards were written and not committed, and aborted nothing.
+    marked = json.loads(held.read_text())["partial_checkpoints"]
+    assert marked == second_signal_mid_save and len(marked) == 1, (marked, second_signal_mid_save)
+    assert preempted["saved"] and preempted["signals"] == 2, preempted
     assert preempted["checkpoint"] == str(ckpt / "step-00000003") == a.summary["checkpoints"][-1]
-    print(f"\nA: preempted save of step 3: {preempted['save_seconds']} s (estimated "
-          f"{preempted['estimated_save_seconds']:.2f} s from step 2's), exit {a.seconds:.0f} s after start")  # fmt: skip
+    print(f"\nA: preempted save of step 3: {preempted['save_seconds']} s with the test's hold of "
+          f"{hold_seconds[0]:.3f} s (estimated {preempted['estimated_save_seconds']:.2f} s from step 2's), "
+          f"exit {a.seconds:.0f} s after start")  # fmt: skip
     hook_out, _ = hook[0].communicate(timeout=60)
     assert hook[0].returncode == 0, hook_out
     assert f"sent SIGTERM to the driver, pid {popen_group[0].pid}" in hook_out, hook_out

@@ -156,6 +156,7 @@ def run(
         metrics.resumed(first - 1 - announced)  # the counter continues from the checkpoint's step
         resumed = bool(checkpointer.resume_info)
         sync = WeightSyncManager(spec, job, info, placed.actor, placed.pool, metrics, log, resumed=resumed)
+        sync.while_sending = faults.weights_sending if faults else None
         ctx = StepContext(spec, job, data, placed, sync, checkpointer, metrics, faults)
         last = (
             spec.algorithm.total_steps

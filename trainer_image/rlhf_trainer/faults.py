@@ -9,6 +9,15 @@ process (the tests need the actor on this host); only its timing is chosen.
 `start@0` is the fast restartable failure of the operator's lifecycle tests: the driver fails at
 start-up, before any model loads, in every attempt (no marker), and exits 1 like any crash, not 2 like
 bad input (which the operator does not restart).
+
+`engine_weight_sync@N` kills rollout engine 0 in the middle of step N's weight sync: after the driver
+found every engine alive and the actor ranks began sending (WeightSyncManager.while_sending), so the
+loss lands inside the broadcast, not before it (a loss before it is pruned and survived).
+
+`checkpoint_hold@N` kills nothing: it holds step N's save where `checkpoint@N` would kill (every shard
+written, nothing committed) until the test creates `<marker>.release`, so the test can act at that moment
+for sure (the preemption test's second SIGTERM mid-save). The wait is bounded (HOLD_ENV, 60 s): past it,
+InjectedFault names the file it waited for, and the save is aborted like any failed one.
 """
 
 from __future__ import annotations
@@ -17,10 +26,13 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 ENV, DIR_ENV = "RLHF_TRAINER_FAULTS", "RLHF_TRAINER_FAULTS_DIR"
+HOLD, HOLD_ENV, HOLD_SECONDS = "checkpoint_hold", "RLHF_TRAINER_FAULTS_HOLD_SECONDS", 60.0
+ENGINE_MID_SYNC = "engine_weight_sync"
 
 Victim = Callable[[str], tuple[str, int]]  # phase -> (who, pid): the actor whose death hurts it most
 
@@ -55,6 +67,7 @@ class FaultInjector:
     def __init__(self, victim: Victim, checkpoint_root: Path | None) -> None:
         self.victim = victim
         self.checkpoint_root = checkpoint_root
+        self.step = 0  # the step whose phase started last
 
     @classmethod
     def from_env(cls, victim: Victim, checkpoint_root: Path | None) -> FaultInjector | None:
@@ -63,23 +76,70 @@ class FaultInjector:
 
     def phase_started(self, step: int, phase: str) -> None:
         """Called at every phase start."""
+        self.step = step
         self.fire(step, phase, mid_write=False)
+
+    def weights_sending(self) -> None:
+        """Called once the actor ranks have begun sending a weight sync's buckets: `engine_weight_sync`."""
+        step, phase = self.step, ENGINE_MID_SYNC
+        if (phase, step) not in armed() or _marker(phase, step).exists():
+            return
+        who, pid = self.victim("generation")  # rollout engine 0
+        self._mark(_marker(phase, step), who, pid)
+        print(f"fault injected: SIGKILL {who} (pid {pid}) mid weight sync of step {step}", file=sys.stderr)
+        sys.stderr.flush()
+        os.kill(pid, signal.SIGKILL)
 
     def checkpoint_written(self, step: int) -> None:
         """Called by the checkpoint writer once the shards are written, before the commit."""
+        self.hold(step)
         self.fire(step, "checkpoint", mid_write=True)
 
     def fire(self, step: int, phase: str, mid_write: bool) -> None:
         if (phase, step) not in armed() or (phase == "checkpoint") != mid_write:
             return
-        marker = Path(os.environ.get(DIR_ENV, ".")) / f"{phase}@{step}"
+        marker = _marker(phase, step)
         if marker.exists():
             return
         who, pid = ("the driver", os.getpid()) if phase == "checkpoint" else self.victim(phase)
+        self._mark(marker, who, pid)
+        print(f"fault injected: SIGKILL {who} (pid {pid}) in phase {phase} of step {step}", file=sys.stderr)
+        sys.stderr.flush()
+        os.kill(pid, signal.SIGKILL)
+
+    def hold(self, step: int) -> None:
+        """`checkpoint_hold@step`: write the marker, then wait until `<marker>.release` exists (at most
+        HOLD_ENV seconds, else InjectedFault). Once per marker, like the kills."""
+        if (HOLD, step) not in armed():
+            return
+        marker = _marker(HOLD, step)
+        if marker.exists():
+            return
+        limit = float(os.environ.get(HOLD_ENV) or HOLD_SECONDS)
+        release = marker.with_name(marker.name + ".release")
+        self._mark(marker, "the driver", os.getpid())
+        print(
+            f"fault injected: step {step}'s checkpoint held before its commit until {release} exists "
+            f"(at most {limit:g} s)",
+            file=sys.stderr,
+        )
+        sys.stderr.flush()
+        deadline = time.monotonic() + limit
+        while not release.exists():
+            if time.monotonic() >= deadline:
+                raise InjectedFault(
+                    f"{ENV}={HOLD}@{step}: {release} did not appear within {limit:g} s ({HOLD_ENV}); "
+                    f"step {step}'s checkpoint is not committed"
+                )
+            time.sleep(0.01)
+
+    def _mark(self, marker: Path, who: str, pid: int) -> None:
+        """The marker the test reads: who fires, and the partial checkpoints at that moment."""
         root = self.checkpoint_root
         partial = sorted(p.name for p in root.glob(".tmp-*")) if root is not None else []
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"who": who, "pid": pid, "partial_checkpoints": partial}) + "\n")
-        print(f"fault injected: SIGKILL {who} (pid {pid}) in phase {phase} of step {step}", file=sys.stderr)
-        sys.stderr.flush()
-        os.kill(pid, signal.SIGKILL)
+
+
+def _marker(phase: str, step: int) -> Path:
+    return Path(os.environ.get(DIR_ENV, ".")) / f"{phase}@{step}"

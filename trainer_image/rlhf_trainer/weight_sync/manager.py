@@ -74,6 +74,8 @@ class WeightSyncManager:
         self.log = log
         self.resumed = resumed  # the engines loaded the actor's files, not the checkpoint's weights
         self.channel_version = -1  # the pool membership the open channel was built for (-1: none yet)
+        # Called once the actor ranks are sending (fault injection: an engine lost mid-broadcast).
+        self.while_sending: Callable[[], None] | None = None
 
     def refresh(self, timer: PhaseTimer) -> int:
         """Between steps: follow the cluster's rollout slots, let engines that finished starting join.
@@ -137,6 +139,8 @@ class WeightSyncManager:
         )
         sends = self.actor_group.call("send_weights")
         recvs = self.pool.receive_refs(plan)
+        if self.while_sending is not None:
+            self.while_sending()
         ray.get(sends)
         # The bytes each engine measured arriving, summed: a bucket lost or cut short shows here.
         sent = sum(int(r["bytes"]) for r in ray.get(recvs))
