@@ -316,22 +316,13 @@ def build_wheelhouse(wh: Wheelhouse) -> Path:
     out = run(
         [*base, "wheel", "--wheel-dir", str(partial), *wh.resolved], 3600, "pip wheel", cwd=ROOT, quiet=True
     )
-    if wh.no_deps:
-        out += run(
-            [*base, "download", "--no-deps", "--only-binary=:all:", "--dest", str(partial), *wh.no_deps],
-            1800,
-            "pip download",
-            cwd=ROOT,
-            quiet=True,
-        )
-    if wh.sdists:
-        out += run(
-            [*base, "download", "--no-deps", "--no-binary=:all:", "--dest", str(partial), *wh.sdists],
-            1800,
-            "pip download (source distributions)",
-            cwd=ROOT,
-            quiet=True,
-        )
+    for kind, what, names in (
+        ("--only-binary=:all:", "pip download", wh.no_deps),
+        ("--no-binary=:all:", "pip download (source distributions)", wh.sdists),
+    ):
+        if names:
+            cmd = [*base, "download", "--no-deps", kind, "--dest", str(partial), *names]
+            out += run(cmd, 1800, what, cwd=ROOT, quiet=True)
     downloaded = [line.split()[1] for line in out.splitlines() if line.strip().startswith("Downloading ")]
     cached = [line for line in out.splitlines() if "Using cached" in line or "already downloaded" in line]
     (partial / "pip.conf").write_text("[global]\nno-index = true\nfind-links = /wheels\n")
