@@ -333,6 +333,27 @@ def run_ranks(target: Callable[..., None], world: int, args: tuple[Any, ...], ti
     )
 
 
+def example_job(name: str, **overrides: Any) -> dict[str, Any]:
+    """examples/rlhfjob-tiny.yaml as written, named `name`, with `overrides` set by dotted path
+    (`**{"spec.runPolicy.backoffLimit": 0}`): a job the operator renders, whose trainer need not run."""
+    import yaml
+
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    return set_dotted(doc, overrides)
+
+
+def set_dotted(doc: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set each `a.b.c: value` of `overrides` in `doc` (missing levels made), and return `doc`."""
+    for path, value in overrides.items():
+        node = doc
+        keys = path.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return doc
+
+
 def tiny_job(name: str, model: Path, ckpt: Path, steps: int, **spec: Any) -> dict[str, Any]:
     """examples/rlhfjob-tiny.yaml on the tiny model in `model`, `steps` steps, a free metrics port."""
     import yaml
@@ -507,3 +528,66 @@ def device_map_shape(
         frozenset(frozenset(v) for v in by_gpu.values()),
         {name: len(gpus) for name, _, gpus in rows},
     )
+
+
+def failing_job(name: str, **overrides: Any) -> dict[str, Any]:
+    """A job whose trainer fails at start-up in every attempt, as a crash (restartable)."""
+    return example_job(name, **{"spec.pods.env": [START_FAULT], **overrides})
+
+
+def job_status(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    obj = cluster.get("rlhfjob", name, ns)
+    return dict((obj or {}).get("status", {}))
+
+
+def phase_is(cluster: Cluster, ns: str, name: str, *phases: str) -> dict[str, Any] | None:
+    """The job's status when its phase is one of `phases`, else None (for wait_for)."""
+    st = job_status(cluster, ns, name)
+    return st if st.get("phase") in phases else None
+
+
+def events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
+    """The Events recorded for the RLHFJob `name`."""
+    return [
+        e
+        for e in cluster.list("events", ns)
+        if e.get("involvedObject", {}).get("kind") == "RLHFJob" and e["involvedObject"].get("name") == name
+    ]
+
+
+def ray_submissions(prefix: str) -> list[str]:
+    """Submission ids on the local Ray head that start with `prefix`."""
+    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/", timeout=10)
+    resp.raise_for_status()
+    return [j["submission_id"] for j in resp.json() if str(j.get("submission_id", "")).startswith(prefix)]
+
+
+# ---- the manifest corpus: tests/data/invalid (each file's header says what must refuse it) and examples/
+
+INVALID_MANIFESTS = sorted((ROOT / "tests" / "data" / "invalid").glob("*.yaml"))
+EXAMPLE_JOBS = sorted((ROOT / "examples").glob("rlhfjob-*.yaml"))  # RLHFJobs (not the volume example)
+
+
+def manifest_header(path: Path) -> dict[str, str]:
+    """The `# key: value` comment lines at the top of a test manifest (expect, rule, why)."""
+    fields = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        key, _, value = line.lstrip("# ").partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def minimal_job(name: str, **spec: Any) -> dict[str, Any]:
+    """A valid RLHFJob with the given top-level spec sections added."""
+    return {
+        "apiVersion": "rlhf.dev/v1alpha1",
+        "kind": "RLHFJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"actor": "/models/a", "reward": {"type": "function", "function": "rewards:score"}},
+            "data": {"prompts": "/data/p.jsonl"},
+            **spec,
+        },
+    }

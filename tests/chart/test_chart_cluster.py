@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import urllib.request
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from chart_tools import CHART, ROOT, monitoring_args, one, render
-from support import VENV_BIN, Cluster, wait_for
+from support import VENV_BIN, Cluster, free_port, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -272,13 +271,6 @@ def token_kubeconfig(cluster: Cluster, namespace: str, sa: str, path: Path) -> P
         )
     )
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def container_command(cluster: Cluster, namespace: str) -> tuple[list[str], dict[str, str]]:

@@ -10,45 +10,20 @@ import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from rlhf_api.rules import RULES
 from rlhf_api.spec import RLHFJobSpec, RolloutSpec
-from support import Cluster, wait_for
+from support import EXAMPLE_JOBS, INVALID_MANIFESTS, Cluster, wait_for
+from support import manifest_header as header
+from support import minimal_job as job
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-INVALID = sorted((ROOT / "tests" / "data" / "invalid").glob("*.yaml"))
-EXAMPLES = sorted((ROOT / "examples").glob("rlhfjob-*.yaml"))  # RLHFJobs (not the volume example)
+INVALID, EXAMPLES = INVALID_MANIFESTS, EXAMPLE_JOBS
 RULE_MESSAGES = {rule.name: rule.message for rule in RULES}
-
-
-def header(path: Path) -> dict[str, str]:
-    """The `# key: value` comment lines at the top of a test manifest (expect, rule, why)."""
-    fields = {}
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        key, _, value = line.lstrip("# ").partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
-def job(name: str, **spec: Any) -> dict[str, Any]:
-    """A valid RLHFJob with the given top-level spec sections added."""
-    return {
-        "apiVersion": "rlhf.dev/v1alpha1",
-        "kind": "RLHFJob",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"actor": "/models/a", "reward": {"type": "function", "function": "rewards:score"}},
-            "data": {"prompts": "/data/p.jsonl"},
-            **spec,
-        },
-    }
 
 
 @pytest.fixture(scope="module")

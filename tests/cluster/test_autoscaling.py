@@ -22,8 +22,17 @@ from prometheus_client import start_http_server
 from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests, rayjobs
 from rlhf_trainer.metrics import TrainerExporter
-from support import Cluster, OperatorProcess, RayHead, free_port, rollout_group_replicas, wait_for
-from test_operator_lifecycle import events, job_status, tiny_job
+from support import (
+    Cluster,
+    OperatorProcess,
+    RayHead,
+    events,
+    example_job,
+    free_port,
+    job_status,
+    rollout_group_replicas,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -80,7 +89,7 @@ def test_kubectl_scale_drives_the_rollout_group_and_out_of_range_is_clamped(
 ) -> None:
     # 4 GPUs a rollout worker; the trainer group takes 2 x 2 of the 2 x 8 fake GPUs, so 4 workers
     # (16 GPUs) can never all be placed, and 2 always can.
-    doc = tiny_job(
+    doc = example_job(
         "scaled",
         **{
             "spec.rollout": {
@@ -168,7 +177,7 @@ def test_built_in_policy_scales_up_when_generation_bound_and_back_down(
 ) -> None:
     """The stand-in for the trainer's /metrics reports steps whose generation share the test sets."""
     port = free_port()
-    doc = tiny_job(
+    doc = example_job(
         "auto",
         **{
             "spec.rollout": {

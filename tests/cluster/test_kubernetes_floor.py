@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+from rlhf_api.rules import RULES
 from rlhf_api.spec import RLHFJobSpec
-from support import CRD_FILE, ROOT, Cluster, free_port, terminate, wait_for
-from test_admission import EXAMPLES, INVALID, RULE_MESSAGES, header, job
+from support import CRD_FILE, EXAMPLE_JOBS, INVALID_MANIFESTS, ROOT, Cluster, free_port, terminate, wait_for
+from support import manifest_header as header
+from support import minimal_job as job
 
 if TYPE_CHECKING:  # mypy sees devcluster/ as a namespace package; conftest puts the script on sys.path
     from devcluster import devcluster
@@ -30,6 +32,8 @@ else:
     import devcluster
 
 # Its own stage, last in `make test`: its API server is built in the background while other stages run.
+INVALID, EXAMPLES = INVALID_MANIFESTS, EXAMPLE_JOBS
+RULE_MESSAGES = {rule.name: rule.message for rule in RULES}
 pytestmark = pytest.mark.floor
 
 FLOOR_BINARY = "kube-apiserver-floor"

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from rlhf_operator.election import LEASE_DURATION_SECONDS
 from rlhf_operator.leader import RETRY_SECONDS
-from support import Cluster, OperatorProcess, RayHead, wait_for
-from test_operator_lifecycle import failing_job
+from support import Cluster, OperatorProcess, RayHead, failing_job, wait_for
 
 pytestmark = pytest.mark.cluster
 LEASE = "rlhf-operator-leader"

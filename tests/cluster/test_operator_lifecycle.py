@@ -12,63 +12,30 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 import support
-import yaml
-from support import RAY_DASHBOARD_PORT, START_FAULT, Cluster, OperatorProcess, audited_creates, wait_for
+from support import (
+    Cluster,
+    OperatorProcess,
+    audited_creates,
+    events,
+    failing_job,
+    phase_is,
+    ray_submissions,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def tiny_job(name: str, **overrides: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
-    doc["metadata"] = {"name": name}
-    for path, value in overrides.items():
-        node = doc
-        keys = path.split(".")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    return doc
-
-
-def failing_job(name: str, **overrides: Any) -> dict[str, Any]:
-    """A job whose trainer fails at start-up in every attempt, as a crash (restartable)."""
-    return tiny_job(name, **{"spec.pods.env": [START_FAULT], **overrides})
-
-
-def job_status(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
-    obj = cluster.get("rlhfjob", name, ns)
-    return (obj or {}).get("status", {})
-
-
-def phase_is(cluster: Cluster, ns: str, name: str, *phases: str) -> dict[str, Any] | None:
-    st = job_status(cluster, ns, name)
-    return st if st.get("phase") in phases else None
-
-
-def events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
-    return [
-        e
-        for e in cluster.list("events", ns)
-        if e.get("involvedObject", {}).get("kind") == "RLHFJob" and e["involvedObject"].get("name") == name
-    ]
-
-
-def ray_submissions(prefix: str) -> list[str]:
-    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/", timeout=10)
-    resp.raise_for_status()
-    return [j["submission_id"] for j in resp.json() if str(j.get("submission_id", "")).startswith(prefix)]
-
-
 def test_job_gets_an_owned_raycluster_with_running_pods(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    cluster.apply(tiny_job("tiny", **{"metadata.labels": {"kueue.x-k8s.io/queue-name": "q1"}}), namespace)
+    cluster.apply(
+        support.example_job("tiny", **{"metadata.labels": {"kueue.x-k8s.io/queue-name": "q1"}}), namespace
+    )
     job = cluster.get("rlhfjob", "tiny", namespace)
     assert job is not None
     rc = wait_for(lambda: cluster.get("raycluster", "tiny", namespace), 30, "the RayCluster")

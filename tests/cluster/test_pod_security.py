@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support import Cluster, OperatorProcess, wait_for
-from test_operator_lifecycle import failing_job
+from support import Cluster, OperatorProcess, failing_job, wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -14,8 +14,7 @@ import uuid
 from typing import Any
 
 import pytest
-from support import Cluster, OperatorProcess, wait_for
-from test_operator_lifecycle import events, failing_job, job_status, phase_is
+from support import Cluster, OperatorProcess, events, failing_job, job_status, phase_is, wait_for
 
 pytestmark = pytest.mark.cluster
 

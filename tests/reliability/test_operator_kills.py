@@ -22,18 +22,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests, rayjobs
 from support import (
-    RAY_DASHBOARD_PORT,
     START_FAULT,
     Cluster,
     OperatorProcess,
     PhaseWatch,
     RayHead,
     audited_creates,
+    ray_submissions,
     tiny_job,
     wait_for,
 )
@@ -47,12 +46,6 @@ JOBS = 10
 MID_CREATE_KILLS = 4
 RUNNING_KILLS = 4
 BATCHES = [[f"job-{i}" for i in part] for part in (range(0, 3), range(3, 6), range(6, 8), range(8, 10))]
-
-
-def ray_submissions(prefix: str) -> list[str]:
-    resp = httpx.get(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/", timeout=10)
-    resp.raise_for_status()
-    return [j["submission_id"] for j in resp.json() if str(j.get("submission_id", "")).startswith(prefix)]
 
 
 class ClusterWatch:

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from support import ROOT, Cluster, OperatorProcess, drop_rlhfjobs, free_port, wait_for
+from support import Cluster, OperatorProcess, drop_rlhfjobs, events, example_job, free_port, wait_for
 
 pytestmark = pytest.mark.security
 
@@ -58,21 +57,6 @@ def secured_operator(cluster: Cluster, namespace: str, rlhf_crd: str, tmp_path: 
     print(f"--- operator log tail ---\n{op.log_tail()}")
 
 
-def tiny_job(name: str, **spec: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
-    doc["metadata"] = {"name": name}
-    doc["spec"].update(spec)
-    return doc
-
-
-def events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
-    return [
-        e
-        for e in cluster.list("events", ns)
-        if e.get("involvedObject", {}).get("kind") == "RLHFJob" and e["involvedObject"].get("name") == name
-    ]
-
-
 def owned_by(obj: dict[str, Any], job: dict[str, Any]) -> bool:
     return any(r.get("uid") == job["metadata"]["uid"] for r in obj["metadata"].get("ownerReferences", []))
 
@@ -88,7 +72,7 @@ def test_the_job_owns_its_token_secret_and_network_policy(
 ) -> None:
     from rlhf_operator.security import job_token
 
-    cluster.apply(tiny_job("sec"), namespace)
+    cluster.apply(example_job("sec"), namespace)
     job = wait_for(lambda: cluster.get("rlhfjob", "sec", namespace), 30, "the RLHFJob")
     uid = job["metadata"]["uid"]
     secret_name = f"sec-ray-token-{uid[:8]}"
@@ -149,7 +133,7 @@ def test_turning_protection_off_is_explicit_and_warned(
     cluster: Cluster, namespace: str, secured_operator: bytes
 ) -> None:
     off = {"rayAuthentication": "Disabled", "networkPolicy": "Disabled"}
-    cluster.apply(tiny_job("open", security=off), namespace)
+    cluster.apply(example_job("open", **{"spec.security": off}), namespace)
     rc = wait_for(lambda: cluster.get("raycluster", "open", namespace), 60, "the RayCluster")
     warnings = wait_for(
         lambda: (

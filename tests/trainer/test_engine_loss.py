@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 
 import pytest
-from support import metric_value
-from trainer_runs import EXAMPLE, GRPO, free_port, run_cli, tiny_sets
+from support import free_port, metric_value
+from trainer_runs import EXAMPLE, GRPO, run_cli, tiny_sets
 
 pytestmark = pytest.mark.trainer
 

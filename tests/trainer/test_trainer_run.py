@@ -20,13 +20,13 @@ from statistics import mean
 import pytest
 from rlhf_api.constants import PREEMPTED_EXIT_CODE, STOP_BUDGET_ENV
 from support import METRICS_CONTRACT as CONTRACT
+from support import free_port
 from support import metric_samples as _samples
 from support import metric_value as _value
 from trainer_runs import (
     EXAMPLE,
     GRPO,
     REINFORCE_PP,
-    free_port,
     run_cli,
     run_driver_and_stop,
     run_env,

@@ -11,7 +11,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,12 +28,6 @@ EXAMPLE = ROOT / "examples" / "rlhfjob-tiny.yaml"
 # The tiny task with the critic-free estimators instead of PPO (gae).
 GRPO = ["algorithm.advantageEstimator=grpo", "model.critic=null", "trainer.critic=null"]
 REINFORCE_PP = ["algorithm.advantageEstimator=reinforce_pp", "model.critic=null", "trainer.critic=null"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_sets(tiny: Path, ckpt: Path) -> list[str]:

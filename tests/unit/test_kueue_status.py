@@ -13,7 +13,7 @@ from rlhf_api.spec import RLHFJob
 from rlhf_operator import kueue, manifests
 from rlhf_operator.conditions import iso
 from rlhf_operator.status import decide
-from test_status import NOW, SID, job, obs, ray
+from status_inputs import NOW, SID, job, obs, ray
 
 pytestmark = pytest.mark.unit
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests
+from support import set_dotted
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,13 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def load(name: str, **overrides: Any) -> RLHFJob:
     doc = yaml.safe_load((ROOT / "examples" / name).read_text())
     doc["metadata"]["namespace"] = "team-a"
-    for path, value in overrides.items():
-        node = doc
-        keys = path.split(".")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    return RLHFJob.model_validate(doc)
+    return RLHFJob.model_validate(set_dotted(doc, overrides))
 
 
 def group(rc: dict[str, Any], name: str) -> dict[str, Any]:

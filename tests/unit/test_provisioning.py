@@ -10,7 +10,7 @@ import pytest
 from rlhf_operator.conditions import iso
 from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
 from rlhf_operator.status import cluster_rejected, decide
-from test_status import NOW, SID, cluster, job, obs
+from status_inputs import NOW, SID, cluster, job, obs
 
 pytestmark = pytest.mark.unit
 

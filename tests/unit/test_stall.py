@@ -11,7 +11,7 @@ from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import STEP_STALLED, Stall, detect_stall, set_stalled_condition
 from rlhf_operator.status import decide, status_patch
-from test_status import NOW, SID, job, obs, ray
+from status_inputs import NOW, SID, job, obs, ray
 
 pytestmark = pytest.mark.unit
 

@@ -2,48 +2,19 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests
 from rlhf_operator.conditions import iso
-from rlhf_operator.rayjobs import RayJobInfo
 from rlhf_operator.scrape import ScrapedMetrics, parse_metrics
-from rlhf_operator.status import Observed, decide, status_patch
+from rlhf_operator.status import decide, status_patch
+from status_inputs import NOW, SID, cluster, job, obs, ray
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
-NOW = datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
-SID = "rlhf-ns-tiny-0123abcd-0"
-
-
-def job(status: dict[str, Any] | None = None, **run_policy: Any) -> RLHFJob:
-    doc = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
-    doc["metadata"].update(namespace="ns", uid="0123abcd-ffff", generation=1)
-    doc["spec"].setdefault("runPolicy", {}).update(run_policy)
-    if status:
-        doc["status"] = status
-    return RLHFJob.model_validate(doc)
-
-
-def cluster(state: str | None = "ready", suspend: bool = False, **status: Any) -> dict[str, Any]:
-    st: dict[str, Any] = dict(status)
-    if state:
-        st["state"] = state
-    return {"metadata": {"name": "tiny", "namespace": "ns"}, "spec": {"suspend": suspend}, "status": st}
-
-
-def ray(status: str, sid: str = SID, message: str = "", exit_code: int | None = None) -> RayJobInfo:
-    return RayJobInfo(sid, status, message, None, None, exit_code)
-
-
-def obs(**kw: Any) -> Observed:
-    kw.setdefault("raycluster", cluster())
-    return Observed(now=kw.pop("now", NOW), uid="0123abcd-ffff", **kw)
 
 
 def test_missing_cluster_is_created() -> None:

@@ -21,24 +21,14 @@ from rlhf_api.validate import (
     validate_text,
 )
 from rlhf_cli.main import main as cli_main
+from support import EXAMPLE_JOBS, INVALID_MANIFESTS
+from support import manifest_header as header
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-INVALID = sorted((ROOT / "tests" / "data" / "invalid").glob("*.yaml"))
-EXAMPLES = sorted((ROOT / "examples").glob("rlhfjob-*.yaml"))  # RLHFJobs (not the volume example)
+INVALID, EXAMPLES = INVALID_MANIFESTS, EXAMPLE_JOBS
 RULES_BY_NAME = {rule.name: rule for rule in RULES}
-
-
-def header(path: Path) -> dict[str, str]:
-    """The `# key: value` comment lines at the top of a test manifest (expect, rule, why)."""
-    fields = {}
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        key, _, value = line.lstrip("# ").partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
 
 
 def load_job(path: Path) -> RLHFJob:
