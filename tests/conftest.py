@@ -10,18 +10,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import stages
 from support import (
     CRD_FILE,
     RAY_DASHBOARD_PORT,
     RAY_PORT,
-    ROOT,
     VENV_BIN,
     Cluster,
     OperatorProcess,
@@ -29,10 +28,6 @@ from support import (
     _dashboard_up,
     wait_for,
 )
-
-sys.path.insert(0, str(ROOT / "devcluster"))
-
-import stages
 
 import devcluster
 

@@ -5,17 +5,11 @@ its metrics on the chart's metrics port, and Prometheus + Alertmanager configure
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from monitoring_stack import MonitoringStack, WebhookReceiver, start_stack
-from support import ROOT, Cluster, OperatorProcess, free_port, wait_for
-
-sys.path.insert(0, str(ROOT / "tests" / "chart"))
-
 from chart_tools import CHART, one, render
 from monitored import (
     EVALUATION_INTERVAL_SECONDS,
@@ -24,6 +18,8 @@ from monitored import (
     Monitored,
     chart_values,
 )
+from monitoring_stack import MonitoringStack, WebhookReceiver, start_stack
+from support import Cluster, OperatorProcess, free_port, wait_for
 
 
 def _serves(port: int) -> bool:

@@ -5,16 +5,12 @@ a scenario gets (namespace, operator, Prometheus and Alertmanager, the webhook's
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any
 
-from monitoring_stack import GROUP_INTERVAL_SECONDS, GROUP_WAIT_SECONDS, MonitoringStack, WebhookReceiver
-from support import ROOT, OperatorProcess
-
-sys.path.insert(0, str(ROOT / "tests" / "chart"))
-
 from chart_tools import monitoring_args
+from monitoring_stack import GROUP_INTERVAL_SECONDS, GROUP_WAIT_SECONDS, MonitoringStack, WebhookReceiver
+from support import OperatorProcess
 
 RELEASE = "rlhf-operator"
 METRICS_SERVICE = f"{RELEASE}-metrics"

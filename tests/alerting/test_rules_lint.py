@@ -7,14 +7,9 @@ cannot be fetched here (the Go module proxy answers 403 for every version): docs
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
-from support import ROOT
-
-sys.path.insert(0, str(ROOT / "tests" / "chart"))
-
 from chart_tools import dump_yaml, prometheus_rules, run, tool
 
 pytestmark = pytest.mark.alerting

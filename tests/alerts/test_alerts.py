@@ -8,15 +8,11 @@ must have a test where it fires and one where it stays quiet. Needs helm and pro
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
-
 from chart_tools import ROOT, dump_yaml, prometheus_rules, run, tool
 
 pytestmark = pytest.mark.unit

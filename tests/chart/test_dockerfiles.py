@@ -213,7 +213,6 @@ def test_base_images_are_pinned(dockerfile: Path) -> None:
 
 def test_local_bases_come_from_build_arguments() -> None:
     """`make images` swaps in the Debian base made here through these arguments (images/image_recipe.py)."""
-    sys.path.insert(0, str(ROOT / "images"))
     import image_recipe as recipe
 
     for spec in recipe.image_specs().values():

@@ -8,18 +8,13 @@ Needs root, containerd and the images loaded (`make images`); a missing one fail
 from __future__ import annotations
 
 import shutil
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images"))
 
 import build_images as build
 import containerd_runtime as runtime
 import image_recipe as recipe
+import pytest
 
 pytestmark = pytest.mark.images
 

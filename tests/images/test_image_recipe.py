@@ -6,17 +6,13 @@ prerequisite checks and containerd's config. No buildah, containerd or network.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
-
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "images"))
 
 import build_images as build
 import containerd_runtime
 import image_recipe as recipe
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 

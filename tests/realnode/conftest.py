@@ -18,12 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import node
 import pytest
 from support import ROOT, Cluster, wait_for
-
-sys.path.insert(0, str(ROOT / "devcluster"))
-
-import node
 
 RELEASE, OPERATOR_NAMESPACE = "rlhf-operator", "rlhf-system"
 DATA_UID = 10001  # the trainer image's user; the PersistentVolume's files belong to it

@@ -4,13 +4,9 @@ docs/security.md says (create, nothing else: no get, list, watch or update, by a
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
 from chart_tools import ROOT, render
 
 pytestmark = pytest.mark.security

@@ -11,17 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import ROOT
-from trainer_runs import EXAMPLE, spec_of, tiny_sets
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
 from lib import zero_checkpoint
+from trainer_runs import EXAMPLE, spec_of, tiny_sets
 
 pytestmark = pytest.mark.trainer
 

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 import sysconfig
 from pathlib import Path
-
-from support import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pytest
 from lib import heap

@@ -45,7 +45,7 @@ def test_conftest_fails_collection_naming_a_test_no_stage_selects(pytester: pyte
     pytester.makeconftest(
         f"""
 import importlib.util, sys
-sys.path.insert(0, {str(CONFTEST.parent)!r})
+sys.path[:0] = [{str(CONFTEST.parent)!r}, {str(CONFTEST.parent.parent / "devcluster")!r}]  # our ini's pythonpath
 spec = importlib.util.spec_from_file_location("rlhf_tests_conftest", {str(CONFTEST)!r})
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
