@@ -93,7 +93,7 @@ def container(dep: dict[str, Any]) -> dict[str, Any]:
 
 
 # `helm lint` has no --api-versions, so it lints the monitoring values without the monitoring objects;
-# those are rendered and checked below (and by promtool in tests/alerts).
+# those are rendered and checked below (and by promtool in tests/alert_rules).
 @pytest.mark.parametrize(
     "values",
     [[], monitoring_args(api=False), [*WATCH_ARGS, *monitoring_args(api=False)]],

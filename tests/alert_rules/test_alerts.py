@@ -1,7 +1,7 @@
 """The chart's alerts, tested with promtool on the rules exactly as the chart renders them.
 
 Renders the PrometheusRule with helm, extracts its groups into a rule file, checks it with
-`promtool check rules`, and runs every tests/alerts/*.yaml unit-test file against it. Every alert
+`promtool check rules`, and runs every tests/alert_rules/*.yaml unit-test file against it. Every alert
 must have a test where it fires and one where it stays quiet. Needs helm and promtool (no cluster).
 """
 
