@@ -129,6 +129,11 @@ def map_devices(spec: RLHFJobSpec) -> dict[str, Any]:
         )
     finally:
         ray.shutdown()
+        # A throwaway cluster: SIGKILL its nodes, the head last, rather than stop each one gracefully
+        # in turn (seconds per node on 2 cores); then Ray's own resets of this process's state.
+        for node in [*cluster.worker_nodes, cluster.head_node]:
+            if node is not None:
+                cluster.remove_node(node, allow_graceful=False)  # type: ignore[no-untyped-call]
         cluster.shutdown()  # type: ignore[no-untyped-call]
     pod_gpus = {name: gpus for name, _, gpus in pods}
     found = device_plan.problems(plan, observed, pod_gpus)

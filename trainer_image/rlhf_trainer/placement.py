@@ -18,7 +18,6 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from rlhf_api.constants import ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from rlhf_api.spec import RLHFJobSpec
-from transformers import AutoTokenizer
 
 from rlhf_trainer import device_plan
 from rlhf_trainer.config import InputError, data_parallel_size, engine_options, model_settings
@@ -263,6 +262,8 @@ def start(placed: Placed, spec: RLHFJobSpec, metrics: TrainerExporter, log: Call
     t0 = time.perf_counter()
     placed.pool.resize(placed.pool.desired_from_cluster(spec.rollout.engines))
     observe(placed)  # before any model loads: a rank that sees no GPU it was promised fails the job here
+    from transformers import AutoTokenizer  # here: `rlhf plan` places with this module and loads no model
+
     tok = AutoTokenizer.from_pretrained(spec.model.actor)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     settings = model_settings(spec, int(pad_id))
