@@ -376,8 +376,19 @@ def audited_creates(resource: str, namespace: str, name: str) -> list[dict[str, 
 
     The dev cluster's kube-apiserver audits every write at Metadata level (devcluster.py); a create that
     the API server refused (409 AlreadyExists) is not a create. The log is the API server's own record,
-    so a count from it cannot miss an object that existed between two polls.
+    so a count from it cannot miss an object that existed between two polls. One caveat: a create whose
+    client died mid-request can be stored and still be audited as failed (504, context canceled).
     """
+    return [
+        ev
+        for ev in audited("create", resource, namespace, name)
+        if 200 <= int(ev.get("responseStatus", {}).get("code", 0)) < 300
+    ]
+
+
+def audited(verb: str, resource: str, namespace: str, name: str) -> list[dict[str, Any]]:
+    """Every `verb` request on `resource` `namespace/name` (not a subresource) the API server completed,
+    whatever its answer, from the audit log, in order."""
     import devcluster
 
     logs = devcluster.STATE / "logs"
@@ -388,17 +399,16 @@ def audited_creates(resource: str, namespace: str, name: str) -> list[dict[str, 
     for path in parts:  # a rotated part (audit-<time>.log) too
         with path.open(errors="replace") as f:
             for line in f:
-                if f'"{resource}"' not in line or '"create"' not in line:
+                if f'"{resource}"' not in line or f'"{verb}"' not in line:
                     continue
                 ev = json.loads(line)
                 ref = ev.get("objectRef", {})
                 if (
-                    ev.get("verb") == "create"
+                    ev.get("verb") == verb
                     and ev.get("stage") == "ResponseComplete"
                     and (ref.get("resource"), ref.get("namespace"), ref.get("name"))
                     == (resource, namespace, name)
                     and not ref.get("subresource")
-                    and 200 <= int(ev.get("responseStatus", {}).get("code", 0)) < 300
                 ):
                     out.append(ev)
     return sorted(out, key=lambda ev: str(ev.get("stageTimestamp")))

@@ -31,6 +31,7 @@ from support import (
     OperatorProcess,
     PhaseWatch,
     RayHead,
+    audited,
     audited_creates,
     ray_submissions,
     tiny_job,
@@ -183,8 +184,13 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
         assert st.get("phase") == "Running", (name, st)
         assert st.get("restarts", 0) == 0, (name, st)
         assert st.get("submissionId") == sids[name], (name, st)
+        # One RayCluster per job, ever: a second under the same name needs a delete first, and none was
+        # asked for; one uid seen, never two at once; at most one successful create audited. (The create
+        # in flight when an incarnation killed itself at its failpoint may be stored yet audited as a 504,
+        # context canceled: then the job's successful creates are 0 and the object is the one uid.)
         created = audited_creates("rayclusters", namespace, name)
-        assert len(created) == 1, (name, [(e["stageTimestamp"], e["auditID"]) for e in created])
+        assert len(created) <= 1, (name, [(e["stageTimestamp"], e["auditID"]) for e in created])
+        assert not audited("delete", "rayclusters", namespace, name), name
         assert len(watch.uids[name]) == 1 and watch.max_at_once[name] == 1, (name, watch.uids[name])
         prefix = sids[name].rsplit("-", 1)[0] + "-"
         assert ray_submissions(prefix) == [sids[name]], f"{name}: the operator submitted a trainer of its own"
