@@ -85,10 +85,7 @@ class FaultInjector:
         if (phase, step) not in armed() or _marker(phase, step).exists():
             return
         who, pid = self.victim("generation")  # rollout engine 0
-        self._mark(_marker(phase, step), who, pid)
-        print(f"fault injected: SIGKILL {who} (pid {pid}) mid weight sync of step {step}", file=sys.stderr)
-        sys.stderr.flush()
-        os.kill(pid, signal.SIGKILL)
+        self._kill(_marker(phase, step), who, pid, f"mid weight sync of step {step}")
 
     def checkpoint_written(self, step: int) -> None:
         """Called by the checkpoint writer once the shards are written, before the commit."""
@@ -102,8 +99,12 @@ class FaultInjector:
         if marker.exists():
             return
         who, pid = ("the driver", os.getpid()) if phase == "checkpoint" else self.victim(phase)
+        self._kill(marker, who, pid, f"in phase {phase} of step {step}")
+
+    def _kill(self, marker: Path, who: str, pid: int, when: str) -> None:
+        """Mark the fault fired (before it fires: the victim may be this process), say so, SIGKILL."""
         self._mark(marker, who, pid)
-        print(f"fault injected: SIGKILL {who} (pid {pid}) in phase {phase} of step {step}", file=sys.stderr)
+        print(f"fault injected: SIGKILL {who} (pid {pid}) {when}", file=sys.stderr)
         sys.stderr.flush()
         os.kill(pid, signal.SIGKILL)
 
