@@ -37,7 +37,17 @@ from monitored import (
 from rlhf_api.constants import SHUTDOWN_MARGIN_SECONDS
 from rlhf_api.spec import RunPolicySpec
 from rlhf_operator import rayjobs
-from support import ROOT, Cluster, RayHead, ray_job_logs, stall_events, step_reports, tiny_job, wait_for
+from support import (
+    ROOT,
+    Cluster,
+    RayHead,
+    job_status,
+    ray_job_logs,
+    stall_events,
+    step_reports,
+    tiny_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.alerting
 
@@ -70,11 +80,6 @@ def substitute(expr: str, namespace: str, rlhfjob: str) -> str:
     )
     assert "$" not in out, f"a template variable is left in {out}"
     return out
-
-
-def job_status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    st: dict[str, Any] = (cluster.get("rlhfjob", name, namespace) or {}).get("status", {})
-    return st
 
 
 def ours(m: Monitored, alerts: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, dict[str, Any]]]:

@@ -29,6 +29,7 @@ from support import (
     tiny_job,
     wait_for,
 )
+from support import job_status as status
 
 import devcluster
 
@@ -128,11 +129,6 @@ def queued_tiny(
     doc = tiny_job(name, model, ckpt, steps, **spec)
     doc["metadata"]["labels"] = {QUEUE_LABEL: QUEUE, **({PRIORITY_LABEL: priority} if priority else {})}
     return doc
-
-
-def status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    st: dict[str, Any] = (cluster.get("rlhfjob", name, namespace) or {}).get("status", {})
-    return st
 
 
 def phase_in(cluster: Cluster, namespace: str, name: str, *phases: str) -> dict[str, Any] | None:

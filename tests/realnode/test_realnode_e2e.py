@@ -22,15 +22,11 @@ from typing import Any
 import pytest
 from conftest import Images, job_pods, on_real_node, realnode_job, wait_no_pods
 from support import VENV_BIN, Cluster, PhaseWatch, device_map_rows, device_map_shape, step_reports, wait_for
+from support import job_status as status
 
 pytestmark = pytest.mark.realnode
 
 ROLE = "rlhf.dev/role"
-
-
-def status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    st: dict[str, Any] = (cluster.get("rlhfjob", name, namespace) or {}).get("status", {})
-    return st
 
 
 def pods_by_role(cluster: Cluster, namespace: str) -> dict[str, list[dict[str, Any]]]:
