@@ -585,6 +585,15 @@ class MonitoringSpec(_Spec):
         description="On a stall: `Alert` only sets the Stalled phase and an Event; `Restart` also restarts from "
         "the last checkpoint, within runPolicy.backoffLimit.",
     )
+    stack_snapshot_timeout_seconds: int = Field(
+        default=60,
+        ge=0,
+        le=600,
+        description="On a stall, the operator first takes a snapshot of every process's Python stack (driver, "
+        "ranks, engines, reward scorer; 5 s per process) and names who is stuck where in the Stalled "
+        "condition, an Event and the ConfigMap <job>-stacks (`rlhf diagnose JOB`); onStall: Restart "
+        "restarts once it is taken or this many seconds have passed. 0: no snapshot.",
+    )
 
 
 class RunPolicySpec(_Spec):
@@ -918,6 +927,21 @@ class OpenStall(_Status):
     since: datetime = Field(description="When the stall began: the last progress before it (step or start).")
 
 
+class StallDiagnosis(_Status):
+    """The stack snapshot of the latest stall (monitoring.stackSnapshotTimeoutSeconds)."""
+
+    state: Literal["Taking", "Taken", "Failed", "TimedOut"] = Field(
+        description="Taking: the snapshot's Ray job runs; Taken: its verdict is below and in the ConfigMap; "
+        "Failed or TimedOut: no snapshot (message says why)."
+    )
+    stall_since: datetime = Field(description="openStall.since of the stall it diagnoses.")
+    submission_id: str = Field(description="Ray Jobs submission id of the snapshot.")
+    requested_at: datetime = Field(description="When the operator asked for it.")
+    seconds: float | None = Field(default=None, ge=0, description="From the request to the verdict.")
+    summary: str | None = Field(default=None, description="Who is stuck where (the verdict), or why none.")
+    config_map: str | None = Field(default=None, description="The ConfigMap holding the full dump.")
+
+
 class RLHFJobStatus(_Status):
     """Observed state, written by the operator."""
 
@@ -1007,6 +1031,9 @@ class RLHFJobStatus(_Status):
         default=None,
         description="A stall that is not over: kept through an onStall restart until a later step "
         "completes (rlhf_operator_job_stalled, and the stall alert, follow it).",
+    )
+    diagnosis: StallDiagnosis | None = Field(
+        default=None, description="The stack snapshot of the latest stall: which process is stuck where."
     )
     export_path: str | None = Field(
         default=None,

@@ -81,6 +81,12 @@ FORWARDED: dict[str, Forwarded] = {
         "make_tiny_model_main",
         "trainer",
     ),
+    "diagnose": Forwarded(
+        "print the stack snapshot of a job's latest stall (who is stuck where)",
+        "rlhf_operator.diagnose_cli",
+        "main",
+        "operator",
+    ),
     "operator": Forwarded("run the operator", "rlhf_operator.main", "main", "operator"),
 }
 

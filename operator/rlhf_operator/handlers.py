@@ -29,6 +29,7 @@ from rlhf_api import constants
 from rlhf_api.spec import GROUP, PLURAL, TERMINAL_JOB_PHASES, VERSION, RLHFJob
 
 from rlhf_operator import (
+    diagnosis,
     failpoints,
     kueue,
     manifests,
@@ -589,7 +590,31 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
             obs["ray_job_error"] = str(e)
         if obs.get("ray_job") is not None and obs["ray_job"].status == rayjobs.RUNNING:
             obs.update(_scrape(namespace, job, cluster, body.metadata.uid or ""))
+        taking = body.status.get("diagnosis") or {}
+        if taking.get("state") == "Taking" and obs.get("ray_job_error") is None:
+            obs["stacks"] = _snapshot_result(cluster, body, str(taking.get("submissionId")))
     return Observed(**obs)
+
+
+def _snapshot_result(cluster: dict[str, Any], body: kopf.Body, sid: str) -> diagnosis.SnapshotResult | None:
+    """The stall's snapshot job: running (not done), or ended with the snapshot its log ends with."""
+    url = dashboard_url(cluster)
+    try:
+        with REMOTE.slot(url), _ray_client(url, body) as rj:
+            info = rj.get(sid)
+            if info is None:
+                return diagnosis.SnapshotResult(True, error=f"its Ray job {sid} is gone (a new Ray head?)")
+            if info.status not in rayjobs.TERMINAL:
+                return diagnosis.SnapshotResult(False)
+            log_text = rj.logs(sid)
+    except rayjobs.RayJobsError as e:
+        log.warning("reading the stack snapshot %s: %s", sid, e)
+        return None  # not known this round: the time limit still runs
+    snap = diagnosis.parse_log(log_text)
+    if snap is not None:
+        return diagnosis.SnapshotResult(True, snap)
+    tail = " ".join(log_text.strip().splitlines()[-3:])[-300:] or info.message[-300:]
+    return diagnosis.SnapshotResult(True, error=f"its Ray job {sid} ended {info.status}: {tail}")
 
 
 def _previous_running(rj: rayjobs.RayJobsClient, body: kopf.Body, job: RLHFJob) -> str | None:
@@ -717,6 +742,24 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
                     rj.stop(decision.stop_submission_id)
             except rayjobs.RayJobsError as e:
                 log.warning("stopping %s: %s", decision.stop_submission_id, e)
+        elif action == "snapshot" and cluster is not None and decision.snapshot_submission_id:
+            url = dashboard_url(cluster)
+            with REMOTE.slot(url), _ray_client(url, body) as rj:
+                rj.submit(
+                    decision.snapshot_submission_id,
+                    diagnosis.entrypoint(job.spec.monitoring.stack_snapshot_timeout_seconds),
+                    runtime_env=manifests.trainer_runtime_env(job, gpu_standin=GPU_STANDIN),
+                    metadata={"rlhfjob": job.name, "namespace": namespace, "purpose": "stack-snapshot"},
+                )
+        elif action == "stop_snapshot" and cluster is not None and decision.stop_snapshot_id:
+            try:
+                url = dashboard_url(cluster)
+                with REMOTE.slot(url), _ray_client(url, body) as rj:
+                    rj.stop(decision.stop_snapshot_id)
+            except rayjobs.RayJobsError as e:
+                log.warning("stopping %s: %s", decision.stop_snapshot_id, e)
+        elif action == "record_stacks" and decision.stacks is not None:
+            _record_stacks(body, job, decision)
         elif action == "suspend_cluster" and cluster is not None and not _patch_in_flight(cluster):
             _patch_raycluster(namespace, cluster, {"spec": {"suspend": job.spec.run_policy.suspend}})
         elif action == "delete_cluster" and cluster is not None:
@@ -740,6 +783,38 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             metrics.RESTARTS.labels(namespace, job.name).inc()
     if decision.new_stall is not None:
         metrics.STALLS.labels(namespace, job.name, decision.new_stall.step_phase_label).inc()
+
+
+def _record_stacks(body: kopf.Body, job: RLHFJob, decision: Decision) -> None:
+    """Create or replace the ConfigMap <job>-stacks with the snapshot (owned by the job). A refusal is
+    logged and said in an Event, never fatal: the verdict is in the status and the Event already."""
+    namespace = body.metadata.namespace or "default"
+    conditions: list[dict[str, Any]] = decision.status.get("conditions") or []
+    stall = next((str(c.get("message", "")) for c in conditions if c.get("type") == "Stalled"), "")
+    owner = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RLHFJob",
+        "name": job.name,
+        "uid": body.metadata.uid or "",
+        "controller": True,
+    }
+    cm = diagnosis.config_map(
+        job.name, namespace, owner, str(stall), decision.status.get("diagnosis") or {}, decision.stacks or {}
+    )
+    core = k8s.CoreV1Api(api())
+    try:
+        try:
+            core.create_namespaced_config_map(namespace, cm)  # type: ignore[arg-type]
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            core.replace_namespaced_config_map(cm["metadata"]["name"], namespace, cm)  # type: ignore[arg-type]
+    except ApiException as e:
+        log.warning("writing %s/%s: %s", namespace, cm["metadata"]["name"], _api_message(e))
+        kopf.event(body, type="Warning", reason="StallDiagnosisNotKept", message=_api_message(e)[:500])
+        return
+    if decision.status.get("diagnosis"):
+        decision.status["diagnosis"]["configMap"] = cm["metadata"]["name"]
 
 
 def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:

@@ -158,6 +158,15 @@ class RayJobsClient:
             return info
         raise RayJobsError(f"submit {submission_id}: HTTP {resp.status_code}: {resp.text[:500]}")
 
+    def logs(self, submission_id: str) -> str:
+        """The job's driver log (the entrypoint's output); '' for an unknown job."""
+        resp = self._request("GET", f"/api/jobs/{submission_id}/logs")
+        if resp.status_code == 404:
+            return ""
+        if resp.status_code != 200:
+            raise RayJobsError(f"GET logs of {submission_id}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return str(resp.json().get("logs") or "")
+
     def stop(self, submission_id: str) -> bool:
         resp = self._request("POST", f"/api/jobs/{submission_id}/stop")
         if resp.status_code == 404:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
 from rlhf_api.spec import RLHFJob
 
-from rlhf_operator import kueue, rayjobs
+from rlhf_operator import diagnosis, kueue, rayjobs
 from rlhf_operator.conditions import iso, parse_time, set_condition
 from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines, raycluster_name
 from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
@@ -29,6 +29,9 @@ Action = Literal[
     "suspend_cluster",  # set RayCluster spec.suspend to the job's runPolicy.suspend
     "delete_cluster",  # the job finished: release the RayCluster's GPUs
     "delete_job",  # ttlSecondsAfterFinished elapsed
+    "snapshot",  # submit the stall's stack snapshot as Ray job `snapshot_submission_id`
+    "stop_snapshot",  # stop the snapshot's Ray job (past its time limit)
+    "record_stacks",  # write `stacks` into the ConfigMap <job>-stacks
 ]
 
 
@@ -66,6 +69,9 @@ class Observed:
     # The previous attempt's Ray job, still stopping (it finishes its step and may save a checkpoint)
     # when the next one is due: its id. The next is submitted only once it has ended.
     previous_running: str | None = None
+    stacks: diagnosis.SnapshotResult | None = (
+        None  # the stall's snapshot job, while status.diagnosis is Taking
+    )
 
 
 @dataclass
@@ -76,6 +82,9 @@ class Decision:
     stop_submission_id: str | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     new_stall: Stall | None = None  # a stall first seen (or first attributed to a step phase) this round
+    snapshot_submission_id: str | None = None
+    stop_snapshot_id: str | None = None
+    stacks: dict[str, Any] | None = None  # the snapshot to keep in the ConfigMap (record_stacks)
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.events.append(("Warning" if warning else "Normal", reason, message))
@@ -411,16 +420,53 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             "step": int(st.get("step") or 0),
             "since": iso(stall.last_progress),
         }
-    if spec.monitoring.on_stall == "Restart":
+    waiting = _diagnose(
+        d, st, spec.monitoring.stack_snapshot_timeout_seconds, job_info.submission_id, observed
+    )
+    cond = next(c for c in st["conditions"] if c.get("type") == "Stalled")
+    conds = st["conditions"]  # a restart's Running condition goes beside the Stalled one, not over it
+    if spec.monitoring.on_stall == "Restart" and not waiting:
         d.actions.append("stop")
         d.stop_submission_id = job_info.submission_id
-        return restart_or_fail(f"stalled ({stall.reason}): {stall.message}", "StalledBackoffLimitExceeded")
+        return restart_or_fail(f"stalled ({stall.reason}): {cond['message']}", "StalledBackoffLimitExceeded")
     # The condition keeps its message while the same stall lasts; so does the status message (no patch
     # every reconcile just because the durations in it grew).
-    cond = next(c for c in st["conditions"] if c.get("type") == "Stalled")
     st["phase"] = "Stalled"
     st["message"] = f"{cond['reason']}: {cond['message']}"
+    if waiting and spec.monitoring.on_stall == "Restart":
+        st["message"] += "; taking a stack snapshot before the restart"
     return d
+
+
+def _diagnose(d: Decision, st: dict[str, Any], timeout: int, attempt: str, observed: Observed) -> bool:
+    """The stall's stack snapshot (diagnosis.step) into `d`; True while it is being taken. Once taken,
+    its verdict ends the Stalled condition's message."""
+    since = parse_time((st.get("openStall") or {}).get("since"))
+    if since is None:
+        return False
+    step = diagnosis.step(st.get("diagnosis"), since, attempt, observed.stacks, observed.now, timeout)
+    if step.status is not None:
+        st["diagnosis"] = step.status
+    if step.submit:
+        d.actions.append("snapshot")
+        d.snapshot_submission_id = step.submit
+    if step.stop:
+        d.actions.append("stop_snapshot")
+        d.stop_snapshot_id = step.stop
+    if step.record is not None:
+        d.actions.append("record_stacks")
+        d.stacks = step.record
+    for reason, message in step.events:
+        d.event(reason, message, warning=True)
+    said = (step.status or {}).get("summary") if (step.status or {}).get("state") != "Taking" else None
+    if said and parse_time((step.status or {}).get("stallSince")) == since:
+        st["conditions"] = [
+            {**c, "message": f"{c['message']}; stacks: {said}"}
+            if c.get("type") == "Stalled" and c.get("status") == "True" and "; stacks: " not in c["message"]
+            else c
+            for c in st["conditions"]
+        ]
+    return step.waiting
 
 
 def _may_wait_for_previous(job: RLHFJob, cur: dict[str, Any], now: datetime) -> bool:

@@ -69,7 +69,9 @@ def test_condition_is_written_once_per_stall_and_cleared_by_progress() -> None:
     assert set_stalled_condition([], None, NOW) == []
 
 
-def running(on_stall: str, restarts: int = 0, phase: str = "Running") -> Any:
+def running(on_stall: str, restarts: int = 0, phase: str = "Running", snapshot: int = 0) -> Any:
+    """A running job stuck for hours; `snapshot`: its stackSnapshotTimeoutSeconds (0, no snapshot, unless
+    a test is about it: tests/unit/test_stall_diagnosis.py)."""
     j = job(
         {
             "phase": phase,
@@ -79,7 +81,9 @@ def running(on_stall: str, restarts: int = 0, phase: str = "Running") -> Any:
         }
     )
     doc = j.model_dump(by_alias=True, exclude_none=True, mode="json")
-    doc["spec"]["monitoring"].update(stallTimeoutSeconds=600, onStall=on_stall)
+    doc["spec"]["monitoring"].update(
+        stallTimeoutSeconds=600, onStall=on_stall, stackSnapshotTimeoutSeconds=snapshot
+    )
     return type(j).model_validate(doc)
 
 
@@ -142,7 +146,7 @@ def test_a_lasting_stall_does_not_rewrite_the_status() -> None:
     first = decide(running("Alert"), obs(ray_job=ray("RUNNING"), metrics=stuck_metrics()), SID).status
     later_job = job(first)
     doc = later_job.model_dump(by_alias=True, exclude_none=True, mode="json")
-    doc["spec"]["monitoring"].update(stallTimeoutSeconds=600, onStall="Alert")
+    doc["spec"]["monitoring"].update(stallTimeoutSeconds=600, onStall="Alert", stackSnapshotTimeoutSeconds=0)
     later = decide(
         type(later_job).model_validate(doc),
         obs(ray_job=ray("RUNNING"), metrics=stuck_metrics(), now=NOW + timedelta(minutes=5)),

@@ -33,6 +33,10 @@ from rlhf_trainer.faults import FaultInjector, fail_at_start
 from rlhf_trainer.loop import StepContext, StepReport, abandon, run_step
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 from rlhf_trainer.placement import Placed, place, process_count, start
+from rlhf_trainer.stacks import dump as stacks_dump
+from rlhf_trainer.stacks.collect import snapshot
+from rlhf_trainer.stacks.summary import annotate
+from rlhf_trainer.stacks.watchdog import PhaseWatchdog
 from rlhf_trainer.stop import (
     StopRequest,
     decide_stop,
@@ -142,6 +146,8 @@ def run(
     started = connect_ray(process_count(spec) + 1, device_plan.most_gpus(spec) if info.is_cpu else 0)
     if stop is not None:
         stop.install()  # ray.init replaced it with Ray's own (which exits at once)
+    stacks_dump.arm("driver", "driver")
+    watch: PhaseWatchdog | None = None
     placed: Placed | None = None
     sync: WeightSyncManager | None = None
     ctx: StepContext | None = None
@@ -157,7 +163,8 @@ def run(
         resumed = bool(checkpointer.resume_info)
         sync = WeightSyncManager(spec, job, info, placed.actor, placed.pool, metrics, log, resumed=resumed)
         sync.while_sending = faults.weights_sending if faults else None
-        ctx = StepContext(spec, job, data, placed, sync, checkpointer, metrics, faults)
+        watch = hang_watch(spec, log).start()
+        ctx = StepContext(spec, job, data, placed, sync, checkpointer, metrics, faults, watch)
         last = (
             spec.algorithm.total_steps
             if steps is None
@@ -195,6 +202,8 @@ def run(
         summary["data_position"] = checkpointer.trained_position or data.position.to_dict()
         return summary
     finally:
+        if watch is not None:
+            watch.close()
         if ctx is not None:
             abandon(ctx)
         if sync is not None:
@@ -275,6 +284,39 @@ def _export_if_stale(spec: RLHFJobSpec, step: int, log: Callable[[str], None]) -
     except (OSError, ValueError):
         pass
     return _export(spec, log)
+
+
+WATCH_FLOOR_ENV, WATCH_FACTOR_ENV = "RLHF_HANG_WATCH_FLOOR_SECONDS", "RLHF_HANG_WATCH_FACTOR"
+
+
+def hang_watch(spec: RLHFJobSpec, log: Callable[[str], None]) -> PhaseWatchdog:
+    """The driver's hang watch (stacks.watchdog): a phase past max(floor, factor x its longest run so
+    far) gets a snapshot, its verdict in the log and the dump under checkpoint.path/stacks/. Floor 300 s
+    and factor 5 unless RLHF_HANG_WATCH_FLOOR_SECONDS / RLHF_HANG_WATCH_FACTOR say otherwise."""
+
+    def report(phase: str, step: int, running: float, snap: dict[str, Any]) -> None:
+        lines = list(snap.get("verdict") or [])
+        log(
+            f"hang watch: phase {phase} of step {step} has run {running:.0f} s, past its deadline; "
+            f"stacks of {len(snap.get('processes') or [])} processes:"
+        )
+        for line in lines:
+            log(f"  {line}")
+        if spec.checkpoint.path:
+            where = Path(spec.checkpoint.path) / "stacks" / f"step-{step}-{phase}.json"
+            try:
+                where.parent.mkdir(parents=True, exist_ok=True)
+                where.write_text(json.dumps(snap, indent=1))
+                log(f"hang watch: the whole snapshot is in {where}")
+            except OSError as e:
+                log(f"hang watch: cannot keep the snapshot in {where}: {e}")
+
+    return PhaseWatchdog(
+        lambda: annotate(snapshot()),
+        report,
+        floor=float(os.environ.get(WATCH_FLOOR_ENV) or 300.0),
+        factor=float(os.environ.get(WATCH_FACTOR_ENV) or 5.0),
+    )
 
 
 def step_summary(report: StepReport) -> dict[str, Any]:

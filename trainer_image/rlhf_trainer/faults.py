@@ -14,6 +14,9 @@ bad input (which the operator does not restart).
 found every engine alive and the actor ranks began sending (WeightSyncManager.while_sending), so the
 loss lands inside the broadcast, not before it (a loss before it is pruned and survived).
 
+`engine_stop@N` SIGSTOPs rollout engine 0 as step N's actor training starts (FaultInjector.stop_engine);
+`rank_hang@N` hangs an actor rank in it (fault_env.maybe_hang, in the rank's own process).
+
 `checkpoint_hold@N` kills nothing: it holds step N's save where `checkpoint@N` would kill (every shard
 written, nothing committed) until the test creates `<marker>.release`, so the test can act at that moment
 for sure (the preemption test's second SIGTERM mid-save). The wait is bounded (HOLD_ENV, 60 s): past it,
@@ -30,27 +33,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ENV, DIR_ENV = "RLHF_TRAINER_FAULTS", "RLHF_TRAINER_FAULTS_DIR"
+from rlhf_trainer.fault_env import DIR_ENV, ENV, InjectedFault, armed
+from rlhf_trainer.fault_env import marker as _marker
+
+__all__ = ["DIR_ENV", "ENV", "FaultInjector", "InjectedFault", "armed", "fail_at_start"]
+
 HOLD, HOLD_ENV, HOLD_SECONDS = "checkpoint_hold", "RLHF_TRAINER_FAULTS_HOLD_SECONDS", 60.0
 ENGINE_MID_SYNC = "engine_weight_sync"
+ENGINE_STOP = "engine_stop"
 
 Victim = Callable[[str], tuple[str, int]]  # phase -> (who, pid): the actor whose death hurts it most
-
-
-def armed(raw: str | None = None) -> list[tuple[str, int]]:
-    """`phase@step,...` as [(phase, step)]; a malformed entry is an error, not silently no fault."""
-    raw = os.environ.get(ENV, "") if raw is None else raw
-    out = []
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        phase, sep, step = item.partition("@")
-        if not sep or not step.isdigit():
-            raise ValueError(f"{ENV}: {item!r} is not phase@step")
-        out.append((phase, int(step)))
-    return out
-
-
-class InjectedFault(RuntimeError):
-    """A failure the tests asked for (RLHF_TRAINER_FAULTS), not a bug."""
 
 
 def fail_at_start() -> None:
@@ -78,6 +70,20 @@ class FaultInjector:
         """Called at every phase start."""
         self.step = step
         self.fire(step, phase, mid_write=False)
+        if phase == "actor_train":
+            self.stop_engine(step)
+
+    def stop_engine(self, step: int) -> None:
+        """`engine_stop@N`: SIGSTOP rollout engine 0 as step N's actor training starts, so a stack
+        snapshot meets a process that cannot answer (the diagnosis tests). Once, like the kills; the
+        stopped process dies with the attempt (a SIGKILL needs no cooperation)."""
+        if (ENGINE_STOP, step) not in armed() or _marker(ENGINE_STOP, step).exists():
+            return
+        who, pid = self.victim("generation")
+        self._mark(_marker(ENGINE_STOP, step), who, pid)
+        print(f"fault injected: SIGSTOP {who} (pid {pid}) in step {step}", file=sys.stderr)
+        sys.stderr.flush()
+        os.kill(pid, signal.SIGSTOP)
 
     def weights_sending(self) -> None:
         """Called once the actor ranks have begun sending a weight sync's buckets: `engine_weight_sync`."""
@@ -140,7 +146,3 @@ class FaultInjector:
         partial = sorted(p.name for p in root.glob(".tmp-*")) if root is not None else []
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"who": who, "pid": pid, "partial_checkpoints": partial}) + "\n")
-
-
-def _marker(phase: str, step: int) -> Path:
-    return Path(os.environ.get(DIR_ENV, ".")) / f"{phase}@{step}"

@@ -27,6 +27,7 @@ from rlhf_trainer.pipeline import Background, admit, busy_seconds, idle_ratio, s
 from rlhf_trainer.placement import Placed, shards_of
 from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
 from rlhf_trainer.rollout.pool import EngineSlot
+from rlhf_trainer.stacks.watchdog import PhaseWatchdog
 from rlhf_trainer.transfer import plan_chunks
 from rlhf_trainer.weight_sync.manager import WeightSyncManager
 
@@ -73,6 +74,7 @@ class StepContext:
     checkpointer: Checkpointer
     metrics: TrainerExporter
     faults: FaultInjector | None = None
+    watchdog: PhaseWatchdog | None = None  # the driver's own hang watch (stacks.watchdog)
     history: list[StepReport] = field(default_factory=list)
     last_step: int = 0  # the run's last step (0: algorithm.totalSteps): no batch is generated beyond it
     actor_version: int = 0  # optimizer updates of the actor this run (weight versions count from its start)
@@ -108,8 +110,15 @@ class Pending:
 
 def run_step(ctx: StepContext, step: int) -> StepReport:
     """One step: synchronous, or with algorithm.async the batch generated ahead during the last step."""
-    spec, faults = ctx.spec, ctx.faults
-    timer = PhaseTimer(ctx.metrics, on_start=(lambda p: faults.phase_started(step, p)) if faults else None)
+    spec, faults, watch = ctx.spec, ctx.faults, ctx.watchdog
+
+    def on_start(phase: str) -> None:
+        if watch is not None:
+            watch.started(phase, step)
+        if faults is not None:
+            faults.phase_started(step, phase)
+
+    timer = PhaseTimer(ctx.metrics, on_start=on_start, on_stop=watch.ended if watch else None)
     started = time.monotonic()
     if spec.algorithm.async_.enabled:
         gen, sync_bytes, stale, dropped = next_async_batch(ctx, step, timer)
@@ -265,7 +274,7 @@ def train_on(
     critic_stats: list[dict[str, float]] = []
     with timer.phase("actor_train"):
         if valid:
-            actor_stats = placed.actor.get("train_actor", algo)
+            actor_stats = placed.actor.get("train_actor", {**algo, "step": step})
             trained_tokens = int(sum(s["trained_tokens"] for s in actor_stats))
     if valid:
         ctx.actor_version += 1

@@ -190,10 +190,14 @@ class PhaseTimer:
     """Times the named phases of one step: `with timer.phase("generation"): ...`."""
 
     def __init__(
-        self, metrics: TrainerExporter | None = None, on_start: Callable[[str], None] | None = None
+        self,
+        metrics: TrainerExporter | None = None,
+        on_start: Callable[[str], None] | None = None,
+        on_stop: Callable[[str, float], None] | None = None,
     ) -> None:
         self.metrics = metrics
         self.on_start = on_start  # called once a phase is marked in progress (fault injection hooks here)
+        self.on_stop = on_stop  # called with the phase and its seconds once it ends (the hang watch)
         self.seconds: dict[str, float] = {}
         self.current: str | None = None
 
@@ -218,6 +222,8 @@ class PhaseTimer:
             job = self.metrics.job
             self.metrics.phase_in_progress.labels(job, name).set(0)
             self.metrics.phase_duration.labels(job, name).observe(elapsed)
+        if self.on_stop is not None:
+            self.on_stop(name, elapsed)
         return elapsed
 
     @contextmanager

@@ -121,6 +121,11 @@ mode and by the Role in each watched namespace otherwise. Each rule says why the
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["create"]
+# The ConfigMap <job>-stacks: a stalled job's stack snapshot, owned by the job (docs/monitoring.md).
+# Written only (create, then replace on the next stall); the operator never reads a ConfigMap.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create", "update"]
 # Read-only: head pod readiness, and the head Service that carries the Ray dashboard and metrics ports.
 - apiGroups: [""]
   resources: ["pods", "services"]

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rlhf_trainer.device import whereabouts
+from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.transfer import ChunkMeta, FinishedRequest, PackedRollout
 
 EXTENSION = "rlhf_trainer.weight_sync.worker_extension.RLHFWorkerExtension"
@@ -66,6 +67,7 @@ class RolloutEngine:
                 torch.set_num_threads(int(options["threads"]))
         # Its GPU first: a CUDA engine that sees none reports it (ready()) instead of failing in vLLM.
         self.whereabouts = whereabouts(device, f"rollout engine {engine_index}")
+        stacks.arm(f"rollout engine {engine_index}", "engine", engine_index)
         if "problem" in self.whereabouts:
             return
         from vllm import LLM

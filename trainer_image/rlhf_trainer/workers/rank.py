@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from rlhf_trainer import device, experience, sequence_parallel
+from rlhf_trainer.fault_env import maybe_hang
+from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import plan_bytes
 from rlhf_trainer.weight_sync.channels import Rendezvous, WeightChannel, open_channel
@@ -62,6 +64,7 @@ class ModelRank:
         self.local: dict[int, dict[str, Any]] = {}
         self.channel: WeightChannel | None = None
         self.plan: list[Any] = []
+        stacks.arm(f"{group} rank {rank}", group, rank)
 
     # ---- setup ----------------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
@@ -206,6 +209,7 @@ class ModelRank:
 
     # ---- training phases ---------------------------------------------------------------------------
     def train_actor(self, algo: dict[str, Any]) -> dict[str, float]:
+        maybe_hang(algo.get("step"), self.group, self.rank, self.world_size)  # tests only (fault_env)
         order = sorted(self.shards)
         r = self._combined()
         cat = {k: torch.cat([self.local[s][k] for s in order]) for k in ("advantages", "valid")}

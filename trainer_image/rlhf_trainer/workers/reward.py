@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 
 from rlhf_trainer import device as device_mod
+from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.transfer import FinishedRequest, PackedRollout
 from rlhf_trainer.workers.reward_results import (
     MAX_MESSAGES,
@@ -121,6 +122,7 @@ class RewardScorer:
         self.fn: RewardFn | None = None
         self.url: str | None = None
         self.model: Any = None
+        stacks.arm("reward scorer", "reward")
         # A reward model's process checks its GPU before loading onto it (the driver reads `where`).
         self.whereabouts = (
             device_mod.whereabouts(device, "reward model") if self.kind == "model" else {"gpus": []}

@@ -1,0 +1,61 @@
+"""The armed faults of a test run (`RLHF_TRAINER_FAULTS="phase@step,..."`) and their markers, read by
+the driver's fault injector and by the workers' own injected hangs (a leaf: the workers import it).
+
+`rank_hang@N` hangs the last rank of the actor group inside step N's actor training, before its first
+collective, so the other ranks wait for it in one: the stall-diagnosis tests' stuck rank. It hangs in
+`injected_hang` (named so a stack shows it) until the process is killed, at most HANG_SECONDS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ENV, DIR_ENV = "RLHF_TRAINER_FAULTS", "RLHF_TRAINER_FAULTS_DIR"
+RANK_HANG = "rank_hang"
+HANG_SECONDS = 900.0
+
+
+class InjectedFault(RuntimeError):
+    """A failure the tests asked for (RLHF_TRAINER_FAULTS), not a bug."""
+
+
+def armed(raw: str | None = None) -> list[tuple[str, int]]:
+    """`phase@step,...` as [(phase, step)]; a malformed entry is an error, not silently no fault."""
+    raw = os.environ.get(ENV, "") if raw is None else raw
+    out = []
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        phase, sep, step = item.partition("@")
+        if not sep or not step.isdigit():
+            raise ValueError(f"{ENV}: {item!r} is not phase@step")
+        out.append((phase, int(step)))
+    return out
+
+
+def marker(phase: str, step: int) -> Path:
+    return Path(os.environ.get(DIR_ENV, ".")) / f"{phase}@{step}"
+
+
+def maybe_hang(step: int | None, group: str, rank: int, world_size: int) -> None:
+    """`rank_hang@step`: the actor group's last rank hangs here, once (its marker), in every run where
+    the fault is armed; nothing otherwise."""
+    if step is None or group != "actor" or rank != world_size - 1 or (RANK_HANG, step) not in armed():
+        return
+    mark = marker(RANK_HANG, step)
+    if mark.exists():
+        return
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    mark.write_text(json.dumps({"who": f"{group} rank {rank}", "pid": os.getpid()}) + "\n")
+    print(f"fault injected: {group} rank {rank} (pid {os.getpid()}) hangs in step {step}", file=sys.stderr)
+    sys.stderr.flush()
+    injected_hang(HANG_SECONDS)
+
+
+def injected_hang(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+    raise InjectedFault(f"{RANK_HANG}: not killed within {seconds:g} s")
