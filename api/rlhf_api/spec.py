@@ -935,6 +935,9 @@ class StallDiagnosis(_Status):
         "Failed or TimedOut: no snapshot (message says why)."
     )
     stall_since: datetime = Field(description="openStall.since of the stall it diagnoses.")
+    reason: str | None = Field(
+        default=None, description="The Stalled condition's reason it was taken for (PhaseStuck:<phase>)."
+    )
     submission_id: str = Field(description="Ray Jobs submission id of the snapshot.")
     requested_at: datetime = Field(description="When the operator asked for it.")
     seconds: float | None = Field(default=None, ge=0, description="From the request to the verdict.")

@@ -51,9 +51,10 @@ def config_map_name(job: str) -> str:
     return f"{job}{CONFIG_MAP_SUFFIX}"
 
 
-def submission_id(attempt: str, since: datetime) -> str:
-    """One snapshot per stall: the attempt's id and the stall's start."""
-    return f"{attempt}-stacks-{int(since.timestamp())}"
+def submission_id(attempt: str, since: datetime, reason: str) -> str:
+    """One snapshot per stall and phase: the attempt's id, the stall's start and the stuck phase."""
+    phase = reason.rsplit(":", 1)[-1].lower().replace("_", "-") if ":" in reason else "unknown"
+    return f"{attempt}-stacks-{int(since.timestamp())}-{phase}"
 
 
 def entrypoint(timeout_seconds: int) -> str:
@@ -84,24 +85,33 @@ def summary(snapshot: dict[str, Any]) -> str:
 def step(
     current: dict[str, Any] | None,
     stall_since: datetime,
+    reason: str,
     attempt: str,
     result: SnapshotResult | None,
     now: datetime,
     timeout_seconds: int,
 ) -> DiagnosisStep:
-    """The diagnosis of the stall that began at `stall_since` in the attempt `attempt`.
+    """The diagnosis of the stall that began at `stall_since` in the attempt `attempt`, stuck as `reason`
+    says (`PhaseStuck:<phase>`).
 
-    A stall with no diagnosis yet gets one requested; a requested one is taken when its job ended with a
-    snapshot, failed when it ended without one, timed out when it runs past `timeout_seconds` (it is
-    stopped then). A diagnosis of this stall already taken, failed or timed out stays as it is. With
-    `timeout_seconds` 0 nothing is taken."""
+    A stall with no diagnosis yet gets one requested, and so does a stall that moved on to another phase
+    (a stall declared while the trainer still started up, then stuck in reward: the first snapshot shows
+    the start-up). A requested one is taken when its job ended with a snapshot, failed when it ended
+    without one, timed out when it runs past `timeout_seconds` (it is stopped then). A diagnosis of this
+    stall and phase already taken, failed or timed out stays as it is. With `timeout_seconds` 0 nothing
+    is taken."""
     if timeout_seconds <= 0:
         return DiagnosisStep(current)
-    if current is None or parse_time(current.get("stallSince")) != stall_since:
-        sid = submission_id(attempt, stall_since)
+    if (
+        current is None
+        or parse_time(current.get("stallSince")) != stall_since
+        or current.get("reason") not in (None, reason)
+    ):
+        sid = submission_id(attempt, stall_since, reason)
         status = {
             "state": "Taking",
             "stallSince": iso(stall_since),
+            "reason": reason,
             "submissionId": sid,
             "requestedAt": iso(now),
         }

@@ -47,6 +47,7 @@ class ScrapedMetrics:
     staleness_sum: float = 0.0
     staleness_count: float = 0.0
     stale_samples_total: float | None = None
+    nccl_networks: dict[str, str] = field(default_factory=dict)  # NCCL process -> network (GPU path)
 
     @property
     def sample_staleness(self) -> float | None:
@@ -118,6 +119,8 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> ScrapedMetrics:
                 out.staleness_count = value
             elif name == "rlhf_stale_samples_total":
                 out.stale_samples_total = (out.stale_samples_total or 0.0) + value
+            elif name == "rlhf_nccl_transport" and value >= 1 and "process" in labels:
+                out.nccl_networks[labels["process"]] = labels.get("network", "unknown")
             elif name == "rlhf_rollout_engines" and "state" in labels:
                 out.engines[labels["state"]] = int(value)
     if in_progress:

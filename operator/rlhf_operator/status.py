@@ -17,6 +17,7 @@ from rlhf_api.spec import RLHFJob
 
 from rlhf_operator import diagnosis, kueue, rayjobs
 from rlhf_operator.conditions import iso, parse_time, set_condition
+from rlhf_operator.fabric import asks_rdma, fabric_condition
 from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines, raycluster_name
 from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
 from rlhf_operator.scrape import ScrapedMetrics
@@ -420,9 +421,8 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
             "step": int(st.get("step") or 0),
             "since": iso(stall.last_progress),
         }
-    waiting = _diagnose(
-        d, st, spec.monitoring.stack_snapshot_timeout_seconds, job_info.submission_id, observed
-    )
+    timeout = spec.monitoring.stack_snapshot_timeout_seconds
+    waiting = _diagnose(d, st, stall.reason, timeout, job_info.submission_id, observed)
     cond = next(c for c in st["conditions"] if c.get("type") == "Stalled")
     conds = st["conditions"]  # a restart's Running condition goes beside the Stalled one, not over it
     if spec.monitoring.on_stall == "Restart" and not waiting:
@@ -438,13 +438,15 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     return d
 
 
-def _diagnose(d: Decision, st: dict[str, Any], timeout: int, attempt: str, observed: Observed) -> bool:
+def _diagnose(
+    d: Decision, st: dict[str, Any], reason: str, timeout: int, attempt: str, observed: Observed
+) -> bool:
     """The stall's stack snapshot (diagnosis.step) into `d`; True while it is being taken. Once taken,
     its verdict ends the Stalled condition's message."""
     since = parse_time((st.get("openStall") or {}).get("since"))
     if since is None:
         return False
-    step = diagnosis.step(st.get("diagnosis"), since, attempt, observed.stacks, observed.now, timeout)
+    step = diagnosis.step(st.get("diagnosis"), since, reason, attempt, observed.stacks, observed.now, timeout)
     if step.status is not None:
         st["diagnosis"] = step.status
     if step.submit:
@@ -456,10 +458,11 @@ def _diagnose(d: Decision, st: dict[str, Any], timeout: int, attempt: str, obser
     if step.record is not None:
         d.actions.append("record_stacks")
         d.stacks = step.record
-    for reason, message in step.events:
-        d.event(reason, message, warning=True)
-    said = (step.status or {}).get("summary") if (step.status or {}).get("state") != "Taking" else None
-    if said and parse_time((step.status or {}).get("stallSince")) == since:
+    for event_reason, message in step.events:
+        d.event(event_reason, message, warning=True)
+    now_diag = step.status or {}
+    said = now_diag.get("summary") if now_diag.get("state") != "Taking" else None
+    if said and parse_time(now_diag.get("stallSince")) == since and now_diag.get("reason") in (None, reason):
         st["conditions"] = [
             {**c, "message": f"{c['message']}; stacks: {said}"}
             if c.get("type") == "Stalled" and c.get("status") == "True" and "; stacks: " not in c["message"]
@@ -546,6 +549,11 @@ def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
     if m.steps_completed != prev_step or prev_tokens is None:
         st["generatedTokens"] = int(m.generated_tokens_total)
     st["step"] = m.steps_completed
+    st["conditions"], degraded = fabric_condition(
+        st["conditions"], asks_rdma(job.spec), m.nccl_networks, observed.now
+    )
+    if degraded:
+        d.event("FabricDegraded", degraded, warning=True)
     total = m.total_steps or job.spec.algorithm.total_steps
     st["totalSteps"] = total
     st["progress"] = f"{m.steps_completed}/{total}"

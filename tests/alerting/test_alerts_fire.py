@@ -158,7 +158,7 @@ def test_healthy_steps_alert_nothing_then_stall_reward_errors_and_a_restart_noti
     doc = tiny_job(name, tiny_model, tmp_path / "ckpt", steps=200, runPolicy={"backoffLimit": 1})
     doc["spec"]["model"]["reward"] = {
         "type": "function",
-        "function": f"{HERE / 'control_reward.py'}:reward",
+        "function": f"{HERE.parent / 'control_reward.py'}:reward",
         "onError": "skipSample",
         "timeoutSeconds": 3600,  # a hang stays a hang, never a timed-out reward error
     }

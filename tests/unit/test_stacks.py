@@ -140,6 +140,7 @@ def snapshot() -> dict[str, Any]:
             proc("reward scorer", "reward", None, 17, POOL_WAIT, USER_FN),
         ],
         "silent_nodes": ["job-rollout-1: its collector did not return within 60 s"],
+        "nccl_traces": [{"pod": "job-trainer-0", "file": "/tmp/rlhf-nccl/trace_2", "bytes": 40960}],
     }
 
 
@@ -154,6 +155,7 @@ def test_the_verdict_counts_the_crowd_and_names_the_odd_ones_out() -> None:
         "rollout engine 1 (pid 16, pod job-trainer-0) did not answer within 5.0 s (state T (stopped))",
         "reward scorer in `sleep_wrapper` (time:1) ← `reward` (control_reward:26)",
         "node job-rollout-1: its collector did not return within 60 s",
+        "NCCL flight recorder dumps (a collective timed out): /tmp/rlhf-nccl/trace_2 (40960 bytes) on job-trainer-0",
     ]
     # Two ranks apart: each named, none counted as the crowd.
     two = {
@@ -171,7 +173,7 @@ def test_the_verdict_counts_the_crowd_and_names_the_odd_ones_out() -> None:
     assert reward["work_thread"] == 2 and "control_reward" in reward["where"]
 
 
-def _armed(tmp: Path, who: str, role: str) -> subprocess.Popen[str]:
+def _armed(tmp: Path, who: str, role: str, **env_extra: str) -> subprocess.Popen[str]:
     script = (
         "import sys, time\n"
         "from rlhf_trainer.stacks import dump\n"
@@ -182,7 +184,7 @@ def _armed(tmp: Path, who: str, role: str) -> subprocess.Popen[str]:
         "print('armed', flush=True)\n"
         "waiting_here()\n"
     )
-    env = {**os.environ, dump.REGISTRY_ENV: str(tmp)}
+    env = {**os.environ, dump.REGISTRY_ENV: str(tmp), **env_extra}
     p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline().strip() == "armed"
     return p
@@ -208,6 +210,21 @@ def test_real_processes_answer_and_a_stopped_one_is_named_within_the_limit(
         assert out[stopped.pid] | {"answered": False, "state": "T (stopped)"} == out[stopped.pid]
         assert 1.5 <= took < 4.0, took  # waited for the stopped one up to the limit, no longer
         assert collect.collect_node("other-node", limit=0.5) == []  # another node's processes are not ours
+        # Two jobs on one Ray head (the dev stand-in): a snapshot of one leaves the other's processes out.
+        other = _armed(tmp_path, "p9", "actor", RLHF_JOB_NAME="b", RLHF_NAMESPACE="ns")
+        try:
+            mine = {p["pid"] for p in collect.collect_node("n1", limit=0.5, job="ns/a")}
+            theirs = {p["pid"] for p in collect.collect_node("n1", limit=0.5, job="ns/b")}
+        finally:
+            other.kill()
+            other.wait()
+        assert other.pid not in mine and other.pid in theirs and alive.pid in mine
+        traces = tmp_path / "nccl"
+        traces.mkdir()
+        (traces / "trace_1").write_bytes(b"x" * 7)
+        assert [(t["file"], t["bytes"]) for t in collect.flight_records(traces)] == [
+            (str(traces / "trace_1"), 7)
+        ]
     finally:
         for p in (alive, stopped):
             p.kill()

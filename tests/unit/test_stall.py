@@ -71,7 +71,7 @@ def test_condition_is_written_once_per_stall_and_cleared_by_progress() -> None:
 
 def running(on_stall: str, restarts: int = 0, phase: str = "Running", snapshot: int = 0) -> Any:
     """A running job stuck for hours; `snapshot`: its stackSnapshotTimeoutSeconds (0, no snapshot, unless
-    a test is about it: tests/unit/test_stall_diagnosis.py)."""
+    a test is about it: tests/unit/test_operator_diagnosis.py)."""
     j = job(
         {
             "phase": phase,

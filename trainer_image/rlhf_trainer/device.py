@@ -18,6 +18,8 @@ from typing import Any
 
 from rlhf_api.constants import GPU_STANDIN_ENV
 
+from rlhf_trainer.stacks import nccl
+
 STANDIN_ENV = GPU_STANDIN_ENV
 STANDINS = ("cpu",)
 
@@ -90,6 +92,8 @@ def configure_process(info: DeviceInfo, threads: int | None = None) -> None:
     if info.is_cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("RLHF_DEVICE", "cpu")
+    else:
+        nccl.apply_defaults()  # the flight recorder and NCCL's transport lines (stacks.nccl)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:

@@ -184,6 +184,8 @@ def run(
             if stop is not None and stop.requested:  # it came during start-up: no step to finish
                 break
             report = run_step(ctx, step)
+            if completed == first - 1 and not info.is_cpu:
+                report_fabric(placed, metrics, job, log)  # once, after the first collectives ran
             completed = step
             summary["steps"].append(step_summary(report))
             if report.checkpoint and spec.checkpoint.export == "everyCheckpoint":
@@ -284,6 +286,20 @@ def _export_if_stale(spec: RLHFJobSpec, step: int, log: Callable[[str], None]) -
     except (OSError, ValueError):
         pass
     return _export(spec, log)
+
+
+def report_fabric(placed: Placed, metrics: TrainerExporter, job: str, log: Callable[[str], None]) -> None:
+    """Each trainer rank's NCCL network (stacks.nccl) as rlhf_nccl_transport and one log line; the
+    operator sets FabricDegraded from it when the job asked for RDMA. Best effort: never fails a run."""
+    try:
+        found = [t for g in placed.groups for t in g.get("nccl_transport")]
+    except Exception as e:
+        log(f"fabric: cannot read the ranks' NCCL transport: {type(e).__name__}: {e}")
+        return
+    for t in found:
+        metrics.nccl_transport.labels(job, t["who"], t["network"] or "unknown").set(1)
+    said = ", ".join(f"{t['who']} over {t['network'] or 'unknown'}" for t in found)
+    log(f"fabric: NCCL {said}")
 
 
 WATCH_FLOOR_ENV, WATCH_FACTOR_ENV = "RLHF_HANG_WATCH_FLOOR_SECONDS", "RLHF_HANG_WATCH_FACTOR"

@@ -39,17 +39,17 @@ def marker(phase: str, step: int) -> Path:
     return Path(os.environ.get(DIR_ENV, ".")) / f"{phase}@{step}"
 
 
-def maybe_hang(step: int | None, group: str, rank: int, world_size: int) -> None:
-    """`rank_hang@step`: the actor group's last rank hangs here, once (its marker), in every run where
-    the fault is armed; nothing otherwise."""
-    if step is None or group != "actor" or rank != world_size - 1 or (RANK_HANG, step) not in armed():
+def maybe_hang(step: int | None, role: str, rank: int, world_size: int) -> None:
+    """`rank_hang@step`: the actor group's last rank (`role` actor) hangs here, once (its marker), in
+    every run where the fault is armed; nothing otherwise."""
+    if step is None or role != "actor" or rank != world_size - 1 or (RANK_HANG, step) not in armed():
         return
     mark = marker(RANK_HANG, step)
     if mark.exists():
         return
     mark.parent.mkdir(parents=True, exist_ok=True)
-    mark.write_text(json.dumps({"who": f"{group} rank {rank}", "pid": os.getpid()}) + "\n")
-    print(f"fault injected: {group} rank {rank} (pid {os.getpid()}) hangs in step {step}", file=sys.stderr)
+    mark.write_text(json.dumps({"who": f"{role} rank {rank}", "pid": os.getpid()}) + "\n")
+    print(f"fault injected: {role} rank {rank} (pid {os.getpid()}) hangs in step {step}", file=sys.stderr)
     sys.stderr.flush()
     injected_hang(HANG_SECONDS)
 

@@ -69,6 +69,12 @@ class TrainerExporter:
         self.stall_timeout = Gauge(
             "rlhf_stall_timeout_seconds", "The job's monitoring.stallTimeoutSeconds", [L], registry=r
         )
+        self.nccl_transport = Gauge(
+            "rlhf_nccl_transport",
+            "1 per NCCL process and the network NCCL chose for it (IB, Socket, ...; GPU path only)",
+            [L, "process", "network"],
+            registry=r,
+        )
         self.generated_tokens = Counter("rlhf_generated_tokens", "Generated response tokens", [L], registry=r)
         self.trained_tokens = Counter(
             "rlhf_trained_tokens", "Response tokens trained on (x epochs)", [L], registry=r

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rlhf_trainer.stacks.dump import SIGNAL, Registration, parse, registry, start_ticks
+from rlhf_trainer.stacks import nccl
+from rlhf_trainer.stacks.dump import SIGNAL, Registration, job_key, parse, registry, start_ticks
 
 PROCESS_LIMIT_SECONDS = 5.0
 _SETTLED = 0.2  # a dump is complete once its size has not changed for this long
 
 
-def registered(root: Path, node_id: str | None) -> list[Registration]:
-    """The live processes registered in `root` (on `node_id`, when given); the dead ones' files go."""
+def registered(root: Path, node_id: str | None, job: str = "") -> list[Registration]:
+    """The live processes registered in `root` (on `node_id`, when given; of RLHFJob `job` when both it
+    and the registration name one: jobs sharing a Ray head); the dead ones' files go."""
     found = []
     for path in sorted(root.glob("*.json")):
         try:
@@ -35,6 +38,8 @@ def registered(root: Path, node_id: str | None) -> list[Registration]:
                 stale.unlink(missing_ok=True)
             continue
         if node_id and reg.node_id and reg.node_id != node_id:
+            continue
+        if job and reg.job and reg.job != job:
             continue
         if reg.pid != os.getpid():
             found.append(reg)
@@ -52,7 +57,9 @@ def process_state(pid: int) -> str:
     return "gone"
 
 
-def collect_node(node_id: str | None = None, limit: float = PROCESS_LIMIT_SECONDS) -> list[dict[str, Any]]:
+def collect_node(
+    node_id: str | None = None, limit: float = PROCESS_LIMIT_SECONDS, job: str | None = None
+) -> list[dict[str, Any]]:
     """Every registered process of this node: its registration, whether it answered within `limit`
     seconds, its threads (innermost frame first) and how long it took. One snapshot at a time per
     node (a lock file); signalled all at once, so the node takes at most `limit`, not a sum."""
@@ -60,7 +67,7 @@ def collect_node(node_id: str | None = None, limit: float = PROCESS_LIMIT_SECOND
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        regs = registered(root, node_id)
+        regs = registered(root, node_id, job_key() if job is None else job)
         asked: dict[int, float] = {}
         for reg in regs:
             try:
@@ -95,6 +102,19 @@ def collect_node(node_id: str | None = None, limit: float = PROCESS_LIMIT_SECOND
         return out
 
 
+def flight_records(root: Path | None = None) -> list[dict[str, Any]]:
+    """torch's NCCL flight-recorder dumps on this node (written on a collective timeout; stacks.nccl)."""
+    root = root or nccl.debug_dir()
+    pod = os.environ.get("HOSTNAME") or socket.gethostname()
+    found = sorted(root.glob("trace_*")) if root.is_dir() else []
+    return [{"pod": pod, "file": str(p), "bytes": _size(p)} for p in found]
+
+
+def node_snapshot(node_id: str | None, limit: float, job: str) -> dict[str, Any]:
+    """What one node's collector returns: its processes' stacks and its flight-recorder dumps."""
+    return {"processes": collect_node(node_id, limit, job), "nccl_traces": flight_records()}
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -111,15 +131,16 @@ def snapshot(limit: float = PROCESS_LIMIT_SECONDS, node_timeout: float = 60.0) -
     started = time.monotonic()
     taken_at = datetime.now(UTC).isoformat(timespec="seconds")
     nodes = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
-    task = ray.remote(num_cpus=0, max_retries=0)(collect_node)
+    task = ray.remote(num_cpus=0, max_retries=0)(node_snapshot)
     refs = {
         task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            n["NodeID"], limit
+            n["NodeID"], limit, job_key()
         ): n
         for n in nodes
     }
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=node_timeout)
     processes: list[dict[str, Any]] = []
+    traces: list[dict[str, Any]] = []
     silent_nodes = []
     for ref, node in refs.items():
         name = node.get("NodeManagerHostname") or node["NodeID"][:12]
@@ -127,7 +148,9 @@ def snapshot(limit: float = PROCESS_LIMIT_SECONDS, node_timeout: float = 60.0) -
             silent_nodes.append(f"{name}: its collector did not return within {node_timeout:g} s")
             continue
         try:
-            processes.extend(ray.get(ref))
+            answer = ray.get(ref)
+            processes.extend(answer["processes"])
+            traces.extend(t for t in answer["nccl_traces"] if t not in traces)
         except Exception as e:  # a node that died meanwhile
             silent_nodes.append(f"{name}: {type(e).__name__}: {e}")
     seen: set[tuple[str, int]] = set()  # nodes of a local Ray share one host and one registry
@@ -142,4 +165,5 @@ def snapshot(limit: float = PROCESS_LIMIT_SECONDS, node_timeout: float = 60.0) -
         "limit_seconds": limit,
         "processes": unique,
         "silent_nodes": silent_nodes,
+        "nccl_traces": traces,
     }

@@ -43,6 +43,7 @@ class Registration:
     node_id: str
     main_thread: int
     start_ticks: int  # /proc/<pid>/stat's start time: a reused pid is not the registered process
+    job: str = ""  # namespace/name of its RLHFJob (job_key), '' when unknown
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -50,6 +51,12 @@ class Registration:
     @classmethod
     def from_json(cls, text: str) -> Registration:
         return cls(**json.loads(text))
+
+
+def job_key() -> str:
+    """`namespace/name` of the RLHFJob this process belongs to (the operator's runtime env), or ''."""
+    name, namespace = os.environ.get("RLHF_JOB_NAME", ""), os.environ.get("RLHF_NAMESPACE", "")
+    return f"{namespace}/{name}" if name and namespace else ""
 
 
 def registry() -> Path:
@@ -84,6 +91,7 @@ def arm(who: str, role: str, rank: int | None = None, node_id: str = "") -> Regi
         node_id=node_id,
         main_thread=threading.main_thread().ident or 0,
         start_ticks=ticks,
+        job=job_key(),
     )
     try:
         root = registry()

@@ -146,6 +146,12 @@ def verdict(snapshot: dict[str, Any]) -> list[str]:
             )
         lines.append("; ".join(parts))
     lines.extend(f"node {n}" for n in snapshot.get("silent_nodes") or [])
+    traces = snapshot.get("nccl_traces") or []
+    if traces:
+        lines.append(
+            "NCCL flight recorder dumps (a collective timed out): "
+            + ", ".join(f"{t['file']} ({t['bytes']} bytes) on {t['pod']}" for t in traces)
+        )
     return lines
 
 

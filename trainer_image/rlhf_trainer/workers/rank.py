@@ -17,6 +17,7 @@ import torch
 from rlhf_trainer import device, experience, sequence_parallel
 from rlhf_trainer.fault_env import maybe_hang
 from rlhf_trainer.stacks import dump as stacks
+from rlhf_trainer.stacks import nccl
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import plan_bytes
 from rlhf_trainer.weight_sync.channels import Rendezvous, WeightChannel, open_channel
@@ -64,12 +65,19 @@ class ModelRank:
         self.local: dict[int, dict[str, Any]] = {}
         self.channel: WeightChannel | None = None
         self.plan: list[Any] = []
-        stacks.arm(f"{group} rank {rank}", group, rank)
+        # Named by its main role in a stack snapshot ("actor rank 1" also for a rank hosting the reference).
+        self.role = next((r for r in ("actor", "critic", "reference") if r in roles), group)
+        stacks.arm(f"{self.role} rank {rank}", self.role, rank)
 
     # ---- setup ----------------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
         """Its pod and GPU ids, and a `problem` if it does not see the GPUs it was promised."""
         return device.whereabouts(self.info.kind, f"{self.group} rank {self.rank}")
+
+    def nccl_transport(self) -> dict[str, Any]:
+        """The network NCCL chose for this rank (its debug file; stacks.nccl), after a collective ran."""
+        t = nccl.own_transport()
+        return {"who": f"{self.role} rank {self.rank}", "network": t.network, "devices": t.devices}
 
     def address(self) -> tuple[str, int]:
         return node_ip(), free_port()
@@ -209,7 +217,7 @@ class ModelRank:
 
     # ---- training phases ---------------------------------------------------------------------------
     def train_actor(self, algo: dict[str, Any]) -> dict[str, float]:
-        maybe_hang(algo.get("step"), self.group, self.rank, self.world_size)  # tests only (fault_env)
+        maybe_hang(algo.get("step"), self.role, self.rank, self.world_size)  # tests only (fault_env)
         order = sorted(self.shards)
         r = self._combined()
         cat = {k: torch.cat([self.local[s][k] for s in order]) for k in ("advantages", "valid")}

@@ -79,12 +79,14 @@ def round_(j: Any, later: float = 0.0, **kw: Any) -> Decision:
 
 def test_a_restart_waits_for_the_snapshot_then_carries_its_verdict() -> None:
     first = round_(stuck("Restart"))
-    sid = diagnosis.submission_id(SID, SINCE)
+    sid = diagnosis.submission_id(SID, SINCE, "PhaseStuck:actor_train")
     assert first.actions == ["snapshot"] and first.snapshot_submission_id == sid
     assert first.status["phase"] == "Stalled" and "stop" not in first.actions  # not restarted yet
+    assert sid.endswith("-actor-train")
     assert first.status["diagnosis"] == {
         "state": "Taking",
         "stallSince": iso(SINCE),
+        "reason": "PhaseStuck:actor_train",
         "submissionId": sid,
         "requestedAt": iso(NOW),
     }
@@ -132,6 +134,27 @@ def test_a_snapshot_job_without_a_snapshot_fails_the_diagnosis_not_the_job() -> 
     # A later round of the same stall asks for nothing again.
     again = round_(stuck("Alert", failed.status), 60)
     assert again.actions == [] and again.status["diagnosis"] == failed.status["diagnosis"]
+
+
+def test_a_stall_that_moves_to_another_phase_gets_a_new_snapshot() -> None:
+    """Declared while still in generation (a start-up), then stuck in reward: the first snapshot showed
+    the start-up, the second shows the reward."""
+    first = round_(stuck("Alert"))
+    taken = round_(stuck("Alert", first.status), 8, stacks=diagnosis.SnapshotResult(True, SNAP))
+    assert taken.status["diagnosis"]["state"] == "Taken"
+    moved = ScrapedMetrics(
+        steps_completed=4,
+        last_step_completed_ts=SINCE.timestamp(),
+        in_progress_step_phase="reward",
+        in_progress_since=(NOW + timedelta(seconds=20)).timestamp(),
+    )
+    j = stuck("Alert", taken.status)
+    again = decide(j, obs(now=NOW + timedelta(seconds=30), ray_job=ray("RUNNING"), metrics=moved), SID)
+    assert again.actions == ["snapshot"] and again.snapshot_submission_id != first.snapshot_submission_id
+    assert again.status["diagnosis"]["reason"] == "PhaseStuck:reward"
+    assert again.status["diagnosis"]["stallSince"] == iso(SINCE)  # the same stall
+    cond = next(c for c in again.status["conditions"] if c["type"] == "Stalled")
+    assert "; stacks: " not in cond["message"]  # the start-up's verdict is not the reward's
 
 
 def test_no_snapshot_when_switched_off() -> None:
