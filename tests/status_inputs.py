@@ -5,7 +5,7 @@ status tests."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,19 @@ def job(status: dict[str, Any] | None = None, **run_policy: Any) -> RLHFJob:
     doc["spec"].setdefault("runPolicy", {}).update(run_policy)
     if status:
         doc["status"] = status
+    return RLHFJob.model_validate(doc)
+
+
+def running_job(on_stall: str, snapshot: int = 0, **status: Any) -> RLHFJob:
+    """A job running for 8 hours (attempt SID) with onStall `on_stall`, stallTimeoutSeconds 600 and
+    stackSnapshotTimeoutSeconds `snapshot` (0: no stack snapshot); `status` adds to or replaces fields."""
+    base = {"phase": "Running", "startTime": NOW - timedelta(hours=8), "restarts": 0, "submissionId": SID}
+    base = {k: v.strftime("%Y-%m-%dT%H:%M:%SZ") if isinstance(v, datetime) else v for k, v in base.items()}
+    j = job({**base, **status})
+    doc = j.model_dump(by_alias=True, exclude_none=True, mode="json")
+    doc["spec"]["monitoring"].update(
+        stallTimeoutSeconds=600, onStall=on_stall, stackSnapshotTimeoutSeconds=snapshot
+    )
     return RLHFJob.model_validate(doc)
 
 

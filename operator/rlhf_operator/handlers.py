@@ -736,28 +736,11 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
                 )
             failpoints.hit("after_submit")
         elif action == "stop" and cluster is not None and decision.stop_submission_id:
-            try:
-                url = dashboard_url(cluster)
-                with REMOTE.slot(url), _ray_client(url, body) as rj:
-                    rj.stop(decision.stop_submission_id)
-            except rayjobs.RayJobsError as e:
-                log.warning("stopping %s: %s", decision.stop_submission_id, e)
+            _stop_ray_job(cluster, body, decision.stop_submission_id)
         elif action == "snapshot" and cluster is not None and decision.snapshot_submission_id:
-            url = dashboard_url(cluster)
-            with REMOTE.slot(url), _ray_client(url, body) as rj:
-                rj.submit(
-                    decision.snapshot_submission_id,
-                    diagnosis.entrypoint(job.spec.monitoring.stack_snapshot_timeout_seconds),
-                    runtime_env=manifests.trainer_runtime_env(job, gpu_standin=GPU_STANDIN),
-                    metadata={"rlhfjob": job.name, "namespace": namespace, "purpose": "stack-snapshot"},
-                )
+            _submit_snapshot(cluster, body, job, decision)
         elif action == "stop_snapshot" and cluster is not None and decision.stop_snapshot_id:
-            try:
-                url = dashboard_url(cluster)
-                with REMOTE.slot(url), _ray_client(url, body) as rj:
-                    rj.stop(decision.stop_snapshot_id)
-            except rayjobs.RayJobsError as e:
-                log.warning("stopping %s: %s", decision.stop_snapshot_id, e)
+            _stop_ray_job(cluster, body, decision.stop_snapshot_id)
         elif action == "record_stacks" and decision.stacks is not None:
             _record_stacks(body, job, decision)
         elif action == "suspend_cluster" and cluster is not None and not _patch_in_flight(cluster):
@@ -783,6 +766,40 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             metrics.RESTARTS.labels(namespace, job.name).inc()
     if decision.new_stall is not None:
         metrics.STALLS.labels(namespace, job.name, decision.new_stall.step_phase_label).inc()
+
+
+def _submit_snapshot(cluster: dict[str, Any], body: kopf.Body, job: RLHFJob, decision: Decision) -> None:
+    """Submit the stall's stack snapshot. A refusal fails the diagnosis, not the round: a restart that
+    waits for the snapshot must not wait on a Ray head that will not take it."""
+    namespace = body.metadata.namespace or "default"
+    url = dashboard_url(cluster)
+    try:
+        with REMOTE.slot(url), _ray_client(url, body) as rj:
+            rj.submit(
+                decision.snapshot_submission_id or "",
+                diagnosis.entrypoint(job.spec.monitoring.stack_snapshot_timeout_seconds),
+                runtime_env=manifests.trainer_runtime_env(job, gpu_standin=GPU_STANDIN),
+                metadata={"rlhfjob": job.name, "namespace": namespace, "purpose": "stack-snapshot"},
+            )
+    except rayjobs.RayJobsError as e:
+        why = f"no stack snapshot: submitting it failed: {e}"
+        log.warning("%s/%s: %s", namespace, job.name, why)
+        decision.status["diagnosis"] = {
+            **(decision.status.get("diagnosis") or {}),
+            "state": "Failed",
+            "summary": why[:1000],
+        }
+        kopf.event(body, type="Warning", reason="StallDiagnosisFailed", message=why[:1000])
+
+
+def _stop_ray_job(cluster: dict[str, Any], body: kopf.Body, submission_id: str) -> None:
+    """Ask the job's Ray head to stop a Ray job; best effort (a head that cannot be reached is logged)."""
+    try:
+        url = dashboard_url(cluster)
+        with REMOTE.slot(url), _ray_client(url, body) as rj:
+            rj.stop(submission_id)
+    except rayjobs.RayJobsError as e:
+        log.warning("stopping %s: %s", submission_id, e)
 
 
 def _record_stacks(body: kopf.Body, job: RLHFJob, decision: Decision) -> None:

@@ -15,7 +15,7 @@ from rlhf_operator.conditions import iso
 from rlhf_operator.diagnose_cli import render
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.status import Decision, decide
-from status_inputs import NOW, SID, job, obs, ray
+from status_inputs import NOW, SID, obs, ray, running_job
 
 pytestmark = pytest.mark.unit
 
@@ -46,20 +46,7 @@ SNAP = {
 
 
 def stuck(on_stall: str, status: dict[str, Any] | None = None, snapshot: int = 60) -> Any:
-    j = job(
-        {
-            "phase": "Running",
-            "startTime": iso(NOW - timedelta(hours=8)),
-            "restarts": 0,
-            "submissionId": SID,
-            **(status or {}),
-        }
-    )
-    doc = j.model_dump(by_alias=True, exclude_none=True, mode="json")
-    doc["spec"]["monitoring"].update(
-        stallTimeoutSeconds=600, onStall=on_stall, stackSnapshotTimeoutSeconds=snapshot
-    )
-    return type(j).model_validate(doc)
+    return running_job(on_stall, snapshot, **(status or {}))
 
 
 def metrics() -> ScrapedMetrics:
@@ -134,6 +121,16 @@ def test_a_snapshot_job_without_a_snapshot_fails_the_diagnosis_not_the_job() -> 
     # A later round of the same stall asks for nothing again.
     again = round_(stuck("Alert", failed.status), 60)
     assert again.actions == [] and again.status["diagnosis"] == failed.status["diagnosis"]
+
+
+def test_a_snapshot_the_head_refused_lets_the_restart_go_on() -> None:
+    """The handler marks the diagnosis Failed when the Ray head refuses the snapshot job; the next round
+    restarts without waiting for it."""
+    first = round_(stuck("Restart"))
+    refused = {**first.status["diagnosis"], "state": "Failed", "summary": "no stack snapshot: HTTP 500"}
+    after = round_(stuck("Restart", {**first.status, "diagnosis": refused}), 3)
+    assert after.actions == ["stop"] and after.status["phase"] == "Restarting"
+    assert after.status["diagnosis"] == refused
 
 
 def test_a_stall_that_moves_to_another_phase_gets_a_new_snapshot() -> None:

@@ -11,7 +11,7 @@ from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import STEP_STALLED, Stall, detect_stall, set_stalled_condition
 from rlhf_operator.status import decide, status_patch
-from status_inputs import NOW, SID, job, obs, ray
+from status_inputs import NOW, SID, job, obs, ray, running_job
 
 pytestmark = pytest.mark.unit
 
@@ -69,22 +69,10 @@ def test_condition_is_written_once_per_stall_and_cleared_by_progress() -> None:
     assert set_stalled_condition([], None, NOW) == []
 
 
-def running(on_stall: str, restarts: int = 0, phase: str = "Running", snapshot: int = 0) -> Any:
-    """A running job stuck for hours; `snapshot`: its stackSnapshotTimeoutSeconds (0, no snapshot, unless
-    a test is about it: tests/unit/test_operator_diagnosis.py)."""
-    j = job(
-        {
-            "phase": phase,
-            "startTime": iso(NOW - timedelta(hours=8)),
-            "restarts": restarts,
-            "submissionId": SID,
-        }
-    )
-    doc = j.model_dump(by_alias=True, exclude_none=True, mode="json")
-    doc["spec"]["monitoring"].update(
-        stallTimeoutSeconds=600, onStall=on_stall, stackSnapshotTimeoutSeconds=snapshot
-    )
-    return type(j).model_validate(doc)
+def running(on_stall: str, restarts: int = 0, phase: str = "Running") -> Any:
+    """A running job stuck for hours, taking no stack snapshot (tests/unit/test_operator_diagnosis.py
+    is about those)."""
+    return running_job(on_stall, restarts=restarts, phase=phase)
 
 
 def stuck_metrics() -> ScrapedMetrics:
