@@ -190,7 +190,11 @@ def realnode_job(name: str, claim: str, steps: int, interval: int, **spec: Any) 
     doc = tiny_job(name, Path("/data"), Path("/data/ckpt"), steps)
     s = doc["spec"]
     s["checkpoint"].update(intervalSteps=interval, keepLast=2)
-    s["monitoring"].update(metricsPort=9400, scrapeIntervalSeconds=2)
+    # 600 s, not the example's 300: an attempt restarted after the head pod's loss waits for the worker
+    # containers to come back into the new head, which once took over 300 s on the loaded 2-core machine
+    # (the operator then stalled and restarted it once more). These runs are not about stalls
+    # (tests/cluster/test_stall_diagnosis.py is).
+    s["monitoring"].update(metricsPort=9400, scrapeIntervalSeconds=2, stallTimeoutSeconds=600)
     s["pods"] = {
         **on_real_node(),
         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
