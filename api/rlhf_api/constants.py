@@ -28,3 +28,7 @@ STOP_BUDGET_ENV: Final = "RLHF_STOP_BUDGET_SECONDS"
 # The named CPU stand-in for GPUs advertised but not real: the operator passes it (chart value
 # jobDefaults.gpuStandIn) to each job's driver, which reads it (rlhf_trainer.device.for_job).
 GPU_STANDIN_ENV: Final = "RLHF_GPU_STANDIN"
+# A stall's stack snapshot (docs/monitoring.md): the snapshot job's last log line starts with this and
+# carries the snapshot as JSON (the operator reads it back); each process gets this long to answer.
+STACKS_LOG_MARKER: Final = "RLHF_STACKS "
+STACK_PROCESS_LIMIT_SECONDS: Final = 5

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from rlhf_api.constants import STACK_PROCESS_LIMIT_SECONDS, STACKS_LOG_MARKER
+
 from rlhf_operator.conditions import iso, parse_time
 
-MARKER = "RLHF_STACKS "
-PROCESS_LIMIT_SECONDS = 5
+MARKER = STACKS_LOG_MARKER
 MAX_DUMP_BYTES = 512 * 1024  # a ConfigMap holds 1 MiB; the verdict and the stall's text fit beside it
 MAX_SUMMARY_CHARS = 1000
 CONFIG_MAP_SUFFIX = "-stacks"
@@ -59,7 +60,7 @@ def submission_id(attempt: str, since: datetime, reason: str) -> str:
 
 def entrypoint(timeout_seconds: int) -> str:
     node_timeout = max(10, timeout_seconds - 10)
-    args = ["python", "-m", "rlhf_trainer.stacks.snapshot", "--limit", str(PROCESS_LIMIT_SECONDS)]
+    args = ["python", "-m", "rlhf_trainer.stacks.snapshot", "--limit", str(STACK_PROCESS_LIMIT_SECONDS)]
     return " ".join(shlex.quote(a) for a in [*args, "--node-timeout", str(node_timeout)])
 
 

@@ -70,9 +70,8 @@ class Observed:
     # The previous attempt's Ray job, still stopping (it finishes its step and may save a checkpoint)
     # when the next one is due: its id. The next is submitted only once it has ended.
     previous_running: str | None = None
-    stacks: diagnosis.SnapshotResult | None = (
-        None  # the stall's snapshot job, while status.diagnosis is Taking
-    )
+    # The stall's snapshot job, read while status.diagnosis is Taking.
+    stacks: diagnosis.SnapshotResult | None = None
 
 
 @dataclass

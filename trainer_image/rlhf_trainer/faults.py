@@ -80,10 +80,7 @@ class FaultInjector:
         if (ENGINE_STOP, step) not in armed() or _marker(ENGINE_STOP, step).exists():
             return
         who, pid = self.victim("generation")
-        self._mark(_marker(ENGINE_STOP, step), who, pid)
-        print(f"fault injected: SIGSTOP {who} (pid {pid}) in step {step}", file=sys.stderr)
-        sys.stderr.flush()
-        os.kill(pid, signal.SIGSTOP)
+        self._kill(_marker(ENGINE_STOP, step), who, pid, f"in step {step}", signal.SIGSTOP)
 
     def weights_sending(self) -> None:
         """Called once the actor ranks have begun sending a weight sync's buckets: `engine_weight_sync`."""
@@ -107,12 +104,14 @@ class FaultInjector:
         who, pid = ("the driver", os.getpid()) if phase == "checkpoint" else self.victim(phase)
         self._kill(marker, who, pid, f"in phase {phase} of step {step}")
 
-    def _kill(self, marker: Path, who: str, pid: int, when: str) -> None:
-        """Mark the fault fired (before it fires: the victim may be this process), say so, SIGKILL."""
+    def _kill(
+        self, marker: Path, who: str, pid: int, when: str, sig: signal.Signals = signal.SIGKILL
+    ) -> None:
+        """Mark the fault fired (before it fires: the victim may be this process), say so, send `sig`."""
         self._mark(marker, who, pid)
-        print(f"fault injected: SIGKILL {who} (pid {pid}) {when}", file=sys.stderr)
+        print(f"fault injected: {sig.name} {who} (pid {pid}) {when}", file=sys.stderr)
         sys.stderr.flush()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
 
     def hold(self, step: int) -> None:
         """`checkpoint_hold@step`: write the marker, then wait until `<marker>.release` exists (at most

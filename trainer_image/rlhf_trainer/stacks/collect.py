@@ -17,10 +17,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rlhf_api.constants import STACK_PROCESS_LIMIT_SECONDS
+
 from rlhf_trainer.stacks import nccl
 from rlhf_trainer.stacks.dump import SIGNAL, Registration, job_key, parse, registry, start_ticks
 
-PROCESS_LIMIT_SECONDS = 5.0
+PROCESS_LIMIT_SECONDS = float(STACK_PROCESS_LIMIT_SECONDS)
 _SETTLED = 0.2  # a dump is complete once its size has not changed for this long
 
 

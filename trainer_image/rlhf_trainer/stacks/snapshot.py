@@ -11,10 +11,10 @@ import json
 import os
 import sys
 
+from rlhf_api.constants import STACKS_LOG_MARKER
+
 from rlhf_trainer.stacks.collect import PROCESS_LIMIT_SECONDS, snapshot
 from rlhf_trainer.stacks.summary import annotate
-
-MARKER = "RLHF_STACKS "
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     for line in snap["verdict"]:
         print(line)
-    print(MARKER + json.dumps(snap, separators=(",", ":")))
+    print(STACKS_LOG_MARKER + json.dumps(snap, separators=(",", ":")))
     sys.stdout.flush()
     return 0
 

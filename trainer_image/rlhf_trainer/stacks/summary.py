@@ -159,12 +159,6 @@ def _place(w: Where) -> str:
     return f"{w.key} ← {w.detail}" if w.detail else w.key
 
 
-def one_line(snapshot: dict[str, Any], limit: int = 900) -> str:
-    """The verdict joined for a condition's message or an Event (at most `limit` characters)."""
-    text = " | ".join(verdict(snapshot)) or "no process of the job was registered"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def annotate(snapshot: dict[str, Any]) -> dict[str, Any]:
     """The snapshot with its verdict (`verdict`) and, per answering process, the thread it read
     (`work_thread`), so a reader of the dump (or the operator trimming it) needs no reducer."""
