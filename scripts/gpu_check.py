@@ -178,9 +178,14 @@ def objective_functions() -> dict[str, Objective]:
         "kl_k3": kl("k3"),
         "ppo_token_loss": lambda x: (ppo_tokens(x), None),
         "ppo_decoupled_loss": lambda x: (
-            a.decoupled_policy_loss_tokens(
-                x["logprobs"], x["old_logprobs"], x["behaviour_logprobs"], x["advantages"], CLIP
+            ppo_tokens(x)
+            * a.rollout_weights(
+                x["old_logprobs"], x["behaviour_logprobs"], x["mask"], "token", "mask", 0.0, 5.0
             )[0],
+            None,
+        ),
+        "ppo_clip_higher_dual_clip": lambda x: (
+            a.ppo_tokens(x["logprobs"], x["old_logprobs"], x["advantages"], CLIP, 0.28, 3.0).loss,
             None,
         ),
         "ppo_value_loss": lambda x: (

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rlhf_api.spec import Placement, RLHFJobSpec, Role
+from rlhf_api.spec import GROUP_ESTIMATORS, Placement, RLHFJobSpec, Role
 
 Reason = Literal["FieldValueInvalid", "FieldValueRequired", "FieldValueForbidden"]
 
@@ -137,6 +137,8 @@ def _split_role_rules() -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+_CEL_GROUP_ESTIMATORS = "[" + ", ".join(f"'{e}'" for e in GROUP_ESTIMATORS) + "]"
+
 # CEL escapes property names that are CEL reserved words: `function` is reached as `__function__`.
 RULES: tuple[Rule, ...] = (
     Rule(
@@ -168,17 +170,89 @@ RULES: tuple[Rule, ...] = (
         scope="",
         cel="self.algorithm.advantageEstimator != 'gae' || has(self.model.critic)",
         field="model.critic",
-        message="the gae advantage estimator needs a critic model; set model.critic or use grpo or reinforce_pp",
+        message="the gae advantage estimator needs a critic model; set model.critic or use a critic-free estimator "
+        "(grpo, rloo, reinforce_pp, reinforce_pp_baseline)",
         reason="FieldValueRequired",
         check=lambda s: s.algorithm.advantage_estimator != "gae" or s.model.critic is not None,
     ),
     Rule(
         name="group-baseline-needs-samples",
         scope="algorithm",
-        cel="self.advantageEstimator == 'gae' || self.samplesPerPrompt >= 2",
+        cel=f"!(self.advantageEstimator in {_CEL_GROUP_ESTIMATORS}) || self.samplesPerPrompt >= 2",
         field="algorithm.samplesPerPrompt",
-        message="grpo and reinforce_pp compute a group baseline: samplesPerPrompt must be at least 2",
-        check=lambda s: s.algorithm.advantage_estimator == "gae" or s.algorithm.samples_per_prompt >= 2,
+        message="grpo, rloo and reinforce_pp_baseline compute a group baseline: samplesPerPrompt must be at "
+        "least 2",
+        check=lambda s: not s.algorithm.uses_groups or s.algorithm.samples_per_prompt >= 2,
+    ),
+    Rule(
+        name="gspo-needs-whole-sequences",
+        scope="",
+        cel="self.algorithm.policyLoss != 'gspo' || self.trainer.sequenceParallelSize == 1",
+        field="algorithm.policyLoss",
+        message="gspo's ratio is over whole sequences, which sequence parallelism splits across ranks: use "
+        "policyLoss ppo or trainer.sequenceParallelSize 1",
+        check=lambda s: s.algorithm.policy_loss != "gspo" or s.trainer.sequence_parallel_size == 1,
+    ),
+    Rule(
+        name="sequence-correction-needs-whole-sequences",
+        scope="",
+        cel="self.algorithm.rolloutCorrection.level != 'sequence' || self.trainer.sequenceParallelSize == 1",
+        field="algorithm.rolloutCorrection.level",
+        message="a sequence-level correction multiplies the weights of whole sequences, which sequence "
+        "parallelism splits across ranks: use level token or trainer.sequenceParallelSize 1",
+        check=lambda s: (
+            s.algorithm.rollout_correction.level != "sequence" or s.trainer.sequence_parallel_size == 1
+        ),
+    ),
+    Rule(
+        name="rollout-correction-bounds-ordered",
+        scope="algorithm.rolloutCorrection",
+        cel="self.lowerBound < self.upperBound",
+        field="algorithm.rolloutCorrection.lowerBound",
+        message="rolloutCorrection.lowerBound must be below upperBound",
+        check=lambda s: (
+            s.algorithm.rollout_correction.lower_bound < s.algorithm.rollout_correction.upper_bound
+        ),
+    ),
+    Rule(
+        name="kl-target-needs-kl",
+        scope="algorithm",
+        cel="!has(self.klTarget) || self.klCoef > 0",
+        field="algorithm.klTarget",
+        message="klTarget adapts the KL coefficient from its starting value klCoef, which is 0 (no reference "
+        "model): set klCoef above 0 or unset klTarget",
+        check=lambda s: s.algorithm.kl_target is None or s.algorithm.kl_coef > 0,
+    ),
+    Rule(
+        name="overlong-buffer-below-max-response",
+        scope="algorithm",
+        cel="!has(self.rewardShaping.overlongBuffer) || self.rewardShaping.overlongBuffer < "
+        "self.maxResponseLength",
+        field="algorithm.rewardShaping.overlongBuffer",
+        message="rewardShaping.overlongBuffer must be below maxResponseLength (the penalty ramps over the "
+        "last overlongBuffer tokens)",
+        check=lambda s: (
+            s.algorithm.reward_shaping.overlong_buffer is None
+            or s.algorithm.reward_shaping.overlong_buffer < s.algorithm.max_response_length
+        ),
+    ),
+    Rule(
+        name="dynamic-sampling-needs-groups",
+        scope="algorithm",
+        cel=f"!self.dynamicSampling.enabled || self.advantageEstimator in {_CEL_GROUP_ESTIMATORS}",
+        field="algorithm.dynamicSampling.enabled",
+        message="dynamic sampling drops groups whose rewards are all equal, which only a group baseline makes "
+        "useless: use grpo, rloo or reinforce_pp_baseline, or turn dynamicSampling off",
+        check=lambda s: not s.algorithm.dynamic_sampling.enabled or s.algorithm.uses_groups,
+    ),
+    Rule(
+        name="dynamic-sampling-not-async",
+        scope="algorithm",
+        cel="!self.dynamicSampling.enabled || !self.async.enabled",
+        field="algorithm.dynamicSampling.enabled",
+        message="dynamic sampling refills a batch on the critical path, which asynchronous RL does not wait "
+        "for: turn off dynamicSampling or async",
+        check=lambda s: not (s.algorithm.dynamic_sampling.enabled and s.algorithm.async_.enabled),
     ),
     Rule(
         name="train-micro-batch-divides-step",

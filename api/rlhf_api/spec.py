@@ -26,7 +26,10 @@ CRD_NAME: Final = "rlhfjobs.rlhf.dev"
 # Longest autoscaling window; also the bound of status.rollout.generationShareHistory, which holds it.
 MAX_WINDOW_STEPS: Final = 50
 
-AdvantageEstimator = Literal["gae", "grpo", "reinforce_pp"]
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+# Estimators whose baseline is the other samples of the prompt's group (they need samplesPerPrompt >= 2).
+GROUP_ESTIMATORS: Final = ("grpo", "rloo", "reinforce_pp_baseline")
+KLEstimator = Literal["k1", "k2", "k3"]
 RewardType = Literal["function", "model", "http"]
 WeightSyncBackend = Literal["auto", "nccl", "gloo", "cuda_ipc", "shm"]
 JobPhase = Literal[
@@ -133,7 +136,8 @@ class ModelSpec(_Spec):
         default=None,
         min_length=1,
         description="Value model (HF-format directory, usually initialised from a reward model). Required by "
-        "the gae estimator; leave it unset for critic-free estimators (grpo, reinforce_pp).",
+        "the gae estimator; leave it unset for the critic-free estimators (grpo, rloo, reinforce_pp, "
+        "reinforce_pp_baseline).",
     )
     reference: str | None = Field(
         default=None,
@@ -164,10 +168,11 @@ class AsyncSpec(_Spec):
     max_staleness: int = Field(
         default=1,
         ge=1,
-        le=8,
+        le=1,
         description="How many optimizer steps older than the trained policy a sample's generating weights may "
-        "be. The pipeline keeps one batch in flight, so samples are 1 step stale; older ones (a batch kept "
-        "across a lost weight sync) are handled by staleSamples.",
+        "be: 1, the one batch the pipeline keeps in flight (a larger bound would promise batches in flight "
+        "that the trainer does not keep). An older batch (one kept across a lost weight sync) is handled by "
+        "staleSamples.",
     )
     stale_samples: Literal["Regenerate", "Drop"] = Field(
         default="Regenerate",
@@ -175,16 +180,87 @@ class AsyncSpec(_Spec):
         "weights before training (costs a generation on the critical path), or `Drop` it and train on the "
         "next one (costs its data). Either is counted in rlhf_stale_samples_total.",
     )
-    correction: Literal["decoupled", "truncated"] = Field(
-        default="decoupled",
-        description="Off-policy correction: `decoupled` (AReaL's decoupled PPO: the PPO clip around the "
-        "policy before this update, times the behaviour weight pi_prox / pi_behav; tokens whose weight "
-        "exceeds importanceCap are dropped) or `truncated` (the same weight clamped to importanceCap).",
+
+
+class RolloutCorrectionSpec(_Spec):
+    """Importance weights for the gap between the engine that sampled a token and the trainer that scores it.
+
+    The weight of a sampled token is pi_prox / pi_behav: the trainer's probability before this update over
+    the engine's (vLLM's kernels, and in async mode weights one step older). Synchronous runs have the
+    kernels' gap only; it is corrected too, as TRL does by default."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Weight each token's policy loss by pi_prox / pi_behav (bounded as below); off: the loss "
+        "assumes the engine sampled from the trainer's distribution exactly.",
     )
-    importance_cap: float = Field(
-        default=5.0,
+    level: Literal["token", "sequence"] = Field(
+        default="token",
+        description="`token`: one weight per token; `sequence`: the product of the sequence's token weights "
+        "(needs whole sequences on a rank: trainer.sequenceParallelSize 1).",
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        default="truncate",
+        description="`truncate`: clamp the weight into [lowerBound, upperBound] (truncated importance "
+        "sampling); `mask`: drop the tokens (or sequences) whose weight is outside it (masked importance "
+        "sampling; AReaL's decoupled PPO).",
+    )
+    lower_bound: float = Field(
+        default=0.0, ge=0, description="Lowest weight kept (truncate: raised to it); 0: no lower bound."
+    )
+    upper_bound: float = Field(
+        default=2.0, gt=0, description="Highest weight kept (truncate: lowered to it)."
+    )
+
+
+class RewardShapingSpec(_Spec):
+    """What happens to a sample's score before advantages are computed, in this order: clip, overlong
+    penalty, running normalisation."""
+
+    clip: float | None = Field(
+        default=None, gt=0, description="Clamp every score into [-clip, clip]; unset: no clipping."
+    )
+    overlong_buffer: int | None = Field(
+        default=None,
         ge=1,
-        description="Upper bound on the behaviour weight pi_prox / pi_behav of a token (see correction).",
+        description="DAPO's soft overlong punishment: a response longer than maxResponseLength - "
+        "overlongBuffer tokens loses up to overlongPenalty, linearly, reaching it at maxResponseLength. "
+        "Unset: off. Must be below algorithm.maxResponseLength.",
+    )
+    overlong_penalty: float = Field(
+        default=1.0,
+        gt=0,
+        description="The score a response of maxResponseLength tokens loses (overlongBuffer).",
+    )
+    normalize: bool = Field(
+        default=False,
+        description="Normalise scores by the running mean and standard deviation of every score of the run "
+        "(checkpointed, so a resumed run goes on with the same statistics).",
+    )
+    truncated: Literal["Train", "Mask"] = Field(
+        default="Train",
+        description="Responses cut at maxResponseLength (no end of sequence): `Train` them like finished "
+        "ones, or `Mask` them out of the loss (DAPO's overlong filtering; they still count in their group's "
+        "baseline).",
+    )
+
+
+class DynamicSamplingSpec(_Spec):
+    """DAPO's dynamic sampling: never train a group whose rewards are all equal (its group-relative
+    advantage is zero for every sample)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Drop groups whose rewards are all equal and generate further prompts until the step has "
+        "rolloutBatchSize groups that are not (group estimators: grpo, rloo, reinforce_pp_baseline).",
+    )
+    max_extra_rounds: int = Field(
+        default=3,
+        ge=1,
+        le=16,
+        description="Extra generation rounds a step may take to fill its batch; after them, the step trains "
+        "the informative groups it has plus as many equal-reward ones as fill it (counted in "
+        'rlhf_dynamic_sampling_groups_total{outcome="short"}).',
     )
 
 
@@ -194,21 +270,75 @@ class AlgorithmSpec(_Spec):
     advantage_estimator: AdvantageEstimator = Field(
         default="grpo",
         description="Advantage estimator: `gae` (PPO with a critic; needs model.critic), `grpo` (group-relative "
-        "baseline over samplesPerPrompt samples) or `reinforce_pp` (REINFORCE++ with a group baseline).",
+        "baseline over samplesPerPrompt samples), `rloo` (leave-one-out group baseline), `reinforce_pp` "
+        "(REINFORCE++: returns of the score and the per-token KL, whitened over the batch) or "
+        "`reinforce_pp_baseline` (the same with the group mean subtracted from the score).",
+    )
+    grpo_std_normalization: bool = Field(
+        default=True,
+        description="grpo divides each score's distance to its group mean by the group's std; false is "
+        "Dr. GRPO's estimator (pair it with lossAggregation seq-mean-token-sum-norm).",
+    )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        default="ppo",
+        description="`ppo`: the clipped surrogate per token; `gspo`: GSPO's sequence-level ratio (the "
+        "geometric mean of the token ratios) clipped per sequence (needs trainer.sequenceParallelSize 1; GSPO "
+        "uses clip ranges near 3e-4 / 4e-4).",
     )
     kl_coef: float = Field(
         default=0.01,
         ge=0,
-        description="KL penalty coefficient against the reference model; 0 disables the reference.",
+        description="KL penalty coefficient against the reference model; 0 disables the reference. With "
+        "klTarget set, the adaptive controller's starting value.",
+    )
+    kl_estimator_reward: KLEstimator = Field(
+        default="k1",
+        description="KL estimator in the reward (gae, reinforce_pp, reinforce_pp_baseline): k1 = log(pi/ref), "
+        "k2 = log(pi/ref)^2 / 2, k3 = ref/pi - 1 - log(ref/pi).",
+    )
+    kl_estimator_loss: KLEstimator = Field(
+        default="k3",
+        description="KL estimator in the loss (grpo, rloo): k1, k2 or k3 (see klEstimatorReward).",
+    )
+    kl_target: float | None = Field(
+        default=None,
+        gt=0,
+        description="Adaptive KL (Ziegler et al. 2019): after each step the coefficient moves toward keeping "
+        "the measured KL at klTarget (by at most 20 % x samples / klHorizon); unset: klCoef stays fixed.",
+    )
+    kl_horizon: int = Field(
+        default=10000, ge=1, description="The adaptive KL controller's horizon, in samples (see klTarget)."
     )
     clip_range: float = Field(default=0.2, gt=0, le=1, description="PPO policy ratio clip range (epsilon).")
+    clip_range_low: float | None = Field(
+        default=None, gt=0, lt=1, description="The ratio's lower clip, 1 - clipRangeLow; unset: clipRange."
+    )
+    clip_range_high: float | None = Field(
+        default=None,
+        gt=0,
+        description="The ratio's upper clip, 1 + clipRangeHigh; unset: clipRange. Above clipRangeLow it is "
+        "DAPO's clip-higher (0.28 with 0.2 in the paper).",
+    )
+    dual_clip: float | None = Field(
+        default=None,
+        gt=1,
+        description="Dual-clip PPO's bound c: a negative advantage's loss is at most c x |A| however large the "
+        "ratio; unset: off (verl uses 3).",
+    )
+    entropy_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Entropy bonus: the loss minus entropyCoef x the policy's mean token entropy (always "
+        "reported as the step's `entropy`).",
+    )
     value_clip_range: float = Field(default=0.2, gt=0, description="Value function clip range (gae only).")
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount factor (gae only).")
     lam: float = Field(default=0.95, ge=0, le=1, alias="lambda", description="GAE lambda (gae only).")
     samples_per_prompt: int = Field(
         default=4,
         ge=1,
-        description="Responses sampled per prompt; grpo and reinforce_pp need at least 2 (a group).",
+        description="Responses sampled per prompt; grpo, rloo and reinforce_pp_baseline need at least 2 (a "
+        "group).",
     )
     rollout_batch_size: int = Field(default=64, ge=1, description="Prompts per step.")
     train_micro_batch_size: int = Field(
@@ -236,12 +366,15 @@ class AlgorithmSpec(_Spec):
         "With 1 mini-batch and 1 epoch the PPO ratio is always 1 and the clip never acts. Must divide the "
         "samples of each actor data-parallel group.",
     )
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+    loss_aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = Field(
         default="token-mean",
         description="How per-token losses become the step's loss (verl's names), over the global counts of "
         "a mini-batch on every rank: `token-mean` (sum over valid tokens / their number), "
-        "`seq-mean-token-mean` (mean over sequences of each one's token mean) or `seq-mean-token-sum` "
-        "(mean over sequences of each one's token sum).",
+        "`seq-mean-token-mean` (mean over sequences of each one's token mean), `seq-mean-token-sum` "
+        "(mean over sequences of each one's token sum) or `seq-mean-token-sum-norm` (that over "
+        "maxResponseLength: Dr. GRPO's constant normaliser).",
     )
     total_steps: int = Field(
         default=1000, ge=1, description="Steps to train; the job succeeds after the last one."
@@ -261,6 +394,19 @@ class AlgorithmSpec(_Spec):
         description="Asynchronous RL: generate step n+1 while step n trains, with bounded staleness and "
         "an off-policy correction (off by default).",
     )
+    rollout_correction: RolloutCorrectionSpec = Field(
+        default_factory=RolloutCorrectionSpec,
+        description="Importance weights between the engine's log-probs and the trainer's (both modes; in "
+        "async mode they also correct for the weights one step older).",
+    )
+    reward_shaping: RewardShapingSpec = Field(
+        default_factory=RewardShapingSpec,
+        description="Score clipping, DAPO's overlong penalty, running normalisation, truncated responses.",
+    )
+    dynamic_sampling: DynamicSamplingSpec = Field(
+        default_factory=DynamicSamplingSpec,
+        description="DAPO's dynamic sampling: refill the batch past groups whose rewards are all equal.",
+    )
 
     @property
     def samples_per_step(self) -> int:
@@ -279,8 +425,13 @@ class AlgorithmSpec(_Spec):
 
     @property
     def kl_in_reward(self) -> bool:
-        """Whether the KL penalty is part of the reward (gae, reinforce_pp); grpo puts it in the loss."""
-        return self.uses_reference and self.advantage_estimator != "grpo"
+        """Whether the KL penalty is part of the reward (gae, reinforce_pp*); grpo and rloo put it in the loss."""
+        return self.uses_reference and self.advantage_estimator not in ("grpo", "rloo")
+
+    @property
+    def uses_groups(self) -> bool:
+        """Whether the estimator's baseline is the prompt's group (it needs samplesPerPrompt >= 2)."""
+        return self.advantage_estimator in GROUP_ESTIMATORS
 
     @property
     def old_logprobs_redundant(self) -> bool:

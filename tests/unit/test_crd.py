@@ -257,7 +257,9 @@ def test_bounds_and_enums_come_from_the_model(root_schema: dict[str, Any]) -> No
     assert node_at(root_schema, "spec.algorithm.advantageEstimator")["enum"] == [
         "gae",
         "grpo",
+        "rloo",
         "reinforce_pp",
+        "reinforce_pp_baseline",
     ]
     assert node_at(root_schema, "spec.weightSync.backend")["enum"] == [
         "auto",

@@ -25,6 +25,7 @@ ROWS = {
     "kl_k3",
     "ppo_token_loss",
     "ppo_decoupled_loss",
+    "ppo_clip_higher_dual_clip",
     "ppo_value_loss",
     "ppo_loss",
     "grpo_advantages",

@@ -93,8 +93,7 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
     actor = PolicyModel(lm, _settings(lm, rank, world, accum))
     old = actor.logprobs(rollout, 4)
     res["actor_grads"] = _first_step_grads(actor)
-    stats = actor.train(rollout, old + noise_all[sl], adv_all[sl], None, valid, micro_batch=1, epochs=1,
-                        clip=0.2, kl_loss_coef=0.0)  # fmt: skip
+    stats = actor.train(rollout, old + noise_all[sl], adv_all[sl], None, valid, micro_batch=1, epochs=1)  # fmt: skip
     res["policy_loss"] = stats["policy_loss"]
 
     critic_model = ValueModel(critic, _settings(critic, rank, world, accum))
@@ -119,7 +118,7 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
         # Dropout off: with the data unchanged, the training pass reproduces what eval mode computed.
         fresh = PolicyModel(lm, _settings(lm, rank, world, 4))
         first = fresh.train(rollout, fresh.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1,
-                            epochs=1, clip=0.2, kl_loss_coef=0.0)  # fmt: skip
+                            epochs=1)  # fmt: skip
         res["first_ratio_deviation"] = first["first_ratio_deviation"]
         fresh_critic = ValueModel(critic, _settings(critic, rank, world, 4))
         v0 = fresh_critic.values(rollout, 4)
@@ -128,16 +127,14 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
         )["first_value_deviation"]
         # Mini-batches: 2 optimizer steps of 2 micro-batches each per epoch.
         mini = PolicyModel(lm, _settings(lm, rank, world, 2))
-        ms = mini.train(rollout, mini.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1, epochs=2,
-                        clip=0.2, kl_loss_coef=0.0, mini_batches=2)  # fmt: skip
+        ms = mini.train(rollout, mini.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1, epochs=2, mini_batches=2)  # fmt: skip
         res["mini_optimizer_steps"] = ms["optimizer_steps"]
         res["mini_scheduler_steps"] = int(mini.scheduler.last_epoch)
         # trainer.offload: ZeRO-Offload of parameters and optimizer, 2 steps with torch's AdamW.
         off = PolicyModel(lm, _settings(lm, rank, world, 4, offload=True))
         before = {n: p.ds_tensor.detach().clone() for n, p in off.engine.module.named_parameters()}
         for _ in range(2):
-            off.train(rollout, off.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1, epochs=1,
-                      clip=0.2, kl_loss_coef=0.0)  # fmt: skip
+            off.train(rollout, off.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1, epochs=1)  # fmt: skip
         after = {n: p.ds_tensor.detach() for n, p in off.engine.module.named_parameters()}
         res["offload_changed"] = sum(not torch.equal(before[n], after[n]) for n in before)
         res["offload_params"] = len(before)

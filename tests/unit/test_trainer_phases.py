@@ -91,6 +91,7 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, seen: dict[str, object], resume_a
             self.written: list[str] = []
             self.resume_info: dict[str, object] = {}
             self.trained_position: dict[str, object] | None = None
+            self.algorithm_state: dict[str, object] = {}
 
         def resume(self) -> int:
             assert resume_at is not None

@@ -1,4 +1,6 @@
-"""Advantage estimators (gae, grpo, reinforce_pp), KL estimators, PPO losses, loss aggregation, LR schedule.
+"""Advantage estimators (gae, grpo, rloo, reinforce_pp), KL estimators and the adaptive KL controller, PPO and
+GSPO losses with clip-higher and dual clip, rollout importance weights, the nucleus-renormalised log-probs,
+reward shaping (clip, running normalisation, overlong), loss aggregation, LR schedule.
 
 Pure torch on per-sample lists of response-token tensors (packed, no padding). Knows nothing of Ray,
 DeepSpeed or vLLM: where a number must cover every data-parallel rank (a token count, whitening moments)
@@ -23,7 +25,9 @@ GRPO_STD_EPS = 1e-6
 LOG_RATIO_CLAMP = 20.0
 # The k3 KL estimate is clamped to +-K3_CLAMP, as verl's "low_var_kl" does.
 K3_CLAMP = 10.0
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# The adaptive KL controller moves the coefficient by at most this proportional error per update (Ziegler et al.)
+KL_ERROR_CLIP = 0.2
 
 
 @dataclass
@@ -102,10 +106,36 @@ def grpo(
     groups: torch.Tensor,
     response_lens: Sequence[int],
     valid: torch.Tensor | None = None,
+    scale: bool = True,
 ) -> Advantages:
-    """Group-relative advantages: the normalised score broadcast over the sample's tokens."""
-    a = group_normalised_scores(scores, groups, valid)
-    advs = [torch.full((int(n),), float(a[i])) for i, n in enumerate(response_lens)]
+    """Group-relative advantages: the normalised score broadcast over the sample's tokens. `scale` False is
+    Dr. GRPO's (score - group mean, no division by the group's std)."""
+    return _broadcast(group_normalised_scores(scores, groups, valid, scale), response_lens)
+
+
+def rloo(
+    scores: torch.Tensor,
+    groups: torch.Tensor,
+    response_lens: Sequence[int],
+    valid: torch.Tensor | None = None,
+) -> Advantages:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): score minus the mean of the other valid samples of its
+    group, broadcast over the sample's tokens; n/(n-1) times (score - group mean). A group with one valid
+    sample has no baseline and gets 0; invalid samples get 0. No whitening."""
+    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
+    out = torch.zeros_like(scores, dtype=torch.float32)
+    for g in torch.unique(groups):
+        idx = (groups == g) & valid
+        n = int(idx.sum())
+        if n < 2:
+            continue
+        s = scores[idx].float()
+        out[idx] = (s - s.mean()) * (n / (n - 1))
+    return _broadcast(out, response_lens)
+
+
+def _broadcast(per_sample: torch.Tensor, response_lens: Sequence[int]) -> Advantages:
+    advs = [torch.full((int(n),), float(per_sample[i])) for i, n in enumerate(response_lens)]
     return Advantages(advs, [torch.zeros_like(x) for x in advs])
 
 
@@ -116,12 +146,14 @@ def reinforce_pp(
     kl_coef: float,
     gamma: float,
     valid: torch.Tensor | None = None,
+    baseline: bool = False,
 ) -> Advantages:
-    """REINFORCE++ (group-baseline variant): returns-to-go of (score - group mean) with a per-token KL
-    penalty, then whitened over every valid token given (one rank's shard: for the whole batch, whiten
-    reinforce_pp_returns with all-reduced whitening_moments)."""
+    """REINFORCE++ (Hu 2025): returns-to-go of the per-token KL penalty plus the score on the last token
+    (`baseline`: score minus its group's mean, OpenRLHF's reinforce++_baseline), whitened over every valid
+    token given (one rank's shard: for the whole batch, whiten reinforce_pp_returns with all-reduced
+    whitening_moments)."""
     valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
-    advs = whiten(reinforce_pp_returns(scores, groups, kls, kl_coef, gamma, valid), valid)
+    advs = whiten(reinforce_pp_returns(scores, groups, kls, kl_coef, gamma, valid, baseline), valid)
     return Advantages(advs, [torch.zeros_like(x) for x in advs])
 
 
@@ -132,20 +164,25 @@ def reinforce_pp_returns(
     kl_coef: float,
     gamma: float,
     valid: torch.Tensor | None = None,
+    baseline: bool = False,
 ) -> list[torch.Tensor]:
     """REINFORCE++ returns-to-go per token, before whitening: sum_l gamma^l r_(t+l), where r_t is
-    -kl_coef * kl_t plus (score - group mean) on the last token."""
-    baseline = group_normalised_scores(scores, groups, valid, scale=False)
-    rets = []
-    for i, kl in enumerate(kls):
-        r = token_rewards(float(baseline[i]), kl, kl_coef)
-        g = torch.zeros_like(r)
-        running = 0.0
-        for t in range(r.numel() - 1, -1, -1):
-            running = float(r[t]) + gamma * running
-            g[t] = running
-        rets.append(g)
-    return rets
+    -kl_coef * kl_t plus the score (`baseline`: minus its group's mean) on the last token."""
+    final = group_normalised_scores(scores, groups, valid, scale=False) if baseline else scores.float()
+    return [
+        discounted_returns(token_rewards(float(final[i]), kl, kl_coef), gamma) for i, kl in enumerate(kls)
+    ]
+
+
+def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """sum_l gamma^l r_(t+l) for every t, as one matrix product (no per-token Python loop)."""
+    n = rewards.numel()
+    if n == 0:
+        return rewards.float().clone()
+    t = torch.arange(n, dtype=torch.float64)
+    lag = t.unsqueeze(0) - t.unsqueeze(1)  # [t, l]: l - t
+    weights = torch.where(lag >= 0, torch.tensor(gamma, dtype=torch.float64) ** lag.clamp(min=0), 0.0)
+    return (weights @ rewards.double()).float()
 
 
 def whitening_moments(values: Sequence[torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,50 +220,159 @@ def whiten(values: Sequence[torch.Tensor], valid: torch.Tensor | None = None) ->
     return whiten_with(values, whitening_moments(values, valid), valid)
 
 
+@dataclass
+class TokenLoss:
+    """A policy loss per token, and where its clips bind (1.0 / 0.0 per token)."""
+
+    loss: torch.Tensor
+    clipped: torch.Tensor  # the ratio clip is the term taken, and it differs from the unclipped one
+    dual_clipped: torch.Tensor  # A < 0 and the loss is capped at -dual_clip * A
+
+
+def ppo_tokens(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+) -> TokenLoss:
+    """PPO's clipped surrogate per token, max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A) with
+    r = exp(log-ratio clamped to +-LOG_RATIO_CLAMP); clip_high above clip_low is DAPO's clip-higher. With
+    `dual_clip` c (> 1, Ye et al. 2020) a negative advantage's loss is also capped at -c A, so a ratio far
+    above 1 cannot make it unbounded over several epochs, mini-batches or async steps."""
+    ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    high = clip_low if clip_high is None else clip_high
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)
+    binds = (clipped > unclipped).float()
+    dual = torch.zeros_like(loss)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        capped = (advantages < 0) & (cap < loss)
+        loss = torch.where(capped, cap, loss)
+        dual = capped.float()
+    return TokenLoss(loss, binds, dual)
+
+
+def gspo_tokens(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float | None = None,
+) -> TokenLoss:
+    """GSPO (Zheng et al. 2025) on a (sequences x tokens) batch: the importance ratio is the sequence's
+    length-normalised likelihood ratio s_i = exp(mean_t log-ratio), clipped per sequence. The token-level
+    form: log s_it = sg(log s_i) + log pi_t - sg(log pi_t), whose value is s_i and whose gradient flows
+    through each token's log-prob. Needs whole rows (no sequence parallelism)."""
+    mask = mask.to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs) * mask
+    seq = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1.0)
+    log_s = seq.detach().unsqueeze(-1) + logprobs - logprobs.detach()
+    ratio = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    high = clip_low if clip_high is None else clip_high
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)
+    return TokenLoss(loss, (clipped > unclipped).float(), torch.zeros_like(loss))
+
+
 def policy_loss_tokens(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate per token, -min(r A, clip(r, 1 - clip, 1 + clip) A) with r = exp(log-ratio
-    clamped to +-LOG_RATIO_CLAMP); also 1.0 where the ratio is outside the clip range, else 0.0."""
-    ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip, 1.0 + clip) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    return loss, ((ratio - 1.0).abs() > clip).float()
+    """The symmetric PPO surrogate per token (ppo_tokens), and 1.0 where its clip binds."""
+    out = ppo_tokens(logprobs, old_logprobs, advantages, clip)
+    return out.loss, out.clipped
 
 
-def behaviour_weights(
-    proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, correction: str, cap: float
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_IS_MODES = ("truncate", "mask")
+
+
+def rollout_weights(
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    level: str,
+    mode: str,
+    lower: float,
+    upper: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token importance weights pi_prox / pi_behav of samples generated by older weights, and the mask
-    of tokens kept: `decoupled` (AReaL's decoupled PPO) drops tokens whose weight exceeds `cap`,
-    `truncated` (truncated importance sampling) keeps every token with its weight clamped to `cap`.
-    With samples from the proximal policy itself (staleness 0) every weight is exactly 1."""
-    if correction not in ("decoupled", "truncated"):
-        raise ValueError(f"unknown off-policy correction {correction!r} (decoupled or truncated)")
-    weight = (proximal_logprobs - behaviour_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    if correction == "truncated":
-        return weight.clamp(max=cap), torch.ones_like(weight)
-    keep = (weight <= cap).float()
-    return weight * keep, keep
+    """Importance weights pi_prox / pi_behav of sampled tokens on a (sequences x tokens) batch, and the
+    mask of tokens kept: pi_behav is the engine's log-prob (vLLM's kernels, possibly older weights),
+    pi_prox the trainer's before this update. `token`: one weight per token; `sequence`: the product over
+    the row's tokens. `truncate` clamps the weight into [lower, upper] and keeps every token (truncated
+    IS); `mask` drops the tokens (or whole rows) whose weight is outside it (masked IS, AReaL's decoupled
+    PPO). Detached: a weight scales the loss, it is not trained through."""
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"unknown rollout correction level {level!r} (token or sequence)")
+    if mode not in ROLLOUT_IS_MODES:
+        raise ValueError(f"unknown rollout correction mode {mode!r} (truncate or mask)")
+    log_w = (proximal - behaviour).detach() * mask
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(proximal)
+    weight = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    if mode == "truncate":
+        return weight.clamp(lower, upper), torch.ones_like(weight)
+    kept = ((weight >= lower) & (weight <= upper)).to(weight.dtype)
+    return weight * kept, kept
 
 
-def decoupled_policy_loss_tokens(
-    logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip: float,
-    correction: str = "decoupled",
-    cap: float = 5.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The off-policy PPO surrogate per token: the clipped ratio pi_theta / pi_prox (the trust region
-    around the policy before this update), weighted by pi_prox / pi_behav (the engine's log-probs of the
-    weights that generated the sample). Returns (loss, clipped, kept): `kept` masks tokens the decoupled
-    correction drops. With behaviour = proximal it is `policy_loss_tokens` exactly."""
-    loss, clipped = policy_loss_tokens(logprobs, proximal_logprobs, advantages, clip)
-    weight, kept = behaviour_weights(proximal_logprobs, behaviour_logprobs, correction, cap)
-    return loss * weight, clipped * kept, kept
+def top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`logits` with the tokens outside the nucleus at -inf, by vLLM's rule (its sampler's and its
+    processed log-probs'): sorted ascending, a token is dropped while the probability mass up to and
+    including it is at most 1 - top_p; the most likely token is always kept."""
+    if top_p >= 1.0:
+        return logits
+    ordered, order = logits.sort(dim=-1, descending=False)
+    mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+    drop = mass <= 1.0 - top_p
+    drop[..., -1] = False
+    drop = drop.scatter(-1, order, drop)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `labels` and the entropy per position, under the distribution the engines sample from:
+    logits / temperature, renormalised over the top-p nucleus. vLLM's processed log-probs are taken over
+    that same distribution, so on identical weights the ratio of the two is 1 whatever top_p is. The
+    entropy is detached unless `entropy_grad` (an entropy bonus trains through it): a vocabulary-sized
+    intermediate is then not kept for the backward pass."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    kept = top_p_logits(logits, top_p)
+    if top_p < 1.0:  # the sampled token was in the engine's nucleus: never drop it on a rounding difference
+        at = labels.unsqueeze(-1)
+        kept = kept.scatter(-1, at, logits.gather(-1, at))
+    logp = torch.log_softmax(kept, dim=-1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        src = logp if entropy_grad else logp.detach()
+        p = torch.softmax(logits, dim=-1)
+        entropy = -(p * torch.where(p > 0, src, torch.zeros_like(src))).sum(-1)
+    return lp, entropy
+
+
+def logprob_mismatch(
+    trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """The train-inference gap over sampled tokens: mean signed log-ratio (trainer - engine), and the 99th
+    percentile and maximum of its magnitude."""
+    sel = mask > 0
+    if not bool(sel.any()):
+        return {"mean": 0.0, "p99": 0.0, "max": 0.0}
+    diff = (trainer_lp.detach() - engine_lp.detach())[sel].double()
+    mag = diff.abs()
+    return {"mean": float(diff.mean()), "p99": float(torch.quantile(mag, 0.99)), "max": float(mag.max())}
 
 
 def policy_loss(
@@ -289,11 +435,14 @@ def aggregate_loss(
     mode: str,
     normaliser: float | None = None,
     seq_tokens: torch.Tensor | None = None,
+    norm_constant: float = 1.0,
 ) -> torch.Tensor:
     """Reduce a (sequences x tokens) loss to a scalar, verl's modes:
     - token-mean: sum of masked token losses / number of masked tokens;
     - seq-mean-token-mean: mean over sequences of each sequence's masked-token mean;
-    - seq-mean-token-sum: mean over sequences of each sequence's masked-token sum.
+    - seq-mean-token-sum: mean over sequences of each sequence's masked-token sum;
+    - seq-mean-token-sum-norm: that divided by the constant `norm_constant` (Dr. GRPO: the maximum
+      response length), so no sample's tokens weigh more for its being short.
     Sequences without a masked token (invalid, or all padding) count in no denominator. `normaliser`
     replaces this call's own count (loss_normaliser) by the total over every micro-batch and rank of the
     optimizer step, so the contributions add up to the global mean: no rank or micro-batch weighs more
@@ -310,7 +459,80 @@ def aggregate_loss(
             counts = (mask.sum(dim=-1) if seq_tokens is None else seq_tokens).to(per_seq.dtype)
             per_seq = torch.where(counts > 0, per_seq / counts.clamp(min=1.0), torch.zeros_like(per_seq))
         total = per_seq.sum()
+        if mode == "seq-mean-token-sum-norm":
+            total = total / norm_constant
     return total / max(denom, 1.0)
+
+
+@dataclass
+class AdaptiveKL:
+    """Ziegler et al. (2019)'s adaptive KL coefficient: after each step, coef *= 1 + e * n / horizon with
+    e = clip(KL / target - 1, +-KL_ERROR_CLIP) and n the step's samples, so the KL tracks `target`."""
+
+    coef: float
+    target: float
+    horizon: int
+
+    def update(self, kl: float, n_steps: int) -> float:
+        error = min(max(kl / self.target - 1.0, -KL_ERROR_CLIP), KL_ERROR_CLIP)
+        self.coef *= 1.0 + error * n_steps / self.horizon
+        return self.coef
+
+
+def clip_scores(scores: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """Scores clamped into [-bound, bound] (None: unchanged)."""
+    return scores if bound is None else scores.clamp(-bound, bound)
+
+
+def overlong_penalty(response_lens: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per sample: 0 up to max_len - buffer tokens, then falling linearly to
+    -factor at max_len (and -factor beyond)."""
+    lens = response_lens.to(torch.float32)
+    start = float(max_len - buffer)
+    ramp = (start - lens) / float(buffer) * factor
+    return torch.where(lens <= start, torch.zeros_like(lens), torch.clamp(ramp, min=-factor))
+
+
+@dataclass
+class RunningMoments:
+    """Mean and (population) variance of every score seen so far, for running reward normalisation;
+    merged batch by batch (Chan et al.'s parallel update), checkpointed with the step history."""
+
+    count: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def merged(self, batch: torch.Tensor) -> RunningMoments:
+        """These moments with a batch's (sum, sum of squares, count), as whitening_moments gives."""
+        total, total_sq, n = (float(x) for x in batch)
+        if n <= 0:
+            return RunningMoments(self.count, self.mean, self.m2)
+        b_mean = total / n
+        b_m2 = max(total_sq - n * b_mean * b_mean, 0.0)
+        count = self.count + n
+        delta = b_mean - self.mean
+        mean = self.mean + delta * n / count
+        m2 = self.m2 + b_m2 + delta * delta * self.count * n / count
+        return RunningMoments(count, mean, m2)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count > 0 else 0.0
+
+
+def normalise_scores(scores: torch.Tensor, moments: RunningMoments) -> torch.Tensor:
+    """(score - running mean) / (running std + EPS)."""
+    return (scores.float() - moments.mean) / (moments.std + EPS)
+
+
+def informative_groups(scores: Sequence[float], group_size: int, tol: float = 1e-9) -> list[bool]:
+    """Per consecutive group of `group_size` scores: whether its rewards differ (DAPO's dynamic sampling
+    keeps only these; a group whose rewards are all equal has zero group-relative advantage)."""
+    out = []
+    for i in range(0, len(scores), group_size):
+        g = scores[i : i + group_size]
+        out.append(max(g) - min(g) > tol)
+    return out
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

@@ -199,6 +199,9 @@ class Checkpointer:
     # the data position after the last trained batch, when the loop drew a batch ahead (async RL); None:
     # the dataset's own position
     trained_position: dict[str, Any] | None = None
+    # the objective's state across steps (loop.ObjectiveState: adaptive KL, running score moments);
+    # saved with each checkpoint, and what `resume` loaded
+    algorithm_state: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.store = CheckpointStore(self.spec.checkpoint.path) if self.spec.checkpoint.path else None
@@ -224,6 +227,7 @@ class Checkpointer:
                 "job": self.job,
                 "identity": training_identity(self.spec),
                 "history": list(history[-50:]),
+                "algorithm_state": self.algorithm_state,
                 "rollout_digest": rollout_digest,
                 "time": time.time(),
                 # the shards' writing (the commit after it is one small file and a rename): a resumed run
@@ -262,6 +266,7 @@ class Checkpointer:
         check_resumable(state, path, self.spec, self.job)
         ray.get([ref for g in self.groups for ref in g.call("load", str(path))])
         self.data.restore(state["data"])
+        self.algorithm_state = dict(state.get("algorithm_state") or {})
         self.resume_info = {
             "from_step": step,
             "path": str(path),

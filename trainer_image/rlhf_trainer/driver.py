@@ -30,7 +30,7 @@ from rlhf_trainer.config import InputError, load_spec_arg, preflight
 from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.export import EXPORT_INFO, export_on_trainer
 from rlhf_trainer.faults import FaultInjector, fail_at_start
-from rlhf_trainer.loop import StepContext, StepReport, abandon, run_step
+from rlhf_trainer.loop import ObjectiveState, StepContext, StepReport, abandon, run_step
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 from rlhf_trainer.placement import Placed, place, process_count, start
 from rlhf_trainer.stacks import dump as stacks_dump
@@ -165,6 +165,7 @@ def run(
         sync.while_sending = faults.weights_sending if faults else None
         watch = hang_watch(spec, log).start()
         ctx = StepContext(spec, job, data, placed, sync, checkpointer, metrics, faults, watch)
+        ctx.objective = ObjectiveState.restore(spec, checkpointer.algorithm_state)
         last = (
             spec.algorithm.total_steps
             if steps is None
@@ -356,6 +357,7 @@ def step_summary(report: StepReport) -> dict[str, Any]:
         "trainer_idle_ratio": report.trainer_idle_ratio,
         "rollout_idle_ratio": report.rollout_idle_ratio,
         "generating_seconds": report.generating_seconds,
+        "dynamic_sampling": report.dynamic_sampling,
     }
 
 

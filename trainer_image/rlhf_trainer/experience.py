@@ -1,6 +1,6 @@
 """Advantages for the shards one actor rank holds, whitened over the whole batch.
 
-Whitening (gae, reinforce_pp) and the critic's explained variance need moments of every rank's tokens:
+Whitening (gae, reinforce_pp*) and running reward normalisation and the critic's explained variance need moments of every rank's tokens:
 this module takes them through `reduce` (an all-reduce SUM over the actor ranks; the identity with one
 rank), so one rank and N ranks give the same advantages for the same batch, as OpenRLHF and verl whiten
 over everything. Ranks of one sequence-parallel group hold the same shards and add them up several
@@ -50,8 +50,25 @@ class BatchStats:
     kl_sum: float = 0.0
     kl_tokens: float = 0.0
     valid: float = 0.0
-    score_sum: float = 0.0
+    score_sum: float = 0.0  # of the scores as the reward gave them (before shaping)
     explained_variance: float | None = None  # gae: 1 - Var(R - V) / Var(R) over every valid token
+    score_moments: algorithms.RunningMoments | None = None  # rewardShaping.normalize: after this batch
+
+
+def shaped_scores(x: ShardInputs, shaping: dict[str, Any] | None) -> torch.Tensor:
+    """rewardShaping before normalisation: the score clipped, then DAPO's overlong penalty added."""
+    scores = x.scores.float()
+    if not shaping:
+        return scores
+    scores = algorithms.clip_scores(scores, shaping.get("clip"))
+    if shaping.get("overlong_buffer"):
+        scores = scores + algorithms.overlong_penalty(
+            x.response_lens,
+            int(shaping["max_response_length"]),
+            int(shaping["overlong_buffer"]),
+            float(shaping["overlong_penalty"]),
+        )
+    return scores
 
 
 def compute(
@@ -59,38 +76,58 @@ def compute(
 ) -> tuple[dict[int, ShardAdvantages], BatchStats]:
     """Advantages per shard (every actor rank must call this together when `reduce` communicates)."""
     est, kl_coef, gamma = algo["estimator"], float(algo["kl_coef"]), float(algo["gamma"])
+    kl_kind = str(algo.get("kl_reward_estimator", "k1"))
+    shaping = algo.get("shaping")
     stats = BatchStats()
+    scores = {s: shaped_scores(x, shaping) for s, x in shards.items()}
+    if shaping and shaping.get("normalize"):  # running moments over every rank's valid scores
+        local = torch.zeros(3, dtype=torch.float64)
+        for s, x in shards.items():
+            local += algorithms.whitening_moments([scores[s][x.valid]])
+        before = algorithms.RunningMoments(**(algo.get("score_moments") or {}))
+        stats.score_moments = before.merged(reduce(local))
+        scores = {s: algorithms.normalise_scores(v, stats.score_moments) for s, v in scores.items()}
     raw: dict[int, list[torch.Tensor]] = {}
     returns: dict[int, list[torch.Tensor]] = {}
     for s, x in shards.items():
         lens = [int(n) for n in x.response_lens]
+        score = scores[s]
         if x.old_logprobs is not None and x.ref_logprobs is not None:
-            kl_tok = algorithms.kl_per_token(x.old_logprobs, x.ref_logprobs, "k1")
+            kl_tok = algorithms.kl_per_token(x.old_logprobs, x.ref_logprobs, kl_kind)
         else:
             kl_tok = torch.zeros(int(x.response_lens.sum()))
         kls = split_per_response(kl_tok, x.response_lens)
+        if kl_kind != "k1" and x.old_logprobs is not None and x.ref_logprobs is not None:
+            kl_stat = algorithms.kl_per_token(x.old_logprobs, x.ref_logprobs, "k1")  # reported: always k1
+        else:
+            kl_stat = kl_tok
         if est == "gae":
             if x.values is None:
                 raise ValueError("gae needs the critic's values")
-            rewards = [algorithms.token_rewards(float(x.scores[i]), kls[i], kl_coef) for i in range(len(kls))]
+            rewards = [algorithms.token_rewards(float(score[i]), kls[i], kl_coef) for i in range(len(kls))]
             adv = algorithms.gae(
                 rewards, split_per_response(x.values, x.response_lens), gamma, float(algo["lam"])
             )
             raw[s], returns[s] = adv.advantages, adv.returns
         elif est == "grpo":  # groups are whole within a shard: no batch-wide moments needed
-            raw[s] = algorithms.grpo(x.scores, x.group, lens, x.valid).advantages
-        elif est == "reinforce_pp":
-            raw[s] = algorithms.reinforce_pp_returns(x.scores, x.group, kls, kl_coef, gamma, x.valid)
+            raw[s] = algorithms.grpo(
+                score, x.group, lens, x.valid, bool(algo.get("grpo_scale", True))
+            ).advantages
+        elif est == "rloo":
+            raw[s] = algorithms.rloo(score, x.group, lens, x.valid).advantages
+        elif est in ("reinforce_pp", "reinforce_pp_baseline"):
+            baseline = est == "reinforce_pp_baseline"
+            raw[s] = algorithms.reinforce_pp_returns(score, x.group, kls, kl_coef, gamma, x.valid, baseline)
         else:
             raise ValueError(f"unknown advantage estimator {est!r}")
         vmask = torch.repeat_interleave(x.valid, x.response_lens)
-        stats.kl_sum += float(kl_tok[vmask].sum())
+        stats.kl_sum += float(kl_stat[vmask].sum())
         stats.kl_tokens += float(vmask.sum())
         stats.valid += float(x.valid.sum())
         stats.score_sum += float(x.scores[x.valid].sum())
 
     out: dict[int, ShardAdvantages] = {}
-    if est == "grpo":
+    if est in ("grpo", "rloo"):
         for s in shards:
             out[s] = ShardAdvantages(_cat(raw[s]), None)
         return out, stats

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from rlhf_api.spec import RLHFJobSpec
 
+from rlhf_trainer.algorithms import AdaptiveKL
 from rlhf_trainer.checkpoint import Checkpointer
 from rlhf_trainer.config import algorithm_wire, sampling
 from rlhf_trainer.data import PromptDataset
@@ -25,6 +26,7 @@ from rlhf_trainer.faults import FaultInjector
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 from rlhf_trainer.pipeline import Background, admit, busy_seconds, idle_ratio, staleness
 from rlhf_trainer.placement import Placed, shards_of
+from rlhf_trainer.rollout import dynamic
 from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
 from rlhf_trainer.rollout.pool import EngineSlot
 from rlhf_trainer.stacks.watchdog import PhaseWatchdog
@@ -60,6 +62,27 @@ class StepReport:
     trainer_idle_ratio: float = 0.0  # share of the step the trainer waited for rollouts
     rollout_idle_ratio: float = 0.0  # share of the step the engines were not generating
     generating_seconds: float = 0.0  # how long the engines took to generate the batch (async: partly hidden)
+    # algorithm.dynamicSampling: extra rounds, groups trained whose rewards differ, equal-reward groups
+    # dropped, and equal-reward groups trained because the rounds ran out (short)
+    dynamic_sampling: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ObjectiveState:
+    """What the objective carries from step to step (checkpointed, so a resumed run goes on with it): the
+    adaptive KL coefficient and the running moments of the scores (rewardShaping.normalize)."""
+
+    kl_coef: float
+    score_moments: dict[str, float] | None = None
+
+    @staticmethod
+    def restore(spec: RLHFJobSpec, saved: dict[str, Any] | None) -> ObjectiveState:
+        a = spec.algorithm
+        state = ObjectiveState(a.kl_coef if a.uses_reference else 0.0)
+        if saved:
+            state.kl_coef = float(saved.get("kl_coef", state.kl_coef))
+            state.score_moments = saved.get("score_moments")
+        return state
 
 
 @dataclass
@@ -81,6 +104,7 @@ class StepContext:
     engine_version: int = 0  # the actor version the engines hold
     ahead: Pending | None = None  # async: the next step's batch, generating while this one trains
     generating: list[tuple[float, float]] = field(default_factory=list)  # when the engines were busy
+    objective: ObjectiveState | None = None  # set by the driver after resuming (ObjectiveState.restore)
 
 
 @dataclass
@@ -95,6 +119,8 @@ class Generated:
     position: dict[str, Any]  # the data position after its prompts were drawn
     prompts: tuple[list[str], list[Any]]  # (prompts, labels): a regeneration asks for the same
     generating_seconds: float  # how long the engines took to generate it
+    generated_tokens: int | None = None  # every round's (dynamic sampling); None: the rollout's
+    dynamic_sampling: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,10 +162,20 @@ def generate_now(
     ctx: StepContext, step: int, timer: PhaseTimer, batch: tuple[list[str], list[Any]] | None = None
 ) -> Generated:
     """Generate and score a batch on the critical path (the synchronous step, and the first async one)."""
+    ctx.placed.new_step()
+    gen = generate_round(ctx, step, timer, batch)
+    if ctx.spec.algorithm.dynamic_sampling.enabled:
+        gen = refill(ctx, step, timer, gen)
+    return gen
+
+
+def generate_round(
+    ctx: StepContext, step: int, timer: PhaseTimer, batch: tuple[list[str], list[Any]] | None = None
+) -> Generated:
+    """One batch of rolloutBatchSize prompts generated and scored on the critical path."""
     prompts, labels = batch or ctx.data.next_batch(ctx.spec.algorithm.rollout_batch_size)
     position = ctx.data.position.to_dict()
     chunks = plan_chunks(len(prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready()))  # whole groups
-    ctx.placed.new_step()
     t0 = time.monotonic()
     with timer.phase("generation"):  # rewards start as soon as each chunk is generated
         dispatcher = generate(ctx, step, chunks, prompts, labels)
@@ -151,6 +187,58 @@ def generate_now(
         rollout, reward_metas = dispatcher.scored()
     version, batch = ctx.engine_version, (prompts, labels)
     return Generated(step, chunks, rollout, reward_metas, version, position, batch, t1 - t0)
+
+
+def refill(ctx: StepContext, step: int, timer: PhaseTimer, first: Generated) -> Generated:
+    """DAPO's dynamic sampling: generate further rounds until rolloutBatchSize groups have rewards that
+    differ (at most dynamicSampling.maxExtraRounds), then compose the step's chunks from those groups."""
+    a = ctx.spec.algorithm
+    n, batch = a.samples_per_prompt, a.rollout_batch_size
+    rounds = [first]
+    flags = [round_flags(first, n)]
+    while dynamic.informative_count(flags) < batch and len(rounds) <= a.dynamic_sampling.max_extra_rounds:
+        rounds.append(generate_round(ctx, step, timer))
+        flags.append(round_flags(rounds[-1], n))
+    picked = dynamic.pick(flags, batch)
+    stats = {"rounds": len(rounds) - 1, "informative": picked.informative, "dropped": picked.dropped,
+             "short": picked.short}  # fmt: skip
+    ctx.metrics.dynamic_sampling_rounds.labels(ctx.job).inc(len(rounds) - 1)
+    ctx.metrics.dynamic_sampling_groups.labels(ctx.job, "dropped").inc(picked.dropped)
+    ctx.metrics.dynamic_sampling_groups.labels(ctx.job, "short").inc(picked.short)
+    with timer.phase("reward"):  # composing is part of getting the step's scored batch
+        chunks = plan_chunks(batch, shards_of(ctx.spec), len(ctx.placed.pool.ready()))
+        task: Any = ray.remote(dynamic.compose).options(num_cpus=0, num_returns=3)  # type: ignore[attr-defined]
+        refs = []
+        for c, (shard, _, idx) in enumerate(chunks):
+            parts: list[tuple[Any, Any, list[int]]] = []
+            for g in (picked.groups[i] for i in idx):
+                src = rounds[g.round].rollout
+                if parts and parts[-1][0] is src.packed[g.chunk]:
+                    parts[-1][2].append(g.group)
+                else:
+                    parts.append((src.packed[g.chunk], src.reward_calls[g.chunk][1], [g.group]))
+            engine = rounds[picked.groups[idx[0]].round].rollout.metas[picked.groups[idx[0]].chunk].engine
+            refs.append(task.remote(c, shard, engine, idx[0], n, parts))
+        metas = ray.get([m for _, _, m in refs])
+    rollout = Rollout([p for p, _, _ in refs], metas, [(None, r) for _, r, _ in refs])
+    return Generated(
+        step=step,
+        chunks=chunks,
+        rollout=rollout,
+        reward_metas=[m for g in rounds for m in g.reward_metas],
+        version=first.version,
+        position=rounds[-1].position,
+        prompts=first.prompts,
+        generating_seconds=sum(g.generating_seconds for g in rounds),
+        generated_tokens=sum(m.response_tokens for g in rounds for m in g.rollout.metas),
+        dynamic_sampling=stats,
+    )
+
+
+def round_flags(gen: Generated, n: int) -> list[list[bool]]:
+    """Per chunk of a round, per group: whether its rewards differ (the scores only, fetched here)."""
+    results = ray.get([result for _, result in gen.rollout.reward_calls])
+    return [dynamic.chunk_groups(r, n) for r in results]
 
 
 def next_async_batch(ctx: StepContext, step: int, timer: PhaseTimer) -> tuple[Generated, int, int, int]:
@@ -252,6 +340,8 @@ def train_on(
     shards = by_shard(chunks, rollout.packed)  # {shard: [packed chunk refs]}; refs only
     rewards = by_shard(chunks, [result for _, result in rollout.reward_calls])
     micro, algo = spec.algorithm.rollout_micro_batch_size, algorithm_wire(spec)
+    objective = ctx.objective or ObjectiveState.restore(spec, None)
+    algo["kl_coef"], algo["score_moments"] = objective.kl_coef, objective.score_moments
     ref_out: list[Any] = []
     value_out: list[Any] = []
     if spec.algorithm.uses_reference and "reference" in placed.roles:
@@ -282,6 +372,13 @@ def train_on(
         with timer.phase("critic_train"):
             if valid:
                 critic_stats = placed.critic.get("train_critic", [r for _, r in adv], algo)
+    kl_tokens = sum(s["kl_tokens"] for s in stats)
+    kl = sum(s["kl_sum"] for s in stats) / max(kl_tokens, 1.0)
+    if algo["skip_old_logprobs"] and actor_stats:  # no old log-probs: the training pass measured it
+        kl = actor_stats[0]["kl"]
+    kl_coef = objective.kl_coef
+    advance(objective, spec, stats, kl)
+    ctx.checkpointer.algorithm_state = asdict(objective)  # what the next step starts from
     if not asynchronous:  # async: the next step syncs, once the batch generating now is done
         with timer.phase("weight_sync"):
             ctx.sync.engines_sleep(False)
@@ -295,11 +392,13 @@ def train_on(
                 step, [asdict(r) for r in ctx.history], rollout_digest(rollout)
             )
 
-    gen_tokens = sum(m.response_tokens for m in rollout.metas)
-    kl_tokens = sum(s["kl_tokens"] for s in stats)
-    kl = sum(s["kl_sum"] for s in stats) / max(kl_tokens, 1.0)
-    if algo["skip_old_logprobs"] and actor_stats:  # no old log-probs: the training pass measured it
-        kl = actor_stats[0]["kl"]
+    gen_tokens = (
+        gen.generated_tokens
+        if gen.generated_tokens is not None
+        else sum(m.response_tokens for m in rollout.metas)
+    )
+    training = training_stats(stats, actor_stats, critic_stats)
+    training["kl_coef"] = kl_coef
     ended = time.monotonic()
     step_seconds = ended - started
     waited = timer.seconds.get("generation", 0.0) + timer.seconds.get("reward", 0.0)
@@ -318,12 +417,29 @@ def train_on(
         weight_sync_bytes=sync_bytes,
         engines=sorted({m.engine for m in rollout.metas}),
         checkpoint=checkpoint,
-        training=training_stats(stats, actor_stats, critic_stats),
+        training=training,
         rollout_digest=rollout_digest(rollout),
         trainer_idle_ratio=idle_ratio(step_seconds - waited, step_seconds),
         rollout_idle_ratio=idle_ratio(busy_seconds(busy, started, ended), step_seconds),
         generating_seconds=gen.generating_seconds,
+        dynamic_sampling=gen.dynamic_sampling,
     )
+
+
+def advance(objective: ObjectiveState, spec: RLHFJobSpec, stats: list[dict[str, float]], kl: float) -> None:
+    """The objective's state after a step: the adaptive KL coefficient moved by the step's KL (klTarget),
+    and the running score moments the ranks merged (rewardShaping.normalize)."""
+    a = spec.algorithm
+    if a.kl_target is not None and a.uses_reference:
+        controller = AdaptiveKL(objective.kl_coef, a.kl_target, a.kl_horizon)
+        objective.kl_coef = controller.update(kl, a.samples_per_step)
+    first = next((s for s in stats if "score_count" in s), None)
+    if first is not None:
+        objective.score_moments = {
+            "count": first["score_count"],
+            "mean": first["score_mean"],
+            "m2": first["score_m2"],
+        }
 
 
 def pending_interval(pending: Pending, now: float) -> tuple[float, float]:
@@ -357,15 +473,23 @@ def training_stats(
     first-micro-batch deviations are the largest over ranks."""
     out: dict[str, float] = {}
     if actor:
-        keys = ("policy_loss", "clip_frac", "kl_loss", "optimizer_steps", "rollout_logprob_gap")
+        keys = ("policy_loss", "clip_frac", "dual_clip_frac", "kl_loss", "entropy", "optimizer_steps",
+                "rollout_logprob_gap")  # fmt: skip
         out.update({k: actor[0][k] for k in keys})
         out["first_ratio_deviation"] = max(s["first_ratio_deviation"] for s in actor)
-        for k in ("behaviour_weight_mean", "behaviour_dropped_frac"):  # async RL only
+        # each rank's own gap distribution: the largest over ranks (the mean: the first's, one shard's)
+        out["logprob_gap_mean"] = actor[0]["logprob_gap_mean"]
+        for k in ("logprob_gap_p99", "logprob_gap_max"):
+            out[k] = max(s[k] for s in actor)
+        for k in ("behaviour_weight_mean", "behaviour_dropped_frac"):  # with algorithm.rolloutCorrection
             if k in actor[0]:
                 out[k] = actor[0][k]
     if critic:
         out["value_loss"] = critic[0]["value_loss"]
         out["first_value_deviation"] = max(s["first_value_deviation"] for s in critic)
+    masked = sum(s.get("truncated_masked", 0.0) for s in advantage_stats)
+    if masked:
+        out["truncated_masked"] = masked
     ev = [s["explained_variance"] for s in advantage_stats if "explained_variance" in s]
     if ev:
         out["explained_variance"] = ev[0]
@@ -396,6 +520,14 @@ def record(ctx: StepContext, report: StepReport) -> None:
     if "explained_variance" in report.training:
         m.explained_variance.labels(ctx.job).set(report.training["explained_variance"])
     m.trained_tokens.labels(ctx.job).inc(report.trained_tokens)
+    t = report.training
+    if "kl_coef" in t:
+        m.kl_coef.labels(ctx.job).set(t["kl_coef"])
+    if "entropy" in t:
+        m.entropy.labels(ctx.job).set(t["entropy"])
+    for stat in ("mean", "p99", "max"):
+        if f"logprob_gap_{stat}" in t:
+            m.logprob_gap.labels(ctx.job, stat).set(t[f"logprob_gap_{stat}"])
     m.trainer_idle_ratio.labels(ctx.job).set(report.trainer_idle_ratio)
     m.rollout_idle_ratio.labels(ctx.job).set(report.rollout_idle_ratio)
     m.step_done(report.phase_seconds)

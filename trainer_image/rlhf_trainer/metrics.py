@@ -129,6 +129,31 @@ class TrainerExporter:
             [L, "action"],
             registry=r,
         )
+        # The objective (spec.algorithm): dynamic sampling, the adaptive KL, the train-inference gap.
+        self.dynamic_sampling_groups = Counter(
+            "rlhf_dynamic_sampling_groups",
+            "Groups of algorithm.dynamicSampling: equal-reward groups dropped, and equal-reward groups trained "
+            "because the extra rounds ran out (short)",
+            [L, "outcome"],
+            registry=r,
+        )
+        self.dynamic_sampling_rounds = Counter(
+            "rlhf_dynamic_sampling_rounds",
+            "Extra generation rounds taken to fill steps with groups whose rewards differ",
+            [L],
+            registry=r,
+        )
+        self.kl_coef = Gauge("rlhf_kl_coef", "The KL coefficient the last step used", [L], registry=r)
+        self.logprob_gap = Gauge(
+            "rlhf_logprob_gap",
+            "Trainer minus engine log-prob of the sampled tokens in the last step (mean signed; p99 and max "
+            "of its magnitude)",
+            [L, "stat"],
+            registry=r,
+        )
+        self.entropy = Gauge(
+            "rlhf_entropy", "Mean token entropy of the policy in the last step", [L], registry=r
+        )
         # Create every labelled child now so /metrics shows the full contract from the first scrape.
         for phase in PHASES:
             self.step_phase_seconds.labels(job, phase)
@@ -139,6 +164,9 @@ class TrainerExporter:
             self.rollout_engines.labels(job, state).set(0)
         for action in STALE_ACTIONS:
             self.stale_samples.labels(job, action)
+        for outcome in ("dropped", "short"):
+            self.dynamic_sampling_groups.labels(job, outcome)
+        self.dynamic_sampling_rounds.labels(job)
         self.sample_staleness.labels(job)
         for c in (
             self.steps_completed,

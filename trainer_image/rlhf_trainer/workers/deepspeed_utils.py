@@ -204,6 +204,7 @@ class ResponseScorer:
     pad_id: int
     temperature: float  # the engines' sampling temperature (1 for greedy)
     sp: SequenceParallel | None
+    top_p: float = 1.0  # the engines' nucleus (the actor's log-probs are over it; the reference's are not)
 
     @torch.no_grad()
     def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
@@ -212,7 +213,7 @@ class ResponseScorer:
             rollout,
             micro_batch,
             lambda s, e: response_logprobs(
-                self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp
+                self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp, self.top_p
             ),
         )
 
@@ -252,6 +253,7 @@ class TokenOutputs:
     full_mask: torch.Tensor
     cols: slice
     sp: SequenceParallel | None = None
+    entropy: torch.Tensor | None = None  # per position, of the sampling distribution (response_logprobs)
 
     def packed(self) -> torch.Tensor:
         """Packed response-token results of the whole micro-batch (gathered over the SP group: [B, T] floats)."""
@@ -305,14 +307,16 @@ def response_logprobs(
     pad_id: int,
     temperature: float = 1.0,
     sp: SequenceParallel | None = None,
+    top_p: float = 1.0,
+    entropy_grad: bool = False,
 ) -> TokenOutputs:
-    """Log-probs of each next token, for samples [start, end) (this rank's columns under SP)."""
+    """Log-probs of each next token, for samples [start, end) (this rank's columns under SP), under the
+    distribution the engines sampled from (logits / temperature, renormalised over the top-p nucleus);
+    `entropy` holds that distribution's entropy per position."""
     out, labels, act, cols = _forward(model, rollout, start, end, pad_id, sp)
     logits = out.logits[:, : cols.stop - cols.start, :].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return TokenOutputs(lp, act[:, cols], act, cols, sp if sp is not None and sp.size > 1 else None)
+    lp, entropy = algorithms.token_logprobs(logits, labels, temperature, top_p, entropy_grad)
+    return TokenOutputs(lp, act[:, cols], act, cols, sp if sp is not None and sp.size > 1 else None, entropy)
 
 
 def over_micro_batches(

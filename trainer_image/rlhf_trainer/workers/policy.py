@@ -6,7 +6,9 @@ feeds weight sync. It does not choose advantages (algorithms.py) nor talk to eng
 
 from __future__ import annotations
 
+import functools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +29,37 @@ from rlhf_trainer.workers.deepspeed_utils import (
 )
 
 
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The policy loss's settings (spec.algorithm, via config.algorithm_wire)."""
+
+    policy_loss: str = "ppo"  # or gspo
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0  # the KL in the loss (grpo, rloo); 0: none
+    kl_estimator: str = "k3"
+    aggregation: str = "token-mean"
+    norm_constant: float = 1.0  # seq-mean-token-sum-norm's constant
+    correction: dict[str, Any] | None = None  # {level, mode, lower, upper}: algorithms.rollout_weights
+
+    @classmethod
+    def from_wire(cls, algo: dict[str, Any]) -> PolicyLoss:
+        return cls(
+            policy_loss=str(algo["policy_loss"]),
+            clip_low=float(algo["clip_low"]),
+            clip_high=float(algo["clip_high"]),
+            dual_clip=None if algo["dual_clip"] is None else float(algo["dual_clip"]),
+            entropy_coef=float(algo["entropy_coef"]),
+            kl_loss_coef=float(algo["kl_coef"]) if algo["kl_in_loss"] else 0.0,
+            kl_estimator=str(algo["kl_loss_estimator"]),
+            aggregation=str(algo["loss_aggregation"]),
+            norm_constant=float(algo["norm_constant"]),
+            correction=algo["correction"],
+        )
+
+
 class PolicyModel(ResponseScorer, TrainedRole):
     """The actor role's model (the policy being trained)."""
 
@@ -38,8 +71,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
         self.engine, self.optimizer, self.scheduler = built.engine, built.optimizer, built.scheduler
         self.pad_id = int(settings["pad_id"])
         self.temperature = float(settings.get("temperature", 1.0))
-
-    # ---- experience ---------------------------------------------------------------------------
+        self.top_p = float(settings.get("top_p", 1.0))
 
     # ---- training -------------------------------------------------------------------------------
     def train(
@@ -52,67 +84,78 @@ class PolicyModel(ResponseScorer, TrainedRole):
         *,
         micro_batch: int,
         epochs: int,
-        clip: float,
-        kl_loss_coef: float,
         mini_batches: int = 1,
-        aggregation: str = "token-mean",
-        off_policy: dict[str, Any] | None = None,
+        loss: PolicyLoss | None = None,
     ) -> dict[str, float]:
         """PPO epochs over this rank's samples, `mini_batches` optimizer steps each; packed per-token
         tensors are in rollout order. `old_logprobs` None: the training pass's own detached log-probs
-        (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1).
-        `off_policy` ({correction, cap}, async RL): the old log-probs are the proximal policy's, and each
-        token's loss is weighted by pi_prox / pi_behav, the behaviour log-probs being the engine's."""
+        (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1). With
+        `loss.correction` each token's loss is weighted by pi_prox / pi_behav, the behaviour log-probs
+        being the engine's (the kernels' gap; in async mode also the older weights)."""
+        cfg = loss or PolicyLoss()
         steps = optim_steps.for_engine(
             self.engine, self.sp, int(self.s["grad_accum"]), rollout, valid,
-            mini_batches=mini_batches, micro_batch=micro_batch, mode=aggregation,
+            mini_batches=mini_batches, micro_batch=micro_batch, mode=cfg.aggregation,
         )  # fmt: skip
-        # policy loss (aggregated), clipped tokens, KL loss (aggregated), k1 KL over tokens, valid tokens,
-        # |log-prob - the engine's| and the tokens it is taken over (the first mini-batch, before any update)
-        # (with off_policy) the behaviour weights' sum and the tokens the correction dropped
-        sums = torch.zeros(9, dtype=torch.float64)
+        # 0 policy loss (aggregated), 1 tokens where the clip binds, 2 KL loss (aggregated), 3 k1 KL over
+        # tokens, 4 valid tokens, 5 |log-prob - the engine's| and 6 the tokens it is taken over (the first
+        # mini-batch, before any update), 7 the rollout weights' sum and 8 the tokens the correction dropped,
+        # 9 tokens where the dual clip binds, 10 entropy over tokens
+        sums = torch.zeros(11, dtype=torch.float64)
         first_ratio_dev = 0.0  # |ratio - 1| on the first micro-batch: dropout or a stale old log-prob shows
+        gaps: list[torch.Tensor] = []  # trainer - engine log-prob per token of the first mini-batch
         t0 = time.perf_counter()
         for epoch in range(epochs):
             for m, micro in enumerate(steps.mini_batches):
                 for s, e in micro:
                     sl = steps.tokens(s, e)
                     out = response_logprobs(
-                        self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp
-                    )
+                        self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp, self.top_p,
+                        entropy_grad=cfg.entropy_coef > 0,
+                    )  # fmt: skip
                     lp, act = out.values, out.mask
                     mask = act * valid[s:e].float().unsqueeze(1).to(act.device)
                     old = out.local(old_logprobs[sl]) if old_logprobs is not None else lp.detach()
-                    if off_policy is None:
-                        tok_loss, clipped = algorithms.policy_loss_tokens(
-                            lp, old, out.local(advantages[sl]), clip
-                        )
+                    adv = out.local(advantages[sl])
+                    if cfg.policy_loss == "gspo":
+                        tl = algorithms.gspo_tokens(lp, old, adv, mask, cfg.clip_low, cfg.clip_high)
                     else:
-                        correction, cap = str(off_policy["correction"]), float(off_policy["cap"])
-                        behaviour = out.local(rollout.rollout_logprobs[sl])
-                        tok_loss, clipped, kept = algorithms.decoupled_policy_loss_tokens(
-                            lp, old, behaviour, out.local(advantages[sl]), clip, correction, cap
-                        )
+                        tl = algorithms.ppo_tokens(lp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+                    tok_loss, counted = tl.loss, mask
+                    engine_lp = out.local(rollout.rollout_logprobs[sl])
+                    if cfg.correction is not None:
+                        c = cfg.correction
+                        weight, kept = algorithms.rollout_weights(
+                            old, engine_lp, mask, str(c["level"]), str(c["mode"]),
+                            float(c["lower"]), float(c["upper"]),
+                        )  # fmt: skip
+                        tok_loss, counted = tok_loss * weight, mask * kept
                         if epoch == 0:
-                            weight, _ = algorithms.behaviour_weights(old, behaviour, correction, cap)
                             sums[7] += float((weight * mask).sum())
                             sums[8] += float(((1.0 - kept) * mask).sum())
                     if epoch == 0 and m == 0 and s == 0 and bool(mask.any()):
                         first_ratio_dev = float(((lp.detach() - old).exp() - 1.0).abs()[mask > 0].max())
-                    if epoch == 0 and m == 0:  # trainer vs engine on the same weights: the off-policy gap
-                        engine_lp = out.local(rollout.rollout_logprobs[sl])
+                    if epoch == 0 and m == 0:  # trainer vs engine: the kernels' gap (and in async the lag)
                         sums[5] += float(((lp.detach() - engine_lp).abs() * mask).sum())
                         sums[6] += float(mask.sum())
+                        gaps.append((lp.detach() - engine_lp)[mask > 0].double().cpu())
                     seq_tokens = optim_steps.sequence_tokens(rollout, valid, s, e).to(act.device)
                     norm = steps.normalisers[m]
-                    loss = algorithms.aggregate_loss(tok_loss, mask, aggregation, norm, seq_tokens)
+
+                    reduce = functools.partial(
+                        algorithms.aggregate_loss, mask=mask, mode=cfg.aggregation, normaliser=norm,
+                        seq_tokens=seq_tokens, norm_constant=cfg.norm_constant,
+                    )  # fmt: skip
+                    loss_value = reduce(tok_loss)
+                    entropy = out.entropy if out.entropy is not None else torch.zeros_like(lp)
+                    if cfg.entropy_coef > 0:
+                        loss_value = loss_value - cfg.entropy_coef * reduce(entropy)
                     kl_loss = torch.zeros((), device=lp.device)
                     if ref_logprobs is not None:
                         ref = out.local(ref_logprobs[sl])
-                        if kl_loss_coef > 0:
-                            kl_tok = algorithms.kl_per_token(lp, ref, "k3")
-                            kl_loss = algorithms.aggregate_loss(kl_tok, mask, aggregation, norm, seq_tokens)
-                            loss = loss + kl_loss_coef * kl_loss
+                        if cfg.kl_loss_coef > 0:
+                            kl_loss = reduce(algorithms.kl_per_token(lp, ref, cfg.kl_estimator))
+                            loss_value = loss_value + cfg.kl_loss_coef * kl_loss
                         if epoch == 0:  # the KL statistic (k1) when no old-log-probs pass computed it
                             sums[3] += float((algorithms.kl_per_token(lp.detach(), ref, "k1") * mask).sum())
                     # Under SP each rank's loss covers only its columns of the group's samples, and autograd
@@ -120,29 +163,40 @@ class PolicyModel(ResponseScorer, TrainedRole):
                     # weights' inputs; the normaliser counts each sample once, so the sum over all W ranks
                     # of these shares is the global mean (tests/unit/test_trainer_sequence_parallel.py,
                     # test_trainer_data_parallel.py).
-                    self.engine.backward(loss * steps.scale)
+                    self.engine.backward(loss_value * steps.scale)
                     self.engine.step()
-                    sums[0] += float(loss.detach())
-                    sums[1] += float((clipped * mask).sum())
+                    sums[0] += float(loss_value.detach())
+                    sums[1] += float((tl.clipped * counted).sum())
                     sums[2] += float(kl_loss.detach())
+                    sums[9] += float((tl.dual_clipped * counted).sum())
                     if epoch == 0:
                         sums[4] += float(mask.sum())
+                        sums[10] += float((entropy.detach() * mask).sum())
         # Every rank reports the global figures. Under SP each rank counted only its columns, so the sum
         # over the world counts every token once, as it does the loss shares.
         sums = all_reduce_sum(sums, steps.device)
         tokens = max(float(sums[4]), 1.0)
+        updates = max(epochs * len(steps.mini_batches), 1)
+        diffs = torch.cat(gaps) if gaps else torch.zeros(0, dtype=torch.float64)
+        gap = algorithms.logprob_mismatch(diffs, torch.zeros_like(diffs), torch.ones_like(diffs))
         stats = {
-            "policy_loss": float(sums[0]) / max(epochs * len(steps.mini_batches), 1),
+            "policy_loss": float(sums[0]) / updates,
             "clip_frac": float(sums[1]) / tokens / epochs,
-            "kl_loss": float(sums[2]) / max(epochs * len(steps.mini_batches), 1),
+            "dual_clip_frac": float(sums[9]) / tokens / epochs,
+            "kl_loss": float(sums[2]) / updates,
             "kl": float(sums[3]) / tokens,
+            "entropy": float(sums[10]) / tokens,
             "first_ratio_deviation": first_ratio_dev,
             # mean |trainer log-prob - vLLM's processed log-prob| of the sampled tokens: numerics only
-            # when both use the same distribution (temperature applied on both sides)
+            # when both use the same distribution (temperature and top-p applied on both sides)
             "rollout_logprob_gap": float(sums[5]) / max(float(sums[6]), 1.0),
+            # this rank's distribution of the signed gap (the driver takes the largest over ranks)
+            "logprob_gap_mean": gap["mean"],
+            "logprob_gap_p99": gap["p99"],
+            "logprob_gap_max": gap["max"],
             "optimizer_steps": float(epochs * len(steps.mini_batches)),
         }
-        if off_policy is not None:
+        if cfg.correction is not None:
             stats["behaviour_weight_mean"] = float(sums[7]) / tokens
             stats["behaviour_dropped_frac"] = float(sums[8]) / tokens
         stats["seconds"] = time.perf_counter() - t0

@@ -22,7 +22,7 @@ from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import plan_bytes
 from rlhf_trainer.weight_sync.channels import Rendezvous, WeightChannel, open_channel
 from rlhf_trainer.workers.deepspeed_utils import all_reduce_sum, init_distributed
-from rlhf_trainer.workers.policy import PolicyModel
+from rlhf_trainer.workers.policy import PolicyLoss, PolicyModel
 from rlhf_trainer.workers.reference import ReferenceModel
 from rlhf_trainer.workers.value import ValueModel
 
@@ -200,12 +200,23 @@ class ModelRank:
         device = self._device("actor")
         out, batch = experience.compute(inputs, algo, lambda t: all_reduce_sum(t, device))
         for_critic: dict[int, dict[str, torch.Tensor]] = {}
+        mask_truncated = bool((algo.get("shaping") or {}).get("mask_truncated"))
+        masked = 0.0
         for s, adv in out.items():
-            self.local[s].update(advantages=adv.advantages, valid=inputs[s].valid, ref_logprobs=ref_lp.get(s))
+            trained = inputs[s].valid
+            if mask_truncated:  # rewardShaping.truncated Mask: in the group's baseline, not in the loss
+                done = self.shards[s].finished or [True] * len(trained)
+                finished = torch.tensor(done, dtype=torch.bool)
+                masked += float((trained & ~finished).sum())
+                trained = trained & finished
+            self.local[s].update(advantages=adv.advantages, valid=trained, ref_logprobs=ref_lp.get(s))
             if adv.returns is not None:
-                for_critic[s] = {"returns": adv.returns, "valid": inputs[s].valid}
+                for_critic[s] = {"returns": adv.returns, "valid": trained}
         stats = {"kl_sum": batch.kl_sum, "kl_tokens": batch.kl_tokens, "valid": batch.valid,
-                 "score_sum": batch.score_sum}  # fmt: skip
+                 "score_sum": batch.score_sum, "truncated_masked": masked}  # fmt: skip
+        if batch.score_moments is not None:  # global: the same on every rank
+            m = batch.score_moments
+            stats.update(score_count=m.count, score_mean=m.mean, score_m2=m.m2)
         if not self.reports:  # every rank of an SP group computed the same: count it once
             return {k: 0.0 for k in stats}, {}
         if batch.explained_variance is not None:  # global already: the same on every rank
@@ -225,7 +236,6 @@ class ModelRank:
         old = torch.cat(olds) if all(x is not None for x in olds) else None  # type: ignore[arg-type]
         refs = [self.local[s].get("ref_logprobs") for s in order]
         ref = torch.cat(refs) if all(x is not None for x in refs) else None  # type: ignore[arg-type]
-        kl_loss = float(algo["kl_coef"]) if algo["estimator"] == "grpo" else 0.0
         stats: dict[str, float] = self.models["actor"].train(
             r,
             old,
@@ -234,11 +244,8 @@ class ModelRank:
             cat["valid"],
             micro_batch=int(algo["train_micro_batch"]),
             epochs=int(algo["epochs"]),
-            clip=float(algo["clip"]),
-            kl_loss_coef=kl_loss,
             mini_batches=int(algo.get("mini_batches", 1)),
-            aggregation=str(algo.get("loss_aggregation", "token-mean")),
-            off_policy=algo.get("off_policy"),
+            loss=PolicyLoss.from_wire(algo),
         )
         stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"]) if self.reports else 0.0
         return stats
