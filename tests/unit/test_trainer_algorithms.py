@@ -40,11 +40,12 @@ def test_grpo_normalises_within_groups_and_skips_invalid() -> None:
     assert [x.numel() for x in out.advantages] == [2, 3, 1, 1, 4]
 
 
-def test_reinforce_pp_returns_to_go_whitened() -> None:
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reinforce_pp_returns_to_go_whitened(baseline: bool) -> None:
     scores = torch.tensor([1.0, 0.0])
     groups = torch.tensor([0, 0])
     kls = [torch.zeros(3), torch.zeros(2)]
-    out = A.reinforce_pp(scores, groups, kls, kl_coef=0.1, gamma=1.0)
+    out = A.reinforce_pp(scores, groups, kls, kl_coef=0.1, gamma=1.0, baseline=baseline)
     cat = torch.cat(out.advantages)
     assert float(cat.mean()) == pytest.approx(0.0, abs=1e-5)
     assert float(cat.std(unbiased=False)) == pytest.approx(1.0, abs=1e-3)
@@ -73,13 +74,18 @@ def test_whitening_with_summed_moments_equals_whitening_the_whole_batch() -> Non
     assert torch.equal(split[1], torch.zeros(7))
 
 
-def test_reinforce_pp_is_whitened_returns() -> None:
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reinforce_pp_is_whitened_returns(baseline: bool) -> None:
     scores, groups = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 0, 0])
     kls = [torch.full((3,), 0.1), torch.zeros(2), torch.zeros(4)]
-    rets = A.reinforce_pp_returns(scores, groups, kls, 0.1, 1.0)
-    out = A.reinforce_pp(scores, groups, kls, 0.1, 1.0)
+    rets = A.reinforce_pp_returns(scores, groups, kls, 0.1, 1.0, baseline=baseline)
+    out = A.reinforce_pp(scores, groups, kls, 0.1, 1.0, baseline=baseline)
     for a, b in zip(out.advantages, A.whiten(rets), strict=True):
         assert torch.allclose(a, b)
+    # the last token's reward: the score (REINFORCE++) or the score minus the group mean 4/3 (the baseline)
+    last = [float(r[-1]) for r in rets]
+    expected = [s - (4.0 / 3.0 if baseline else 0.0) for s in (1.0, 0.0, 3.0)]
+    assert last == pytest.approx([expected[0] - 0.01, expected[1], expected[2]], abs=1e-6)
 
 
 def test_token_rewards_put_score_on_last_token() -> None:
@@ -115,7 +121,12 @@ def test_policy_loss_clamps_the_log_ratio_before_exp() -> None:
     )  # ratio e^20 on the first token
     (grad,) = torch.autograd.grad(loss, lp)
     assert bool(torch.isfinite(grad).all())
-    assert float(clipped) == 1.0
+    # A < 0 with the ratio far above 1 + clip: the unclipped term is the larger loss, so the clip does not
+    # bind there (nothing bounds it but the clamp) ...
+    assert float(clipped) == 0.0
+    # ... which is what the dual clip is for: the loss of A < 0 capped at -c A
+    capped = A.ppo_tokens(lp, old, adv, 0.2, dual_clip=3.0)
+    assert capped.loss.detach().tolist() == [[3.0, -1.0]] and capped.dual_clipped.tolist() == [[1.0, 0.0]]
 
 
 def test_policy_loss_clips() -> None:
@@ -125,7 +136,11 @@ def test_policy_loss_clips() -> None:
     mask = torch.ones(1, 2)
     loss, clipped = A.policy_loss(lp, old, adv, mask, clip=0.2)
     assert float(loss) == pytest.approx(-(1.2 + 0.5))
-    assert float(clipped) == 2.0
+    # the clip binds on r = 2 (A > 0, capped at 1.2); r = 0.5 is outside the range too, but with A > 0 the
+    # unclipped 0.5 is the term taken: it does not count
+    assert float(clipped) == 1.0
+    _, clipped = A.policy_loss(lp, old, -adv, mask, clip=0.2)
+    assert float(clipped) == 1.0  # and the other way round with A < 0: r = 0.5 binds at 0.8, r = 2 does not
 
 
 def test_aggregation_modes_on_a_hand_example() -> None:
@@ -182,30 +197,39 @@ def test_lr_schedule_warmup_then_decay(schedule: str) -> None:
         assert f(10) == pytest.approx(0.0, abs=1e-6)
 
 
-# ---- off-policy correction (issue 19): decoupled PPO and truncated importance sampling -------------------
+# ---- off-policy correction (issue 19): rollout importance weights (truncated / masked IS) ---------------
 
 
-def test_with_staleness_zero_the_decoupled_objective_is_the_synchronous_one_exactly() -> None:
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_with_staleness_zero_the_weighted_objective_is_the_synchronous_one_exactly(
+    level: str, mode: str
+) -> None:
     torch.manual_seed(0)
-    new, old, adv = torch.randn(64) * 0.1, torch.randn(64) * 0.1, torch.randn(64)
-    sync_loss, sync_clipped = A.policy_loss_tokens(new, old, adv, 0.2)
-    for correction in ("decoupled", "truncated"):
-        loss, clipped, kept = A.decoupled_policy_loss_tokens(new, old, old.clone(), adv, 0.2, correction)
-        assert torch.equal(loss, sync_loss) and torch.equal(clipped, sync_clipped)
-        assert torch.equal(kept, torch.ones(64))
+    new, old, adv = torch.randn(4, 16) * 0.1, torch.randn(4, 16) * 0.1, torch.randn(4, 16)
+    mask = (torch.arange(16) < torch.tensor([[16], [9], [1], [0]])).float()
+    sync_loss, _ = A.policy_loss_tokens(new, old, adv, 0.2)
+    weight, kept = A.rollout_weights(old, old.clone(), mask, level, mode, 0.5, 2.0)
+    assert torch.equal(weight, torch.ones(4, 16)) and torch.equal(kept, torch.ones(4, 16))
+    assert torch.equal(sync_loss * weight, sync_loss)
 
 
 def test_stale_samples_are_weighted_by_proximal_over_behaviour_and_capped() -> None:
-    new = torch.zeros(3)
-    prox = torch.zeros(3)
-    behav = torch.log(torch.tensor([1.0, 0.5, 0.1]))  # weights pi_prox / pi_behav = 1, 2, 10
-    adv = torch.ones(3)
-    base, _ = A.policy_loss_tokens(new, prox, adv, 0.2)
-    loss, _, kept = A.decoupled_policy_loss_tokens(new, prox, behav, adv, 0.2, "decoupled", cap=5.0)
-    assert kept.tolist() == [1.0, 1.0, 0.0]  # the decoupled correction drops the token over the cap
-    assert torch.allclose(loss, base * torch.tensor([1.0, 2.0, 0.0]))
-    loss, _, kept = A.decoupled_policy_loss_tokens(new, prox, behav, adv, 0.2, "truncated", cap=5.0)
-    assert kept.tolist() == [1.0, 1.0, 1.0]  # truncated IS keeps it, its weight clamped to the cap
-    assert torch.allclose(loss, base * torch.tensor([1.0, 2.0, 5.0]))
-    with pytest.raises(ValueError, match="off-policy correction"):
-        A.behaviour_weights(prox, behav, "naive", 5.0)
+    prox = torch.zeros(1, 3)
+    behav = torch.log(torch.tensor([[1.0, 0.5, 0.1]]))  # weights pi_prox / pi_behav = 1, 2, 10
+    mask = torch.ones(1, 3)
+    weight, kept = A.rollout_weights(prox, behav, mask, "token", "mask", 0.0, 5.0)
+    assert kept.tolist() == [[1.0, 1.0, 0.0]]  # masked IS drops the token over the cap
+    assert torch.allclose(weight, torch.tensor([[1.0, 2.0, 0.0]]))
+    weight, kept = A.rollout_weights(prox, behav, mask, "token", "truncate", 0.0, 5.0)
+    assert kept.tolist() == [[1.0, 1.0, 1.0]]  # truncated IS keeps it, its weight clamped to the cap
+    assert torch.allclose(weight, torch.tensor([[1.0, 2.0, 5.0]]))
+    # sequence level: one weight per row, the product 1 * 2 * 10 = 20, over the cap
+    weight, kept = A.rollout_weights(prox, behav, mask, "sequence", "mask", 0.0, 5.0)
+    assert kept.tolist() == [[0.0, 0.0, 0.0]] and weight.tolist() == [[0.0, 0.0, 0.0]]
+    weight, kept = A.rollout_weights(prox, behav, mask, "sequence", "truncate", 0.0, 5.0)
+    assert torch.allclose(weight, torch.full((1, 3), 5.0)) and kept.tolist() == [[1.0, 1.0, 1.0]]
+    with pytest.raises(ValueError, match="naive"):
+        A.rollout_weights(prox, behav, mask, "naive", "mask", 0.0, 5.0)
+    with pytest.raises(ValueError, match="naive"):
+        A.rollout_weights(prox, behav, mask, "token", "naive", 0.0, 5.0)

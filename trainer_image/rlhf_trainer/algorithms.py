@@ -357,7 +357,7 @@ def token_logprobs(
     lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         src = logp if entropy_grad else logp.detach()
-        p = torch.softmax(logits, dim=-1)
+        p = src.exp()
         entropy = -(p * torch.where(p > 0, src, torch.zeros_like(src))).sum(-1)
     return lp, entropy
 

@@ -19,6 +19,7 @@ from rlhf_trainer import algorithms
 from rlhf_trainer.transfer import split_per_response
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+ZERO_ADVANTAGE = 1e-12  # |advantage| at or below this is no signal
 
 
 def no_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -53,6 +54,7 @@ class BatchStats:
     score_sum: float = 0.0  # of the scores as the reward gave them (before shaping)
     explained_variance: float | None = None  # gae: 1 - Var(R - V) / Var(R) over every valid token
     score_moments: algorithms.RunningMoments | None = None  # rewardShaping.normalize: after this batch
+    zero_advantage_groups: float = 0.0  # group estimators: groups whose every valid sample's advantage is 0
 
 
 def shaped_scores(x: ShardInputs, shaping: dict[str, Any] | None) -> torch.Tensor:
@@ -128,6 +130,8 @@ def compute(
 
     out: dict[int, ShardAdvantages] = {}
     if est in ("grpo", "rloo"):
+        for s, x in shards.items():
+            stats.zero_advantage_groups += zero_groups(raw[s], x.group, x.valid)
         for s in shards:
             out[s] = ShardAdvantages(_cat(raw[s]), None)
         return out, stats
@@ -141,6 +145,18 @@ def compute(
     if est == "gae":
         stats.explained_variance = explained_variance(shards, returns, reduce)
     return out, stats
+
+
+def zero_groups(advantages: list[torch.Tensor], group: torch.Tensor, valid: torch.Tensor) -> float:
+    """Groups with a valid sample whose valid samples' advantages are all zero: they train nothing but
+    the KL (what dynamic sampling exists to avoid)."""
+    per_sample = torch.tensor([float(a.abs().max()) if a.numel() else 0.0 for a in advantages])
+    count = 0
+    for g in torch.unique(group):
+        idx = (group == g) & valid
+        if bool(idx.any()) and float(per_sample[idx].max()) <= ZERO_ADVANTAGE:
+            count += 1
+    return float(count)
 
 
 def explained_variance(

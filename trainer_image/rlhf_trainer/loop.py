@@ -120,6 +120,7 @@ class Generated:
     prompts: tuple[list[str], list[Any]]  # (prompts, labels): a regeneration asks for the same
     generating_seconds: float  # how long the engines took to generate it
     generated_tokens: int | None = None  # every round's (dynamic sampling); None: the rollout's
+    engines: list[int] | None = None  # the engines every round used (dynamic sampling); None: the rollout's
     dynamic_sampling: dict[str, int] = field(default_factory=dict)
 
 
@@ -231,6 +232,7 @@ def refill(ctx: StepContext, step: int, timer: PhaseTimer, first: Generated) -> 
         prompts=first.prompts,
         generating_seconds=sum(g.generating_seconds for g in rounds),
         generated_tokens=sum(m.response_tokens for g in rounds for m in g.rollout.metas),
+        engines=sorted({m.engine for g in rounds for m in g.rollout.metas}),
         dynamic_sampling=stats,
     )
 
@@ -415,7 +417,7 @@ def train_on(
         valid_samples=valid,
         tokens_per_second=gen_tokens / max(gen.generating_seconds, 1e-9),
         weight_sync_bytes=sync_bytes,
-        engines=sorted({m.engine for m in rollout.metas}),
+        engines=gen.engines if gen.engines is not None else sorted({m.engine for m in rollout.metas}),
         checkpoint=checkpoint,
         training=training,
         rollout_digest=rollout_digest(rollout),
@@ -487,6 +489,8 @@ def training_stats(
     if critic:
         out["value_loss"] = critic[0]["value_loss"]
         out["first_value_deviation"] = max(s["first_value_deviation"] for s in critic)
+    if any("zero_advantage_groups" in s for s in advantage_stats):  # grpo, rloo: counted by the ranks
+        out["zero_advantage_groups"] = sum(s.get("zero_advantage_groups", 0.0) for s in advantage_stats)
     masked = sum(s.get("truncated_masked", 0.0) for s in advantage_stats)
     if masked:
         out["truncated_masked"] = masked

@@ -8,7 +8,7 @@ task per chunk that reads only its own source chunks). The ranks then see an ord
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,15 +85,19 @@ def compose(
     first_group: int,
     n: int,
     parts: list[tuple[Any, Any, list[int]]],
+    get: Callable[[Any], Any] | None = None,
 ) -> tuple[PackedRollout, RewardResult, ChunkMeta]:
     """One composed chunk (run as a Ray task): the groups `parts` names ((packed ref, reward result ref,
-    group indices) per source chunk), their group ids renumbered from `first_group` in the step."""
-    import ray
+    group indices) per source chunk), their group ids renumbered from `first_group` in the step. `get`
+    reads a ref (ray.get; tests pass the objects themselves)."""
+    if get is None:
+        import ray
 
+        get = ray.get
     packed, scores, valid = [], [], []
     for packed_ref, result_ref, groups in parts:
-        source: PackedRollout = ray.get(packed_ref)
-        result: RewardResult = ray.get(result_ref)
+        source: PackedRollout = get(packed_ref)
+        result: RewardResult = get(result_ref)
         idx = [g * n + i for g in groups for i in range(n)]
         packed.append(source.select(idx))
         ix = torch.tensor(idx, dtype=torch.int64)

@@ -16,6 +16,17 @@ def vowel_share(text: str) -> float:
     return sum(c in VOWELS for c in letters) / len(letters)
 
 
+# vowel_pass: a verifiable (pass/fail) version of the task, as RLVR rewards are
+PASS_SHARE = 0.5
+
+
+def vowel_pass(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 when at least PASS_SHARE of the response's letters are vowels, else 0.0: a binary reward, so
+    many groups score all equal (what dynamic sampling drops)."""
+    del prompts
+    return [1.0 if vowel_share(r) >= PASS_SHARE else 0.0 for r in responses]
+
+
 def reward(prompts: list[str], responses: list[str]) -> list[float]:
     """Reward function contract: one float per (prompt, response) pair."""
     del prompts

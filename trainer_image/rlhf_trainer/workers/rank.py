@@ -213,7 +213,8 @@ class ModelRank:
             if adv.returns is not None:
                 for_critic[s] = {"returns": adv.returns, "valid": trained}
         stats = {"kl_sum": batch.kl_sum, "kl_tokens": batch.kl_tokens, "valid": batch.valid,
-                 "score_sum": batch.score_sum, "truncated_masked": masked}  # fmt: skip
+                 "score_sum": batch.score_sum, "truncated_masked": masked,
+                 "zero_advantage_groups": batch.zero_advantage_groups}  # fmt: skip
         if batch.score_moments is not None:  # global: the same on every rank
             m = batch.score_moments
             stats.update(score_count=m.count, score_mean=m.mean, score_m2=m.m2)
