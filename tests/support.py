@@ -497,6 +497,11 @@ METRICS_CONTRACT = [
     "rlhf_trainer_idle_ratio",
     "rlhf_rollout_idle_ratio",
     "rlhf_stale_samples_total",
+    "rlhf_dynamic_sampling_groups_total",
+    "rlhf_dynamic_sampling_rounds_total",
+    "rlhf_kl_coef",
+    "rlhf_entropy",
+    "rlhf_logprob_gap",
 ]
 
 

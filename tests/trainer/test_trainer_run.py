@@ -146,42 +146,80 @@ def test_ppo_gae_with_sequence_parallel_2_learns_checkpoints_and_serves_metrics(
     )
 
 
+# The GRPO run is DAPO-style (issue 36): a pass/fail vowel reward, so many groups score all equal;
+# dynamic sampling drops them and refills the batch; clip-higher; Dr. GRPO's advantages (no std) and
+# constant normaliser; and top-p 0.8, whose nucleus the trainer's log-probs share with vLLM's.
+DAPO_STEPS = 30
+DAPO = [
+    "model.reward.function=rlhf_trainer.tasks.tiny:vowel_pass",
+    "algorithm.samplesPerPrompt=4",
+    "algorithm.clipRangeHigh=0.28",
+    "algorithm.dynamicSampling.enabled=true",
+    "algorithm.dynamicSampling.maxExtraRounds=4",
+    "algorithm.grpoStdNormalization=false",
+    "algorithm.lossAggregation=seq-mean-token-sum-norm",
+    "algorithm.actorLearningRate=4.0e-4",  # slow enough that the pass rate does not saturate in 30 steps
+    "rollout.topP=0.8",
+]
+
+
 def test_grpo_learns_and_every_engine_greedy_equals_hf_from_gathered_weights(
     tiny: Path, tmp_path: Path, ray_tmp: Path
 ) -> None:
-    """GRPO on the tiny task (shared-memory weight sync); the pool grows to two engines before the end,
-    and then both engines are checked token for token against the actor's gathered weights, and the
-    last checkpoint's export against the engines, in transformers and in vLLM."""
-    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *GRPO, "algorithm.totalSteps=15", "checkpoint.intervalSteps=15",
-            "weightSync.backend=shm"]  # fmt: skip
+    """DAPO-style GRPO on the tiny task (shared-memory weight sync): it learns the pass/fail vowel reward,
+    trains no group whose rewards are all equal (refilling the batch instead), and on identical weights
+    the trainer's top-p log-probs equal the engine's; the pool grows to two engines before the end, and
+    then both engines are checked token for token against the actor's gathered weights, and the last
+    checkpoint's export against the engines, in transformers and in vLLM."""
+    n = DAPO_STEPS
+    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *GRPO, *DAPO, f"algorithm.totalSteps={n}",
+            f"checkpoint.intervalSteps={n}", "weightSync.backend=shm"]  # fmt: skip
     cmd = [sys.executable, str(Path(__file__).with_name("weight_sync_check.py")), str(EXAMPLE), *sets]
     t0 = time.monotonic()
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=run_env(ray_tmp), timeout=900, start_new_session=True
+        cmd, capture_output=True, text=True, env=run_env(ray_tmp), timeout=1200, start_new_session=True
     )
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    rewards = result["rewards"]
-    assert len(rewards) == 15
+    rewards, dynamic, training = result["rewards"], result["dynamic_sampling"], result["training"]
+    print(f"\nDAPO-style GRPO run: {seconds:.0f}s (speed is measured by benchmarks/, not asserted here)")
+    print("pass rate", [round(r, 2) for r in rewards])
+    print("extra rounds", [d["rounds"] for d in dynamic], "dropped", [d["dropped"] for d in dynamic])
+    assert len(rewards) == n
     assert _learning_gain(rewards) >= MIN_GAIN, f"GRPO did not learn: rewards {rewards}"
-    print(f"\nGRPO run: {seconds:.0f}s (speed is measured by benchmarks/, not asserted here)")
-    # elastic pool: one engine for 14 steps (the second starts in the background during step 14),
+    # Dynamic sampling: many groups scored all equal and were dropped, further rounds refilled the batch,
+    # and every step trained rolloutBatchSize groups whose rewards differ. The ranks' own count of
+    # trained groups whose advantages are all zero (from the advantages they trained on) says the same.
+    assert all(d["informative"] == 16 and d["short"] == 0 for d in dynamic), dynamic
+    assert sum(d["dropped"] for d in dynamic) >= 2 * n and sum(d["rounds"] for d in dynamic) >= n // 2, (
+        dynamic
+    )
+    assert [t["zero_advantage_groups"] for t in training] == [0.0] * n, training
+    # top-p 0.8 on identical weights (synchronous: the engines hold the actor's weights): the trainer's
+    # log-probs are over vLLM's nucleus, so the importance weight pi_trainer / pi_engine averages 1
+    # (over the whole vocabulary it would average the nucleus's mass, well below 1)
+    weights = [t["behaviour_weight_mean"] for t in training]
+    assert all(abs(w - 1.0) <= 0.01 for w in weights), weights
+    assert all(t["logprob_gap_p99"] <= 0.01 for t in training), training
+    assert any(t["clip_frac"] > 0 for t in training)  # two epochs: the clip binds on the second
+    assert all(t["entropy"] > 0 for t in training)
+    # elastic pool: one engine for n-1 steps (the second starts in the background during step n-1),
     # then the last step generates on both
     assert result["engines"] == [0, 1]
-    assert result["engines_used"] == [[0]] * 14 + [[0, 1]]
+    assert result["engines_used"] == [[0]] * (n - 1) + [[0, 1]]
     assert result["engines_metric"] == 1  # rlhf_rollout_engines{state="ready"} 2
-    # every step sends the whole actor once per engine; step 15 also brings the new engine up to date
+    # every step sends the whole actor once per engine; the last also brings the new engine up to date
     p = result["param_bytes"]
-    assert result["weight_sync_bytes"] == [p] * 14 + [4 * p]
+    assert result["weight_sync_bytes"] == [p] * (n - 1) + [4 * p]
     assert result["hf"] != result["hf_base"], (
         "training did not change greedy output: the check proves nothing"
     )
     for engine, tokens in zip(result["engines"], result["vllm"], strict=True):
         assert tokens == result["hf"], f"engine {engine} after sync differs from the actor's weights"
-    # `rlhf export` of the step-15 checkpoint: loads in transformers and in vLLM, and both generate
+    # `rlhf export` of the last checkpoint: loads in transformers and in vLLM, and both generate
     # exactly what the actor's engines generate (issue 17)
-    assert result["export_step"] == 15
+    assert result["export_step"] == n
     assert result["export_hf"] == result["vllm"][0], (
         "the exported model (transformers) differs from the engine"
     )

@@ -115,6 +115,8 @@ def main() -> int:
                 "step_seconds": [sum(r.phase_seconds.values()) for r in reports],
                 "phase_seconds": [r.phase_seconds for r in reports],
                 "generated_tokens": [r.generated_tokens for r in reports],
+                "training": [r.training for r in reports],
+                "dynamic_sampling": [r.dynamic_sampling for r in reports],
                 "engines": [e.index for e in engines],
                 "engines_used": [r.engines for r in reports],
                 "engines_metric": scrape.count('rlhf_rollout_engines{rlhfjob="wscheck",state="ready"} 2.0'),

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from rlhf_api.spec import RLHFJobSpec
 
+from rlhf_trainer import dynamic_sampling as dynamic
 from rlhf_trainer.algorithms import AdaptiveKL
 from rlhf_trainer.checkpoint import Checkpointer
 from rlhf_trainer.config import algorithm_wire, sampling
@@ -26,7 +27,6 @@ from rlhf_trainer.faults import FaultInjector
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 from rlhf_trainer.pipeline import Background, admit, busy_seconds, idle_ratio, staleness
 from rlhf_trainer.placement import Placed, shards_of
-from rlhf_trainer.rollout import dynamic
 from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
 from rlhf_trainer.rollout.pool import EngineSlot
 from rlhf_trainer.stacks.watchdog import PhaseWatchdog

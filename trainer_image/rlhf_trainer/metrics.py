@@ -167,6 +167,10 @@ class TrainerExporter:
         for outcome in ("dropped", "short"):
             self.dynamic_sampling_groups.labels(job, outcome)
         self.dynamic_sampling_rounds.labels(job)
+        self.kl_coef.labels(job)
+        self.entropy.labels(job)
+        for stat in ("mean", "p99", "max"):
+            self.logprob_gap.labels(job, stat)
         self.sample_staleness.labels(job)
         for c in (
             self.steps_completed,

@@ -49,7 +49,7 @@ def chunk_groups(result: RewardResult, n: int) -> list[bool]:
     for start in range(0, int(result.scores.numel()), n):
         valid = result.valid[start : start + n]
         scores = [float(x) for x in result.scores[start : start + n][valid]]
-        out.append(len(scores) >= 2 and informative_groups(scores, len(scores))[0])
+        out.append(bool(scores) and informative_groups(scores, len(scores))[0])  # one score: max == min
     return out
 
 
