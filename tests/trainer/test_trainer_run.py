@@ -153,12 +153,13 @@ DAPO_STEPS = 30
 DAPO = [
     "model.reward.function=rlhf_trainer.tasks.tiny:vowel_pass",
     "algorithm.samplesPerPrompt=4",
+    "algorithm.rolloutBatchSize=8",
     "algorithm.clipRangeHigh=0.28",
     "algorithm.dynamicSampling.enabled=true",
-    "algorithm.dynamicSampling.maxExtraRounds=4",
+    "algorithm.dynamicSampling.maxExtraRounds=6",
     "algorithm.grpoStdNormalization=false",
     "algorithm.lossAggregation=seq-mean-token-sum-norm",
-    "algorithm.actorLearningRate=4.0e-4",  # slow enough that the pass rate does not saturate in 30 steps
+    "algorithm.actorLearningRate=2.5e-4",  # slow enough that the pass rate does not saturate in 30 steps
     "rollout.topP=0.8",
 ]
 
@@ -182,7 +183,10 @@ def test_grpo_learns_and_every_engine_greedy_equals_hf_from_gathered_weights(
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    rewards, dynamic, training = result["rewards"], result["dynamic_sampling"], result["training"]
+    dynamic, training = result["dynamic_sampling"], result["training"]
+    # the policy's pass rate: each step's first round, before the filter picks groups (the trained
+    # groups' reward_mean is biased toward mixed groups)
+    rewards = [d["generated_reward_mean"] for d in dynamic]
     print(f"\nDAPO-style GRPO run: {seconds:.0f}s (speed is measured by benchmarks/, not asserted here)")
     print("pass rate", [round(r, 2) for r in rewards])
     print("extra rounds", [d["rounds"] for d in dynamic], "dropped", [d["dropped"] for d in dynamic])
@@ -191,7 +195,7 @@ def test_grpo_learns_and_every_engine_greedy_equals_hf_from_gathered_weights(
     # Dynamic sampling: many groups scored all equal and were dropped, further rounds refilled the batch,
     # and every step trained rolloutBatchSize groups whose rewards differ. The ranks' own count of
     # trained groups whose advantages are all zero (from the advantages they trained on) says the same.
-    assert all(d["informative"] == 16 and d["short"] == 0 for d in dynamic), dynamic
+    assert all(d["informative"] == 8 and d["short"] == 0 for d in dynamic), dynamic
     assert sum(d["dropped"] for d in dynamic) >= 2 * n and sum(d["rounds"] for d in dynamic) >= n // 2, (
         dynamic
     )
@@ -411,7 +415,8 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
         "    return [vowel_share(r) for r in responses]\n"
     )
     port = free_port()
-    # reinforce_pp here, so the third estimator runs end to end too (what is checked does not depend on it);
+    # reinforce_pp (REINFORCE++ without a baseline) here, so a third estimator runs end to end too (what is
+    # checked does not depend on it);
     # one epoch and no KL: the old-log-probs forward is redundant and skipped (issue 18, item 11)
     sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *REINFORCE_PP, f"model.reward.function={flaky}:reward",
             "model.reward.onError=skipSample", "algorithm.totalSteps=2", "checkpoint.path=null",

@@ -63,8 +63,9 @@ class StepReport:
     rollout_idle_ratio: float = 0.0  # share of the step the engines were not generating
     generating_seconds: float = 0.0  # how long the engines took to generate the batch (async: partly hidden)
     # algorithm.dynamicSampling: extra rounds, groups trained whose rewards differ, equal-reward groups
-    # dropped, and equal-reward groups trained because the rounds ran out (short)
-    dynamic_sampling: dict[str, int] = field(default_factory=dict)
+    # dropped, equal-reward groups trained because the rounds ran out (short), and the first round's
+    # mean reward (generated_reward_mean)
+    dynamic_sampling: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,7 +122,7 @@ class Generated:
     generating_seconds: float  # how long the engines took to generate it
     generated_tokens: int | None = None  # every round's (dynamic sampling); None: the rollout's
     engines: list[int] | None = None  # the engines every round used (dynamic sampling); None: the rollout's
-    dynamic_sampling: dict[str, int] = field(default_factory=dict)
+    dynamic_sampling: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -201,8 +202,12 @@ def refill(ctx: StepContext, step: int, timer: PhaseTimer, first: Generated) -> 
         rounds.append(generate_round(ctx, step, timer))
         flags.append(round_flags(rounds[-1], n))
     picked = dynamic.pick(flags, batch)
+    first_valid = sum(m.samples - m.errors for m in first.reward_metas)
     stats = {"rounds": len(rounds) - 1, "informative": picked.informative, "dropped": picked.dropped,
-             "short": picked.short}  # fmt: skip
+             "short": picked.short,
+             # the first round's mean reward: the policy's own, before the filter picks groups (the
+             # step's reward_mean is of the trained groups, which the filter biases toward mixed ones)
+             "generated_reward_mean": sum(m.score_sum for m in first.reward_metas) / max(first_valid, 1)}  # fmt: skip
     ctx.metrics.dynamic_sampling_rounds.labels(ctx.job).inc(len(rounds) - 1)
     ctx.metrics.dynamic_sampling_groups.labels(ctx.job, "dropped").inc(picked.dropped)
     ctx.metrics.dynamic_sampling_groups.labels(ctx.job, "short").inc(picked.short)
