@@ -19,7 +19,7 @@ def _bits(t: torch.Tensor) -> list[int]:
     return t.view(torch.int16).tolist()
 
 
-@pytest.mark.parametrize(("fraction", "encoding"), [(0.0, "indices"), (0.01, "indices"), (0.1, "bitmask"),
+@pytest.mark.parametrize(("fraction", "encoding"), [(0.0, "gaps"), (0.01, "gaps"), (0.1, "bitmask"),
                                                      (0.9, "full")])  # fmt: skip
 def test_the_receiver_ends_bit_identical_whatever_the_encoding(fraction: float, encoding: str) -> None:
     n = 10_003  # not a multiple of 8: the bitmask's last byte is partial
@@ -33,10 +33,26 @@ def test_the_receiver_ends_bit_identical_whatever_the_encoding(fraction: float, 
     delta.apply(d, held)
     assert _bits(held) == _bits(new)
     assert d.nbytes <= n * 2  # never more than the whole bucket
-    if encoding == "indices":
-        assert d.nbytes == len(idx) * (2 + 4)
+    assert d.changed == len(idx)
+    if encoding == "gaps":
+        assert d.nbytes == len(idx) * (2 + 2)  # a uint16 gap and a bf16 value per change
     if encoding == "bitmask":
         assert d.nbytes == (n + 7) // 8 + len(idx) * 2
+
+
+def test_long_unchanged_runs_get_fillers_and_still_land_exactly() -> None:
+    n = 300_000  # over four MAX_GAPs
+    old = _bucket(n, 5)
+    new = old.clone()
+    for i in (3, 250_000):
+        new[i] = (new[i].float() + 0.01).to(torch.bfloat16)
+    d = delta.encode(new, old)
+    assert d.encoding == "gaps" and d.changed == 2
+    assert d.indices is not None and int(d.indices.to(torch.int32).max()) <= delta.MAX_GAP
+    assert d.values.numel() == 2 + n // delta.MAX_GAP + 1  # the changes, plus a filler every MAX_GAP
+    held = old.clone()
+    delta.apply(d, held)
+    assert _bits(held) == _bits(new)
 
 
 def test_changes_are_bitwise_signed_zeros_and_nans_included() -> None:
@@ -78,3 +94,17 @@ def test_a_missed_delta_shows_in_the_digest() -> None:
     swapped = step2.clone()
     swapped[[7, 9]] = swapped[[9, 7]]  # same values, other places: the digest is order-sensitive
     assert delta.digest(swapped) != delta.digest(step2)
+
+
+def test_the_encoder_skips_comparing_a_bucket_that_went_whole_until_its_recheck() -> None:
+    enc = delta.DeltaEncoder(recheck_every=3)
+    old = _bucket(1000, 6)
+    new = (old.float() + 0.01).to(torch.bfloat16)  # everything changed: whole
+    first = enc.encode(0, new, old)
+    assert (first.encoding, first.changed) == ("full", 1000)  # compared: too much changed
+    for _ in range(2):  # the next recheck_every - 1 syncs send it whole without comparing
+        skipped = enc.encode(0, new, old)
+        assert (skipped.encoding, skipped.changed) == ("full", -1)
+    d = enc.encode(0, new.clone(), new)  # the recheck compares again: nothing changed now
+    assert (d.encoding, d.changed) == ("gaps", 0)
+    assert enc.encode(1, new, None).encoding == "full"  # another bucket, first sync

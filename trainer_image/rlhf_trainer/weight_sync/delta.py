@@ -3,7 +3,7 @@
 With bf16 engines and RL's small learning rates most bf16 values do not change from one step to the
 next (the fp32 master weights move by less than one bf16 step). A bucket is compared bit for bit with
 the copy the engines hold (same dtype, same layout) and sent as whichever is smallest: the changed
-elements' indices and values, a bitmask and the values, or the whole bucket. Applying a delta to the
+elements' positions (as uint16 gaps) and values, a bitmask and the values, or the whole bucket. Applying a delta to the
 engines' copy reproduces the new bucket exactly, so the engines stay bit-identical to the trainer's cast
 weights. Pure torch, no transport: benchmarks/delta_sync.py measures it; wiring into the sync is
 issue 39's next step.
@@ -11,25 +11,28 @@ issue 39's next step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-Encoding = Literal["full", "indices", "bitmask"]
-INDEX_DTYPE = torch.int32  # buckets are far below 2^31 elements
+Encoding = Literal["full", "gaps", "bitmask"]
+GAP_DTYPE = torch.uint16  # positions travel as gaps between changed elements: 2 bytes each
+MAX_GAP = 65535  # a longer run of unchanged elements gets a filler entry (its unchanged value) every MAX_GAP
 
 
 @dataclass
 class Delta:
-    """One bucket's update. `full`: `values` is the whole bucket; `indices`: positions and their new values;
-    `bitmask`: one bit per element (packed little-endian into uint8) and the values of the set bits."""
+    """One bucket's update. `full`: `values` is the whole bucket; `gaps`: the distance of each sent element
+    from the previous one (the first from -1) and its value; `bitmask`: one bit per element (packed
+    little-endian into uint8) and the values of the set bits. `changed`: elements that differ."""
 
     encoding: Encoding
     numel: int
     values: torch.Tensor
-    indices: torch.Tensor | None = None
+    indices: torch.Tensor | None = None  # the gaps (GAP_DTYPE) of the `gaps` encoding
     bitmask: torch.Tensor | None = None
+    changed: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +59,10 @@ def changed_mask(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool vector as bytes, 8 elements each, element i in bit i % 8 of byte i // 8."""
+    if mask.device.type == "cpu":  # numpy's packbits is one C pass
+        import numpy as np
+
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     n = mask.numel()
     padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
     padded[:n] = mask.to(torch.uint8)
@@ -64,6 +71,10 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    if packed.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little").view(bool))
     weights = (2 ** torch.arange(8, dtype=torch.uint8, device=packed.device)).to(torch.uint8)
     return ((packed.unsqueeze(1) & weights) != 0).reshape(-1)[:n]
 
@@ -74,19 +85,47 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, full_above: float = 0.5)
     never sends more than a full one."""
     numel = new.numel()
     if old is None:
-        return Delta("full", numel, new)
+        return Delta("full", numel, new, changed=numel)
     mask = changed_mask(new, old)
-    changed = int(mask.sum())
+    changed = int(torch.count_nonzero(mask))
     elem = new.element_size()
     full_bytes = numel * elem
-    index_bytes = changed * (elem + torch.empty((), dtype=INDEX_DTYPE).element_size())
+    fillers = numel // MAX_GAP  # at most: one per MAX_GAP unchanged elements
+    gap_bytes = (changed + fillers) * (elem + 2)
     bitmask_bytes = (numel + 7) // 8 + changed * elem
-    if min(index_bytes, bitmask_bytes) > full_above * full_bytes:
-        return Delta("full", numel, new)
-    if index_bytes <= bitmask_bytes:
-        idx = mask.nonzero().squeeze(1)
-        return Delta("indices", numel, new[idx], indices=idx.to(INDEX_DTYPE))
-    return Delta("bitmask", numel, new[mask], bitmask=pack_bits(mask))
+    if min(gap_bytes, bitmask_bytes) > full_above * full_bytes:
+        return Delta("full", numel, new, changed=changed)
+    if gap_bytes <= bitmask_bytes:
+        pos = mask.nonzero().squeeze(1)
+        gaps = torch.diff(pos, prepend=torch.full((1,), -1, dtype=pos.dtype, device=pos.device))
+        if pos.numel() and int(gaps.max()) > MAX_GAP:  # a filler every MAX_GAP elements keeps gaps short
+            filler = torch.arange(0, numel, MAX_GAP, dtype=pos.dtype, device=pos.device)
+            pos = torch.unique(torch.cat([pos, filler]))
+            gaps = torch.diff(pos, prepend=torch.full((1,), -1, dtype=pos.dtype, device=pos.device))
+        return Delta("gaps", numel, new[pos], indices=gaps.to(torch.int32).to(GAP_DTYPE), changed=changed)
+    return Delta("bitmask", numel, new[mask], bitmask=pack_bits(mask), changed=changed)
+
+
+@dataclass
+class DeltaEncoder:
+    """`encode` per bucket across syncs, without paying the comparison where it did not pay last time: a
+    bucket that went whole (too much changed) is sent whole without comparing for the next
+    `recheck_every - 1` syncs, then compared again. So a delta sync at a learning rate where most values
+    change costs about what a full one does. `changed` is -1 for a bucket sent without comparing."""
+
+    full_above: float = 0.5
+    recheck_every: int = 8
+    skip: dict[int, int] = field(default_factory=dict)  # bucket index -> syncs left to send it whole
+
+    def encode(self, index: int, new: torch.Tensor, old: torch.Tensor | None) -> Delta:
+        left = self.skip.get(index, 0)
+        if old is not None and left > 0:
+            self.skip[index] = left - 1
+            return Delta("full", new.numel(), new, changed=-1)
+        out = encode(new, old, self.full_above)
+        if out.encoding == "full" and old is not None:
+            self.skip[index] = self.recheck_every - 1
+        return out
 
 
 def apply(delta: Delta, held: torch.Tensor) -> torch.Tensor:
@@ -95,12 +134,13 @@ def apply(delta: Delta, held: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"delta for {delta.numel} elements applied to a bucket of {held.numel()}")
     if delta.encoding == "full":
         held.copy_(delta.values)
-    elif delta.encoding == "indices":
+    elif delta.encoding == "gaps":
         assert delta.indices is not None
-        held[delta.indices.long()] = delta.values
+        pos = torch.cumsum(delta.indices.to(torch.int64), 0) - 1
+        held[pos] = delta.values
     else:
         assert delta.bitmask is not None
-        held[unpack_bits(delta.bitmask, delta.numel)] = delta.values
+        held.masked_scatter_(unpack_bits(delta.bitmask, delta.numel).to(held.device), delta.values)
     return held
 
 
