@@ -65,20 +65,38 @@ def token_rewards(score: float, kl: torch.Tensor, kl_coef: float) -> torch.Tenso
 def gae(
     rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor], gamma: float, lam: float
 ) -> Advantages:
-    """Generalised advantage estimation per sample; values[t] is V of the state before token t."""
-    advs, rets = [], []
-    for r, v in zip(rewards, values, strict=True):
-        n = r.numel()
-        adv = torch.zeros(n, dtype=torch.float32)
-        last = 0.0
-        for t in range(n - 1, -1, -1):
-            next_v = float(v[t + 1]) if t + 1 < n else 0.0
-            delta = float(r[t]) + gamma * next_v - float(v[t])
-            last = delta + gamma * lam * last
-            adv[t] = last
-        advs.append(adv)
-        rets.append(adv + v.float())
-    return Advantages(advs, rets)
+    """Generalised advantage estimation per sample; values[t] is V of the state before token t (V after
+    the last token is 0). Every sample at once: one backward pass over the longest response, each
+    position a vector operation over the batch (right padding adds nothing: its rewards and values are 0)."""
+    r = _right_padded(rewards)
+    v = _right_padded(values)
+    next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)
+    deltas = r + gamma * next_v - v
+    adv = _backward_discount(deltas, gamma * lam)
+    advs = _unpad(adv, rewards)
+    return Advantages(advs, [a + x.float() for a, x in zip(advs, values, strict=True)])
+
+
+def _right_padded(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    width = max((int(x.numel()) for x in xs), default=0)
+    out = torch.zeros(len(xs), width, dtype=torch.float64)
+    for i, x in enumerate(xs):
+        out[i, : x.numel()] = x.double()
+    return out
+
+
+def _unpad(padded: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [padded[i, : x.numel()].float() for i, x in enumerate(like)]
+
+
+def _backward_discount(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """out[:, t] = sum_l factor^l x[:, t + l], one vector step per position from the end."""
+    out = torch.zeros_like(x)
+    running = torch.zeros(x.shape[0], dtype=x.dtype)
+    for t in range(x.shape[1] - 1, -1, -1):
+        running = x[:, t] + factor * running
+        out[:, t] = running
+    return out
 
 
 def group_normalised_scores(
@@ -169,20 +187,15 @@ def reinforce_pp_returns(
     """REINFORCE++ returns-to-go per token, before whitening: sum_l gamma^l r_(t+l), where r_t is
     -kl_coef * kl_t plus the score (`baseline`: minus its group's mean) on the last token."""
     final = group_normalised_scores(scores, groups, valid, scale=False) if baseline else scores.float()
-    return [
-        discounted_returns(token_rewards(float(final[i]), kl, kl_coef), gamma) for i, kl in enumerate(kls)
-    ]
+    return discounted_returns(
+        [token_rewards(float(final[i]), kl, kl_coef) for i, kl in enumerate(kls)], gamma
+    )
 
 
-def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """sum_l gamma^l r_(t+l) for every t, as one matrix product (no per-token Python loop)."""
-    n = rewards.numel()
-    if n == 0:
-        return rewards.float().clone()
-    t = torch.arange(n, dtype=torch.float64)
-    lag = t.unsqueeze(0) - t.unsqueeze(1)  # [t, l]: l - t
-    weights = torch.where(lag >= 0, torch.tensor(gamma, dtype=torch.float64) ** lag.clamp(min=0), 0.0)
-    return (weights @ rewards.double()).float()
+def discounted_returns(rewards: Sequence[torch.Tensor], gamma: float) -> list[torch.Tensor]:
+    """sum_l gamma^l r_(t+l) for every t of every sample: one backward pass over the batch, a vector
+    operation per position (linear in the response length, unlike a matrix of discounts)."""
+    return _unpad(_backward_discount(_right_padded(rewards), gamma), rewards)
 
 
 def whitening_moments(values: Sequence[torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
