@@ -995,6 +995,8 @@ def _forget(body: kopf.Body) -> None:
     """A deleted job: drop what this process kept about it, and (development override only) stop its Ray
     job, best effort (in a cluster the RayCluster's deletion ends the job with it)."""
     namespace, uid = body.metadata.namespace or "default", body.metadata.uid or ""
+    for by_cluster in (_created, _patched_at):  # its RayCluster is named after it
+        by_cluster.pop((namespace, body.metadata.name or ""), None)
     metrics.record_job_phase(namespace, body.metadata.name or "", None)
     metrics.record_open_stall(namespace, body.metadata.name or "", None)
     for table in (_last_scrape, _unseen_writes, _create_backoff):
