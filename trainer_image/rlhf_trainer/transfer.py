@@ -196,6 +196,30 @@ def pad_micro_batch(
     return ids, attn, act
 
 
+def pack_micro_batch(
+    rollout: PackedRollout, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Samples [start, end) back to back in one row, no padding: (input_ids, position_ids, labels,
+    action_mask), each [1, N]. Position ids restart at 0 for every sample, which is how transformers
+    (5.x, any attention implementation, with no attention mask given) tells packed samples apart: no
+    token attends across a sample boundary. labels[t] is token t+1 of the same sample and action_mask[t]
+    is 1 where it is a response token (0 on each sample's last position, whose next token is another
+    sample's). The response values come out in rollout order, as `unpad_response_values` gives them."""
+    off = rollout.offsets()
+    first, last = int(off[start]), int(off[end])
+    ids = rollout.tokens[first:last].clone()
+    n = last - first
+    pos = torch.empty(n, dtype=torch.int64)
+    labels = torch.zeros(n, dtype=torch.int64)
+    act = torch.zeros(n, dtype=torch.float32)
+    for i in range(start, end):
+        a, L, P = int(off[i]) - first, int(rollout.seq_lens[i]), int(rollout.prompt_lens[i])
+        pos[a : a + L] = torch.arange(L)
+        labels[a : a + L - 1] = ids[a + 1 : a + L]
+        act[a + P - 1 : a + L - 1] = 1.0
+    return ids.unsqueeze(0), pos.unsqueeze(0), labels.unsqueeze(0), act.unsqueeze(0)
+
+
 def unpad_response_values(values: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
     """[B, T-1] per-position values -> packed response-token values (concatenated, no padding)."""
     return values[action_mask.bool()]
