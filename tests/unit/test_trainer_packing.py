@@ -8,6 +8,7 @@ one, so every forward here passes use_cache=False, as the trainer's do). Not yet
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,13 +18,14 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from rlhf_trainer.tiny_model import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     out = tmp_path_factory.mktemp("tiny")
     make_tiny_model(out)
-    return AutoModelForCausalLM.from_pretrained(str(Path(out) / "model"), dtype=torch.float32).eval()
+    loaded: Any = AutoModelForCausalLM.from_pretrained(str(Path(out) / "model"), dtype=torch.float32)
+    return loaded.eval()
 
 
 def _rollout(vocab: int) -> PackedRollout:
@@ -40,14 +42,14 @@ def _logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def _padded(model: torch.nn.Module, r: PackedRollout) -> torch.Tensor:
+def _padded(model: Any, r: PackedRollout) -> torch.Tensor:
     ids, attn, act = pad_micro_batch(r, 0, r.num_samples, 0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
     return unpad_response_values(_logprobs(logits, ids[:, 1:]), act)
 
 
-def test_packed_equals_padded_and_needs_the_position_restart(model: torch.nn.Module) -> None:
+def test_packed_equals_padded_and_needs_the_position_restart(model: Any) -> None:
     r = _rollout(int(model.config.vocab_size))
     padded = _padded(model, r)
     ids, pos, labels, act = pack_micro_batch(r, 0, r.num_samples)
