@@ -5,6 +5,7 @@ process of ours, with its root, state and socket under one directory (not a syst
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -87,24 +88,76 @@ def ctr(rt: Runtime, *args: str, timeout: float = 120) -> subprocess.CompletedPr
     return subprocess.run(ctr_command(rt, *args), capture_output=True, text=True, timeout=timeout)
 
 
-def running_pid(rt: Runtime) -> int | None:
-    """The pid of our containerd if it runs (pid file, process alive, and its socket answers)."""
+def running_pid(rt: Runtime, patience: float = 0) -> int | None:
+    """The pid of our containerd if it runs (pid file, process alive, and its socket answers). A live one
+    that does not answer is asked again for up to `patience` seconds: importing a 7.5 GB image on a loaded
+    machine, it has taken over 10 s to accept a connection."""
     try:
         pid = int(rt.pidfile.read_text().strip())
         os.kill(pid, 0)
     except (OSError, ValueError):
         return None
-    if not rt.socket.exists():
-        return None
-    return pid if ctr(rt, "version", timeout=10).returncode == 0 else None
+    deadline = time.monotonic() + patience
+    while True:
+        if rt.socket.exists() and ctr(rt, "version", timeout=10).returncode == 0:
+            return pid
+        if time.monotonic() >= deadline or not _alive(pid):
+            return None
+        time.sleep(1.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def stray_pids(rt: Runtime) -> list[int]:
+    """Every containerd process running on our config, whatever the pid file says (a start that lost the
+    race may have overwritten it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            argv
+            and Path(argv[0].decode(errors="replace")).name == "containerd"
+            and str(rt.config).encode() in argv
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+def _stop_pid(pid: int, timeout: float) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def start(rt: Runtime, sandbox_image: str, timeout: float = 60) -> tuple[int, bool]:
     """Starts our containerd unless it runs; returns (pid, started_now). Fails with the log's tail
-    when it does not answer within `timeout` seconds."""
-    pid = running_pid(rt)
+    when it does not answer within `timeout` seconds. A containerd already on our root that does not
+    answer within a minute is stopped first: a second one would wait forever on the metadata store's
+    lock, and removing the socket of the first (as a fresh start does) would orphan it."""
+    pid = running_pid(rt, patience=60)
     if pid is not None:
         return pid, False
+    for stray in stray_pids(rt):
+        _stop_pid(stray, timeout=30)
     for d in (rt.home / "root", rt.home / "state", rt.cni_conf_dir):
         d.mkdir(parents=True, exist_ok=True)
     rt.config.write_text(render_config(rt, sandbox_image))
