@@ -91,7 +91,7 @@ def run(lr: float, layers: int, init: dict[str, Any], tokens: Any) -> dict[str, 
         for i, flat in enumerate(new):
             d = encoder.encode(i, flat, sender_prev[i])
             # the wire: the delta's bytes copied in, and the receiver applies what it reads back
-            payload = [d.values] + [x for x in (d.indices, d.bitmask) if x is not None]
+            payload = [d.values] + [x for x in (d.gaps, d.bitmask) if x is not None]
             received = []
             offset = 0
             for part in payload:
@@ -101,7 +101,7 @@ def run(lr: float, layers: int, init: dict[str, Any], tokens: Any) -> dict[str, 
                 received.append(w.view(part.dtype))
                 offset += raw.numel()
             got = delta.Delta(d.encoding, d.numel, received[0],
-                              received[1] if d.indices is not None else None,
+                              received[1] if d.gaps is not None else None,
                               received[1] if d.bitmask is not None else None)  # fmt: skip
             delta.apply(got, delta_held[i])
             sent += d.nbytes

@@ -94,8 +94,9 @@ def running_pid(rt: Runtime, patience: float = 0) -> int | None:
     machine, it has taken over 10 s to accept a connection."""
     try:
         pid = int(rt.pidfile.read_text().strip())
-        os.kill(pid, 0)
     except (OSError, ValueError):
+        return None
+    if not _alive(pid):
         return None
     deadline = time.monotonic() + patience
     while True:
@@ -190,22 +191,11 @@ def stop(rt: Runtime, timeout: float = 30) -> bool:
         pid = int(rt.pidfile.read_text().strip())
     except (OSError, ValueError):
         return False
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        rt.pidfile.unlink(missing_ok=True)
-        return False
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        os.kill(pid, signal.SIGKILL)
+    running = _alive(pid)
+    if running:
+        _stop_pid(pid, timeout)
     rt.pidfile.unlink(missing_ok=True)
-    return True
+    return running
 
 
 def image_refs(rt: Runtime) -> set[str]:

@@ -48,7 +48,7 @@ def test_long_unchanged_runs_get_fillers_and_still_land_exactly() -> None:
         new[i] = (new[i].float() + 0.01).to(torch.bfloat16)
     d = delta.encode(new, old)
     assert d.encoding == "gaps" and d.changed == 2
-    assert d.indices is not None and int(d.indices.to(torch.int32).max()) <= delta.MAX_GAP
+    assert d.gaps is not None and int(d.gaps.to(torch.int32).max()) <= delta.MAX_GAP
     assert d.values.numel() == 2 + n // delta.MAX_GAP + 1  # the changes, plus a filler every MAX_GAP
     held = old.clone()
     delta.apply(d, held)

@@ -223,7 +223,8 @@ def refill(ctx: StepContext, step: int, timer: PhaseTimer, first: Generated) -> 
                     parts[-1][2].append(g.group)
                 else:
                     parts.append((src.packed[g.chunk], src.reward_calls[g.chunk][1], [g.group]))
-            engine = rounds[picked.groups[idx[0]].round].rollout.metas[picked.groups[idx[0]].chunk].engine
+            head = picked.groups[idx[0]]  # the composed chunk is reported as its first group's engine's
+            engine = rounds[head.round].rollout.metas[head.chunk].engine
             refs.append(task.remote(c, shard, engine, idx[0], n, parts))
         metas = ray.get([m for _, _, m in refs])
     rollout = Rollout([p for p, _, _ in refs], metas, [(None, r) for _, r, _ in refs])
@@ -347,7 +348,9 @@ def train_on(
     shards = by_shard(chunks, rollout.packed)  # {shard: [packed chunk refs]}; refs only
     rewards = by_shard(chunks, [result for _, result in rollout.reward_calls])
     micro, algo = spec.algorithm.rollout_micro_batch_size, algorithm_wire(spec)
-    objective = ctx.objective or ObjectiveState.restore(spec, None)
+    if ctx.objective is None:  # a context built without the driver's restore: a fresh run's state
+        ctx.objective = ObjectiveState.restore(spec, None)
+    objective = ctx.objective
     algo["kl_coef"], algo["score_moments"] = objective.kl_coef, objective.score_moments
     ref_out: list[Any] = []
     value_out: list[Any] = []

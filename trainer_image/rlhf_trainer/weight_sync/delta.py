@@ -30,14 +30,14 @@ class Delta:
     encoding: Encoding
     numel: int
     values: torch.Tensor
-    indices: torch.Tensor | None = None  # the gaps (GAP_DTYPE) of the `gaps` encoding
+    gaps: torch.Tensor | None = None  # GAP_DTYPE, the `gaps` encoding's
     bitmask: torch.Tensor | None = None
     changed: int = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes on the wire."""
-        extra = self.indices if self.indices is not None else self.bitmask
+        extra = self.gaps if self.gaps is not None else self.bitmask
         size = self.values.numel() * self.values.element_size()
         return size + (extra.numel() * extra.element_size() if extra is not None else 0)
 
@@ -102,7 +102,7 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, full_above: float = 0.5)
             filler = torch.arange(0, numel, MAX_GAP, dtype=pos.dtype, device=pos.device)
             pos = torch.unique(torch.cat([pos, filler]))
             gaps = torch.diff(pos, prepend=torch.full((1,), -1, dtype=pos.dtype, device=pos.device))
-        return Delta("gaps", numel, new[pos], indices=gaps.to(torch.int32).to(GAP_DTYPE), changed=changed)
+        return Delta("gaps", numel, new[pos], gaps=gaps.to(GAP_DTYPE), changed=changed)
     return Delta("bitmask", numel, new[mask], bitmask=pack_bits(mask), changed=changed)
 
 
@@ -135,8 +135,8 @@ def apply(delta: Delta, held: torch.Tensor) -> torch.Tensor:
     if delta.encoding == "full":
         held.copy_(delta.values)
     elif delta.encoding == "gaps":
-        assert delta.indices is not None
-        pos = torch.cumsum(delta.indices.to(torch.int64), 0) - 1
+        assert delta.gaps is not None
+        pos = torch.cumsum(delta.gaps.to(torch.int64), 0) - 1
         held[pos] = delta.values
     else:
         assert delta.bitmask is not None
