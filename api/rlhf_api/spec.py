@@ -639,6 +639,12 @@ class RolloutSpec(_Spec):
         description="Sampling temperature, above 0: the training log-probs are taken at it (logits / T).",
     )
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto",
+        description="The engines' weight dtype. `auto`: bfloat16 on GPU when trainer.bf16, float32 on the "
+        "CPU stand-in. Weights are cast to it before the sync sends them (so a bfloat16 engine of a float32 "
+        "trainer receives half the bytes).",
+    )
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="Built-in engine autoscaler."
     )
@@ -659,6 +665,42 @@ class RolloutSpec(_Spec):
         return math.ceil(wanted * self.tensor_parallel_size / self.worker_gpus)
 
 
+class DeltaSyncSpec(_Spec):
+    """Delta weight sync: per bucket, only the elements (in the engines' dtype) whose bits changed since
+    the engines' copy, as positions and values or a bitmask and values, or the whole bucket when that is
+    smaller. The engines keep a copy of every bucket; digests compare it with the trainer's."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Off by default: on this project's CPU measurements the comparison costs more time than "
+        "the bytes it saves (docs/benchmarks.md, delta_sync.py); turn it on where the link is slower than "
+        "memory (engines on other nodes over TCP).",
+    )
+    full_above: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        alias="fullAbove",
+        description="A bucket whose delta would carry more than this share of its full bytes is sent whole "
+        "(and, with `recheckEvery`, not compared again for a while).",
+    )
+    recheck_every: int = Field(
+        default=8,
+        ge=1,
+        alias="recheckEvery",
+        description="A bucket sent whole because too much changed is sent whole without comparing for this "
+        "many syncs minus one, then compared again.",
+    )
+    verify_every: int = Field(
+        default=10,
+        ge=1,
+        alias="verifyEvery",
+        description="Compare the engines' digests of every bucket with the trainer's on the first sync of "
+        "each channel (start, resume, engines joining) and every this many syncs; a mismatch forces a full "
+        "sync at once and is counted (rlhf_weight_sync_digest_mismatches_total).",
+    )
+
+
 class WeightSyncSpec(_Spec):
     """How updated actor weights reach the rollout engines after each step."""
 
@@ -672,6 +714,10 @@ class WeightSyncSpec(_Spec):
         ge=1,
         alias="bucketSizeMiB",
         description="Gathered ZeRO-3 partitions are sent in buckets of at most this many MiB.",
+    )
+    delta: DeltaSyncSpec = Field(
+        default_factory=lambda: DeltaSyncSpec(),
+        description="Send only the elements that changed since the engines' copy.",
     )
 
 

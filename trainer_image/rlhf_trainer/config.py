@@ -214,7 +214,15 @@ def engine_options(spec: RLHFJobSpec, info: DeviceInfo, threads: int) -> dict[st
         "enforce_eager": spec.rollout.enforce_eager,  # None: the engine decides by device (engine.enforce_eager)
         "enable_prefix_caching": spec.rollout.enable_prefix_caching,
         "threads": threads,
-        "dtype": "bfloat16"
-        if spec.trainer.bf16 and not info.is_cpu
-        else ("float32" if info.is_cpu else "auto"),
+        "dtype": engine_dtype(spec, info),
     }
+
+
+def engine_dtype(spec: RLHFJobSpec, info: DeviceInfo) -> str:
+    """rollout.dtype with `auto` decided: bfloat16 on GPU when the trainer trains in bf16, float32 on the CPU
+    stand-in, else vLLM's own `auto` (the model's). The weight sync casts to it before sending."""
+    if spec.rollout.dtype != "auto":
+        return spec.rollout.dtype
+    if info.is_cpu:
+        return "float32"
+    return "bfloat16" if spec.trainer.bf16 else "auto"

@@ -163,6 +163,7 @@ def run(
         resumed = bool(checkpointer.resume_info)
         sync = WeightSyncManager(spec, job, info, placed.actor, placed.pool, metrics, log, resumed=resumed)
         sync.while_sending = faults.weights_sending if faults else None
+        sync.drop_delta = faults.delta_dropped if faults else None
         watch = hang_watch(spec, log).start()
         ctx = StepContext(spec, job, data, placed, sync, checkpointer, metrics, faults, watch)
         ctx.objective = ObjectiveState.restore(spec, checkpointer.algorithm_state)
@@ -358,6 +359,7 @@ def step_summary(report: StepReport) -> dict[str, Any]:
         "rollout_idle_ratio": report.rollout_idle_ratio,
         "generating_seconds": report.generating_seconds,
         "dynamic_sampling": report.dynamic_sampling,
+        "weight_sync": report.weight_sync,
     }
 
 

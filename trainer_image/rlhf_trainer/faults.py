@@ -17,6 +17,9 @@ loss lands inside the broadcast, not before it (a loss before it is pruned and s
 `engine_stop@N` SIGSTOPs rollout engine 0 as step N's actor training starts (FaultInjector.stop_engine);
 `rank_hang@N` hangs an actor rank in it (fault_env.maybe_hang, in the rank's own process).
 
+`delta_drop@N` kills nothing either: rollout engine 0 discards the first delta frame of step N's weight
+sync (weightSync.delta), so its copy of that bucket is stale until the digest check finds it.
+
 `checkpoint_hold@N` kills nothing: it holds step N's save where `checkpoint@N` would kill (every shard
 written, nothing committed) until the test creates `<marker>.release`, so the test can act at that moment
 for sure (the preemption test's second SIGTERM mid-save). The wait is bounded (HOLD_ENV, 60 s): past it,
@@ -41,6 +44,7 @@ __all__ = ["DIR_ENV", "ENV", "FaultInjector", "InjectedFault", "armed", "fail_at
 HOLD, HOLD_ENV, HOLD_SECONDS = "checkpoint_hold", "RLHF_TRAINER_FAULTS_HOLD_SECONDS", 60.0
 ENGINE_MID_SYNC = "engine_weight_sync"
 ENGINE_STOP = "engine_stop"
+DELTA_DROP = "delta_drop"
 
 Victim = Callable[[str], tuple[str, int]]  # phase -> (who, pid): the actor whose death hurts it most
 
@@ -89,6 +93,21 @@ class FaultInjector:
             return
         who, pid = self.victim("generation")  # rollout engine 0
         self._kill(_marker(phase, step), who, pid, f"mid weight sync of step {step}")
+
+    def delta_dropped(self) -> bool:
+        """`delta_drop@N`: rollout engine 0 discards the first delta frame of step N's weight sync, as a
+        lost one would be (it kills nothing: the digest check must find the engine's stale copy). True
+        once, when the driver should ask for it."""
+        step = self.step
+        if (DELTA_DROP, step) not in armed() or _marker(DELTA_DROP, step).exists():
+            return False
+        self._mark(_marker(DELTA_DROP, step), "rollout engine 0", 0)
+        print(
+            f"fault injected: rollout engine 0 drops a delta frame of step {step}'s weight sync",
+            file=sys.stderr,
+        )
+        sys.stderr.flush()
+        return True
 
     def checkpoint_written(self, step: int) -> None:
         """Called by the checkpoint writer once the shards are written, before the commit."""

@@ -66,6 +66,9 @@ class StepReport:
     # dropped, equal-reward groups trained because the rounds ran out (short), and the first round's
     # mean reward (generated_reward_mean)
     dynamic_sampling: dict[str, float] = field(default_factory=dict)
+    # weightSync.delta: buckets by encoding, elements compared and changed, bytes sent and in full,
+    # digest checks, mismatches found and full repairs (empty without delta sync)
+    weight_sync: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -433,6 +436,7 @@ def train_on(
         rollout_idle_ratio=idle_ratio(busy_seconds(busy, started, ended), step_seconds),
         generating_seconds=gen.generating_seconds,
         dynamic_sampling=gen.dynamic_sampling,
+        weight_sync=ctx.sync.take_stats(),
     )
 
 

@@ -94,6 +94,20 @@ class TrainerExporter:
         self.weight_sync_bytes = Counter(
             "rlhf_weight_sync_bytes", "Bytes sent to rollout engines", [L], registry=r
         )
+        # weightSync.delta: buckets sent by encoding, and engine copies found unlike the trainer's
+        self.weight_sync_buckets = Counter(
+            "rlhf_weight_sync_buckets",
+            "Buckets of delta weight syncs, by how they were sent (full, gaps, bitmask)",
+            [L, "encoding"],
+            registry=r,
+        )
+        self.weight_sync_digest_mismatches = Counter(
+            "rlhf_weight_sync_digest_mismatches",
+            "Engine workers whose copy of the weights differed from the trainer's at a digest check "
+            "(each repaired by a full sync)",
+            [L],
+            registry=r,
+        )
         self.rollout_engines = Gauge(
             "rlhf_rollout_engines", "Rollout engines by state", [L, "state"], registry=r
         )
@@ -172,6 +186,9 @@ class TrainerExporter:
         for stat in ("mean", "p99", "max"):
             self.logprob_gap.labels(job, stat)
         self.sample_staleness.labels(job)
+        for encoding in ("full", "gaps", "bitmask"):
+            self.weight_sync_buckets.labels(job, encoding)
+        self.weight_sync_digest_mismatches.labels(job)
         for c in (
             self.steps_completed,
             self.generated_tokens,

@@ -216,12 +216,18 @@ class RolloutEngine:
     def open_weight_channel(self, rdzv_wire: dict[str, Any], rank_offset: int) -> list[int]:
         return list(self.llm.collective_rpc("rlhf_open_weight_channel", args=(rdzv_wire, rank_offset)))
 
-    def receive_weights(self, plan_wire: list[dict[str, Any]]) -> dict[str, float]:
-        results = self.llm.collective_rpc("rlhf_receive_weights", args=(plan_wire,))
+    def receive_weights(
+        self, plan_wire: list[dict[str, Any]], delta_wire: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        results = self.llm.collective_rpc("rlhf_receive_weights", args=(plan_wire, delta_wire))
         # Cached prefix KV was computed with the old weights: serving it would mix them into new samples.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("weight sync: vLLM could not drop its prefix cache (requests still running)")
-        return dict(results[0])
+        out = dict(results[0])
+        # every tensor-parallel worker holds its own copy: each one's digests, and every drop
+        out["digests"] = [list(r.get("digests", [])) for r in results]
+        out["dropped"] = sum(int(r.get("dropped", 0)) for r in results)
+        return out
 
     def close_weight_channel(self) -> None:
         self.llm.collective_rpc("rlhf_close_weight_channel")

@@ -177,8 +177,13 @@ class EnginePool:
             for i, s in enumerate(self.ready())
         ]
 
-    def receive_refs(self, plan_wire: list[dict[str, Any]]) -> list[Any]:
-        return [s.handle.receive_weights.remote(plan_wire) for s in self.ready()]
+    def receive_refs(
+        self, plan_wire: list[dict[str, Any]], delta_wires: list[dict[str, Any] | None] | None = None
+    ) -> list[Any]:
+        """One receive per ready engine; `delta_wires` (weightSync.delta) in the same order."""
+        ready = self.ready()
+        wires = delta_wires if delta_wires is not None else [None] * len(ready)
+        return [s.handle.receive_weights.remote(plan_wire, w) for s, w in zip(ready, wires, strict=True)]
 
     def shutdown(self) -> None:
         for s in self.slots:

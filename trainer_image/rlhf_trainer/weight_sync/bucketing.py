@@ -18,6 +18,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
+    # the delta sync's frames: a header of int64 and a payload of bytes
+    "int64": torch.int64,
+    "uint8": torch.uint8,
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 from rlhf_api.spec import RLHFJobSpec
@@ -50,6 +51,17 @@ def choose_backend(
     return "shm" if same_node else "gloo"
 
 
+def mismatched(rank0: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:
+    """The engine workers whose bucket digests are not the trainer's ("engine i worker j")."""
+    want = list(rank0["digests"])
+    return [
+        f"engine {i} worker {j}"
+        for i, result in enumerate(engines)
+        for j, got in enumerate(result["digests"])
+        if list(got) != want
+    ]
+
+
 class WeightSyncManager:
     """Keeps the engines' weights equal to the actor's: refresh between steps, sync after training."""
 
@@ -76,6 +88,14 @@ class WeightSyncManager:
         self.channel_version = -1  # the pool membership the open channel was built for (-1: none yet)
         # Called once the actor ranks are sending (fault injection: an engine lost mid-broadcast).
         self.while_sending: Callable[[], None] | None = None
+        # Asked once per delta sync (fault injection): should engine 0 drop a delta frame?
+        self.drop_delta: Callable[[], bool] | None = None
+        # The engines' dtype (config.engine_options decided it): the sender casts to it. "auto" (vLLM
+        # takes the model's): the parameters' own.
+        dtype = str(pool.options.get("dtype", "auto"))
+        self.wire_dtype = None if dtype == "auto" else dtype
+        self.syncs_on_channel = 0  # delta: the first sync of a channel is verified
+        self.stats: dict[str, float] = {}  # this step's sync figures (take_stats), delta sync only
 
     def refresh(self, timer: PhaseTimer) -> int:
         """Between steps: follow the cluster's rollout slots, let engines that finished starting join.
@@ -125,6 +145,7 @@ class WeightSyncManager:
         refs = self.actor_group.call("open_weight_channel", rdzv) + self.pool.open_channel_refs(rdzv)
         ray.get(refs)
         self.channel_version = self.pool.membership_version
+        self.syncs_on_channel = 0
 
     def sync(self) -> int:
         """Bucketed gather on every actor rank; rank 0 sends each bucket once to all engines."""
@@ -135,17 +156,78 @@ class WeightSyncManager:
         if self.channel_version != self.pool.membership_version:
             self.open_channel()
         plan = ray.get(
-            self.actor_group.handles[0].weight_plan.remote(self.spec.weight_sync.bucket_size_mib << 20)
+            self.actor_group.handles[0].weight_plan.remote(
+                self.spec.weight_sync.bucket_size_mib << 20, self.wire_dtype
+            )
         )
-        sends = self.actor_group.call("send_weights")
-        recvs = self.pool.receive_refs(plan)
+        delta = self.spec.weight_sync.delta
+        if not delta.enabled:
+            sent, _, _ = self._send(plan, None, None)
+            return sent
+        verify = self.syncs_on_channel % delta.verify_every == 0
+        self.syncs_on_channel += 1
+        drop = self.drop_delta is not None and self.drop_delta()
+        sent, rank0, engines = self._send(plan, self._delta_wire(verify, full=False), drop)
+        self._count(rank0, verify)
+        if verify and (stale := mismatched(rank0, engines)):
+            # an engine's copy is not the trainer's: send everything whole at once, and check again
+            self.metrics.weight_sync_digest_mismatches.labels(self.job).inc(len(stale))
+            self.stats["digest_mismatches"] = self.stats.get("digest_mismatches", 0) + len(stale)
+            self.log(f"weight sync: engine copies differ from the trainer's ({', '.join(stale)}); full sync")
+            more, rank0, engines = self._send(plan, self._delta_wire(True, full=True), False)
+            sent += more
+            self._count(rank0, True)
+            self.stats["repairs"] = self.stats.get("repairs", 0) + 1
+            if still := mismatched(rank0, engines):
+                raise RuntimeError(
+                    f"weight sync: a full sync left engine copies unlike the trainer's: {still}"
+                )
+        return sent
+
+    def _delta_wire(self, verify: bool, *, full: bool) -> dict[str, object]:
+        d = self.spec.weight_sync.delta
+        return {"full_above": d.full_above, "recheck_every": d.recheck_every, "verify": verify, "full": full}
+
+    def _send(
+        self, plan: list[dict[str, Any]], delta_wire: dict[str, object] | None, drop: bool | None
+    ) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
+        """One pass over the plan: every actor rank gathers, rank 0 sends, every ready engine receives.
+        Returns the bytes the engines measured arriving, rank 0's figures and each engine's."""
+        if delta_wire is None:
+            sends = self.actor_group.call("send_weights")
+            recvs = self.pool.receive_refs(plan)
+        else:
+            sends = self.actor_group.call("send_weights", delta_wire)
+            engine_wires: list[dict[str, Any] | None] = [
+                {"verify": delta_wire["verify"], "drop": bool(drop) and i == 0}
+                for i in range(len(self.pool.ready()))
+            ]
+            recvs = self.pool.receive_refs(plan, engine_wires)
         if self.while_sending is not None:
             self.while_sending()
-        ray.get(sends)
+        rank0 = ray.get(sends)[0]
+        engines = ray.get(recvs)
         # The bytes each engine measured arriving, summed: a bucket lost or cut short shows here.
-        sent = sum(int(r["bytes"]) for r in ray.get(recvs))
+        sent = sum(int(r["bytes"]) for r in engines)
         self.metrics.weight_sync_bytes.labels(self.job).inc(sent)
-        return sent
+        return sent, rank0, engines
+
+    def _count(self, rank0: dict[str, Any], verified: bool) -> None:
+        """This step's delta figures: buckets by encoding, elements compared and changed, bytes."""
+        for encoding, n in rank0["encodings"].items():
+            self.stats[f"buckets_{encoding}"] = self.stats.get(f"buckets_{encoding}", 0) + n
+            if n:
+                self.metrics.weight_sync_buckets.labels(self.job, encoding).inc(n)
+        for key in ("changed", "compared"):
+            self.stats[key] = self.stats.get(key, 0) + float(rank0[key])
+        self.stats["sent_bytes"] = self.stats.get("sent_bytes", 0) + float(rank0["bytes"])
+        self.stats["full_bytes"] = self.stats.get("full_bytes", 0) + float(rank0["plan_bytes"])
+        self.stats["verified"] = self.stats.get("verified", 0) + int(verified)
+
+    def take_stats(self) -> dict[str, float]:
+        """This step's figures (empty without weightSync.delta), reset for the next step."""
+        out, self.stats = self.stats, {}
+        return out
 
     def engines_sleep(self, asleep: bool) -> None:
         """Put the engines to sleep / wake them (only with rollout.enableSleep; a no-op on CPU)."""

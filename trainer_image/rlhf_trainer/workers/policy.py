@@ -16,8 +16,16 @@ import torch
 from rlhf_trainer import algorithms
 from rlhf_trainer.sequence_parallel import SequenceParallel
 from rlhf_trainer.transfer import PackedRollout
-from rlhf_trainer.weight_sync.bucketing import Bucket, pack_bucket, plan_buckets
+from rlhf_trainer.weight_sync.bucketing import (
+    Bucket,
+    StagingBuffer,
+    dtype_from_name,
+    pack_bucket,
+    plan_buckets,
+)
 from rlhf_trainer.weight_sync.channels import WeightChannel
+from rlhf_trainer.weight_sync.delta import digest
+from rlhf_trainer.weight_sync.delta_wire import DeltaSender
 from rlhf_trainer.workers import optim_steps
 from rlhf_trainer.workers.deepspeed_utils import (
     ResponseScorer,
@@ -70,6 +78,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
         built = build_engine(path, settings, sp, head="causal_lm", train=True)
         self.engine, self.optimizer, self.scheduler = built.engine, built.optimizer, built.scheduler
         self.pad_id = int(settings["pad_id"])
+        self._host_staging = StagingBuffer()  # the delta sync packs each bucket here to compare it
         self.temperature = float(settings.get("temperature", 1.0))
         self.top_p = float(settings.get("top_p", 1.0))
 
@@ -204,17 +213,33 @@ class PolicyModel(ResponseScorer, TrainedRole):
         return stats
 
     # ---- weight sync ----------------------------------------------------------------------------
-    def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
-        params = [(n, full_shape(p), p.dtype) for n, p in self.engine.module.named_parameters()]
+    def weight_plan(self, bucket_bytes: int, wire_dtype: torch.dtype | None = None) -> list[Bucket]:
+        """Buckets of the actor's parameters, each in `wire_dtype` (the engines' dtype) when it is given
+        and the parameter is floating point: the sender casts, so the engines receive what they load."""
+        params = [
+            (n, full_shape(p), wire_dtype if wire_dtype is not None and p.is_floating_point() else p.dtype)
+            for n, p in self.engine.module.named_parameters()
+        ]
         return plan_buckets(params, bucket_bytes)
 
-    def send_weights(self, plan: list[Bucket], channel: WeightChannel | None) -> dict[str, float]:
-        """Gather each bucket's ZeRO-3 partitions (collective on every actor rank); rank 0 sends it once."""
+    def send_weights(
+        self,
+        plan: list[Bucket],
+        channel: WeightChannel | None,
+        sender: DeltaSender | None = None,
+        verify: bool = False,
+    ) -> dict[str, Any]:
+        """Gather each bucket's ZeRO-3 partitions (collective on every actor rank); rank 0 sends it once,
+        whole or (with `sender`) as a delta against the engines' copy. `verify`: rank 0 returns the digest
+        of every bucket as the engines must now hold it."""
         import deepspeed
 
         params = dict(self.engine.module.named_parameters())
         t_gather = t_send = 0.0
         nbytes = 0
+        encodings = {"full": 0, "gaps": 0, "bitmask": 0}
+        changed = compared = 0
+        digests: list[int] = []
         for index, bucket in enumerate(plan):
             group = [params[n] for n in bucket.names]
             t0 = time.perf_counter()
@@ -222,18 +247,40 @@ class PolicyModel(ResponseScorer, TrainedRole):
                 t1 = time.perf_counter()
                 t_gather += t1 - t0
                 if self.rank == 0 and channel is not None:
-                    # Packed straight into the transport's memory (the shm file, a reused buffer, or
-                    # the GPU for NCCL): no fresh buffer and no host round trip per bucket.
-                    staged = channel.staging(bucket, index)
-                    flat = pack_bucket(bucket, [p.data.detach() for p in group], out=staged)
-                    channel.send(flat, index)
-                    nbytes += bucket.nbytes
+                    tensors = [p.data.detach() for p in group]
+                    if sender is None:
+                        # Packed straight into the transport's memory (the shm file, a reused buffer, or
+                        # the GPU for NCCL): no fresh buffer and no host round trip per bucket.
+                        staged = channel.staging(bucket, index)
+                        flat = pack_bucket(bucket, tensors, out=staged)
+                        channel.send(flat, index)
+                        nbytes += bucket.nbytes
+                        if verify:
+                            digests.append(digest(flat))
+                    else:  # packed in host memory, compared with the engines' copy there
+                        flat = pack_bucket(
+                            bucket,
+                            tensors,
+                            out=self._host_staging.get(bucket.numel, dtype_from_name(bucket.dtype)),
+                        )
+                        d, sent = sender.send(channel, index, flat)
+                        nbytes += sent
+                        encodings[d.encoding] += 1
+                        if d.changed >= 0:
+                            changed += d.changed
+                            compared += d.numel
+                        if verify:
+                            digests.append(digest(sender.held[index]))
                     t_send += time.perf_counter() - t1
         return {
             "gather_seconds": t_gather,
             "send_seconds": t_send,
             "bytes": float(nbytes),
             "buckets": len(plan),
+            "encodings": encodings,
+            "changed": changed,
+            "compared": compared,
+            "digests": digests,
         }
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:

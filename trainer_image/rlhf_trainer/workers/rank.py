@@ -65,6 +65,7 @@ class ModelRank:
         self.local: dict[int, dict[str, Any]] = {}
         self.channel: WeightChannel | None = None
         self.plan: list[Any] = []
+        self.delta_sender: Any = None  # weight_sync.delta_wire.DeltaSender on rank 0 with weightSync.delta
         # Named by its main role in a stack snapshot ("actor rank 1" also for a rank hosting the reference).
         self.role = next((r for r in ("actor", "critic", "reference") if r in roles), group)
         stacks.arm(f"{self.role} rank {rank}", self.role, rank)
@@ -276,22 +277,39 @@ class ModelRank:
         return result
 
     # ---- weight sync (actor ranks) ---------------------------------------------------------------------
-    def weight_plan(self, bucket_bytes: int) -> list[dict[str, Any]]:
-        from rlhf_trainer.weight_sync.bucketing import plan_to_wire
+    def weight_plan(self, bucket_bytes: int, wire_dtype: str | None = None) -> list[dict[str, Any]]:
+        from rlhf_trainer.weight_sync.bucketing import dtype_from_name, plan_to_wire
 
-        self.plan = self.models["actor"].weight_plan(bucket_bytes)
+        dtype = dtype_from_name(wire_dtype) if wire_dtype else None
+        self.plan = self.models["actor"].weight_plan(bucket_bytes, dtype)
         return plan_to_wire(self.plan)
 
     def open_weight_channel(self, rdzv_wire: dict[str, Any] | None) -> None:
-        """Join a (new) weight-sync group as its rank 0 (actor rank 0 only); None just closes the old one."""
+        """Join a (new) weight-sync group as its rank 0 (actor rank 0 only); None just closes the old one.
+        The engines of a new channel hold nothing this rank sent: the delta sync starts from full."""
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        self.delta_sender = None
         if self.rank == 0 and rdzv_wire is not None:
             self.channel = open_channel(Rendezvous.from_wire(rdzv_wire), 0)
 
-    def send_weights(self) -> dict[str, float]:
-        stats: dict[str, float] = self.models["actor"].send_weights(self.plan, self.channel)
+    def send_weights(self, delta_wire: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One sync. `delta_wire` (weightSync.delta on): {full_above, recheck_every, verify, full}; `full`
+        sends every bucket whole (the repair after a digest mismatch)."""
+        from rlhf_trainer.weight_sync.delta import DeltaEncoder
+        from rlhf_trainer.weight_sync.delta_wire import DeltaSender
+
+        sender, verify = None, False
+        if delta_wire is not None:
+            verify = bool(delta_wire["verify"])
+            if self.delta_sender is None:
+                encoder = DeltaEncoder(float(delta_wire["full_above"]), int(delta_wire["recheck_every"]))
+                self.delta_sender = DeltaSender(encoder)
+            if delta_wire.get("full"):
+                self.delta_sender.reset()
+            sender = self.delta_sender
+        stats: dict[str, Any] = self.models["actor"].send_weights(self.plan, self.channel, sender, verify)
         stats["plan_bytes"] = float(plan_bytes(self.plan))
         return stats
 
