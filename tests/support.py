@@ -491,6 +491,8 @@ METRICS_CONTRACT = [
     "rlhf_kl",
     "rlhf_reward_errors_total",
     "rlhf_weight_sync_bytes_total",
+    "rlhf_weight_sync_buckets_total",
+    "rlhf_weight_sync_digest_mismatches_total",
     "rlhf_rollout_engines",
     "rlhf_last_checkpoint_step",
     "rlhf_sample_staleness_bucket",

@@ -16,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 from statistics import mean
+from typing import Any
 
 import pytest
 from rlhf_api.constants import PREEMPTED_EXIT_CODE, STOP_BUDGET_ENV
@@ -406,6 +407,10 @@ def test_async_grpo_trains_on_batches_generated_during_the_last_step(
 
 
 def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Path, ray_tmp: Path) -> None:
+    """A reward that raises on some samples: skipSample trains on the others and counts them; failStep
+    fails the step and saves nothing. The skipSample run (10 steps) is also the delta weight sync's run
+    (issue 39): bfloat16 engines of the float32 trainer, weightSync.delta on with digests every 3 syncs,
+    and engine 0 dropping a delta frame of step 5's sync (`delta_drop@5`)."""
     flaky = tmp_path / "flaky_reward.py"
     flaky.write_text(
         "from rlhf_trainer.tasks.tiny import vowel_share\n"
@@ -418,14 +423,22 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     # reinforce_pp (REINFORCE++ without a baseline) here, so a third estimator runs end to end too (what is
     # checked does not depend on it);
     # one epoch and no KL: the old-log-probs forward is redundant and skipped (issue 18, item 11)
+    # delta sync: a learning rate at which a share of the bf16 values changes per step (at the example's
+    # 5e-3 every one does, and every bucket would go whole)
+    delta = ["rollout.dtype=bfloat16", "weightSync.delta.enabled=true", "weightSync.delta.verifyEvery=3",
+             "algorithm.actorLearningRate=2.0e-5"]  # fmt: skip
     sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *REINFORCE_PP, f"model.reward.function={flaky}:reward",
-            "model.reward.onError=skipSample", "algorithm.totalSteps=2", "checkpoint.path=null",
-            "algorithm.epochs=1", "algorithm.klCoef=0"]  # fmt: skip
-    run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port)
+            "model.reward.onError=skipSample", "algorithm.totalSteps=10", "checkpoint.path=null",
+            "algorithm.epochs=1", "algorithm.klCoef=0", *delta]  # fmt: skip
+    marks = tmp_path / "faults"
+    faults = {"RLHF_TRAINER_FAULTS": "delta_drop@5", "RLHF_TRAINER_FAULTS_DIR": str(marks)}
+    run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port, env=faults)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.summary is not None
     errors = sum(x["reward_errors"] for x in run.summary["steps"])
     assert errors > 0
+    _check_delta_sync(run.summary["steps"], run.scrapes, _model_bytes(tiny / "model") // 2)
+    assert (marks / "delta_drop@5").exists() and "drops a delta frame of step 5" in run.stderr
     for x in run.summary["steps"]:
         assert x["valid_samples"] + x["reward_errors"] == 16 * 8  # an errored sample is never trained on
         assert x["valid_samples"] > 0
@@ -433,9 +446,10 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
         assert "old_logprobs" not in x["phase_seconds"] and "reference" not in x["phase_seconds"], x
         assert x["trained_tokens"] > 0 and x["training"]["optimizer_steps"] == 1, x
         assert x["training"]["first_ratio_deviation"] == 0.0, x
-    # /metrics counts the same errors (scraped every second: the last scrape may precede step 2's count)
+    # /metrics counts the same errors (scraped every second: the last scrape may precede the last step's)
     seen = {_value(t, "rlhf_reward_errors_total") for t in run.scrapes if "rlhf_reward_errors_total{" in t}
-    assert max(seen) in (run.summary["steps"][0]["reward_errors"], errors) and max(seen) > 0, seen
+    counted = [sum(x["reward_errors"] for x in run.summary["steps"][:k]) for k in range(1, 11)]
+    assert max(seen) in counted and max(seen) > 0, (seen, counted)
 
     ckpt = tmp_path / "ckpt-fail"
     sets = [*tiny_sets(tiny, ckpt), *GRPO, f"model.reward.function={flaky}:reward",
@@ -444,6 +458,32 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     assert run.returncode == 3, run.stderr[-3000:]
     assert "onError=failStep" in run.stderr and "no z allowed" in run.stderr
     assert not ckpt.exists() or not any(ckpt.iterdir())  # the failed step trained nothing and saved nothing
+
+
+def _check_delta_sync(steps: list[dict[str, Any]], scrapes: list[str], bf16_bytes: int) -> None:
+    """The delta sync of the reward-errors run: one sync a step; its first whole (the engines loaded the
+    files), later ones as deltas of the bf16 buckets; digests checked at syncs 1, 4, 7 and 10 (the
+    channel's first and every 3rd); the frame engine 0 dropped in step 5 is found at step 7's check and
+    repaired by a full sync at once, counted once; at step 10 every engine's copy is the trainer's."""
+    ws = [x["weight_sync"] for x in steps]
+    for x in ws:
+        print({k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()})
+    assert [w["full_bytes"] for w in ws] == [bf16_bytes] * 6 + [2 * bf16_bytes] + [bf16_bytes] * 3, ws
+    assert [w["verified"] for w in ws] == [1, 0, 0, 1, 0, 0, 2, 0, 0, 1], ws
+    assert [w.get("digest_mismatches", 0) for w in ws] == [0] * 6 + [1] + [0] * 3, ws
+    assert [w.get("repairs", 0) for w in ws] == [0] * 6 + [1] + [0] * 3, ws
+    assert ws[0]["buckets_full"] >= 1 and ws[0]["sent_bytes"] >= bf16_bytes, ws[0]
+    # every other sync went as a delta: a share of the values changed, not all (the repair adds a full one)
+    deltas = [w for w in ws[1:] if w["buckets_gaps"] + w["buckets_bitmask"] > 0 and not w.get("repairs")]
+    assert len(deltas) == 8, ws
+    assert ws[6]["buckets_full"] == 1 and ws[6]["sent_bytes"] > bf16_bytes, ws[6]
+    assert all(w["sent_bytes"] < w["full_bytes"] / 2 for w in deltas), ws
+    assert all(0 < w["changed"] < w["compared"] for w in deltas), ws
+    # what the engines measured arriving is what the sender sent
+    assert all(x["weight_sync_bytes"] == int(x["weight_sync"]["sent_bytes"]) for x in steps), steps
+    last = [t for t in scrapes if "rlhf_weight_sync_digest_mismatches_total{" in t][-1]
+    assert _value(last, "rlhf_weight_sync_digest_mismatches_total") == 1, last
+    assert _value(last, "rlhf_weight_sync_buckets_total", encoding="full") >= 2  # the first and the repair
 
 
 @pytest.mark.parametrize("case", ["model", "dataset", "reward", "spec", "chat", "heads"])

@@ -83,7 +83,7 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, seen: dict[str, object], resume_a
         seen["checkpoint_at_place"] = m.last_checkpoint_step.labels(m.job)._value.get()
         if resume_at is None:
             raise _Stop
-        pool = SimpleNamespace(ready=lambda: [], shutdown=lambda: None)
+        pool = SimpleNamespace(ready=lambda: [], shutdown=lambda: None, options={})
         return SimpleNamespace(actor=None, pool=pool, groups=(), victim=None, shutdown=lambda: None)
 
     class Checkpointer:
