@@ -20,7 +20,7 @@ from typing import Any
 
 from lib import common
 
-MODEL = {
+MODEL: dict[str, Any] = {
     "vocab_size": 8192,
     "hidden_size": 256,
     "intermediate_size": 768,
@@ -74,7 +74,8 @@ def main() -> None:
 
     common.print_machine()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL)).float().train()
+    build: Any = LlamaForCausalLM  # transformers' classes are untyped
+    model = build(LlamaConfig(**MODEL)).float().train()
     rollout = samples(args.samples, 1)
     train_pass(model, rollout.select(list(range(8))), 4, True)  # warm-up
     train_pass(model, rollout.select(list(range(8))), 4, False)
