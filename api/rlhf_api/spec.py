@@ -524,7 +524,15 @@ class TrainerSpec(_Spec):
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in the backward pass to save memory."
     )
-    packing: bool = Field(default=True, description="Pack samples into sequences without padding.")
+    packing: bool = Field(
+        default=True,
+        description=(
+            "Pack each training and scoring micro-batch's samples into one row without padding (position ids "
+            "restarted per sample), cut by tokens into as many micro-batches as trainMicroBatchSize gives. "
+            "Off, said in the trainer log, for a group with sequenceParallelSize > 1 and for a model whose "
+            "attention does not keep packed samples apart."
+        ),
+    )
     sequence_parallel_size: int = Field(
         default=1,
         ge=1,

@@ -114,6 +114,8 @@ def model_settings(spec: RLHFJobSpec, pad_id: int) -> dict[str, dict[str, Any]]:
         "lr_warmup_steps": a.lr_warmup_steps * a.epochs * a.mini_batches_per_epoch,
         "total_steps": a.total_steps * a.epochs * a.mini_batches_per_epoch,
         "train_micro_batch": a.train_micro_batch_size,
+        # packed micro-batches (deepspeed_utils.resolve_packing: off under sequence parallelism)
+        "packing": bool(spec.trainer.packing),
         # log-probs of the distribution the engines sampled from (logits / T); greedy (T=0) -> 1
         "temperature": float(spec.rollout.temperature) if spec.rollout.temperature > 0 else 1.0,
     }

@@ -271,9 +271,16 @@ def start(placed: Placed, spec: RLHFJobSpec, metrics: TrainerExporter, log: Call
     for group in placed.groups:
         addr, port = ray.get(group.handles[0].address.remote())
         setups.append(group.call("setup", addr, port, settings))
+    packing: dict[str, bool] = {}
     for group, refs in zip(placed.groups, setups, strict=True):
         for rank, done in enumerate(ray.get(refs)):
             placed.pids[f"{group.name}/{rank}"] = int(done["pid"])
+            packing.update(done.get("packing", {}))
+    if spec.trainer.packing:  # packing falls back per role (deepspeed_utils.resolve_packing): say where
+        log(
+            "packed micro-batches: "
+            + ", ".join(f"{r} {'on' if on else 'OFF'}" for r, on in sorted(packing.items()))
+        )
     placed.pids["reward"] = int(ray.get(placed.reward.ready.remote())["pid"])
     placed.pool.wait_ready()
     check_devices(placed, log)

@@ -151,25 +151,56 @@ class PackedRollout:
             labels=[self.labels[i] for i in idx] if self.labels else [],
         )
 
-    def micro_batches(self, size: int) -> Iterator[tuple[int, int]]:
-        """[start, end) sample ranges of at most `size` samples."""
+    def micro_batches(self, size: int, by_tokens: bool = False) -> Iterator[tuple[int, int]]:
+        """[start, end) sample ranges of at most `size` samples; `by_tokens` (packing): as many ranges,
+        cut to hold about equal token counts instead (`balance_by_tokens`)."""
         if size <= 0:
             raise ValueError("micro-batch size must be positive")
+        if by_tokens:
+            yield from balance_by_tokens(self.seq_lens, 0, self.num_samples, -(-self.num_samples // size))
+            return
         for start in range(0, self.num_samples, size):
             yield start, min(start + size, self.num_samples)
 
-    def mini_batches(self, count: int, micro_batch: int) -> list[list[tuple[int, int]]]:
+    def mini_batches(
+        self, count: int, micro_batch: int, by_tokens: bool = False
+    ) -> list[list[tuple[int, int]]]:
         """`count` contiguous mini-batches of equal size (the last takes any remainder), each as its
-        [start, end) micro-batches of at most `micro_batch` samples: one optimizer step per mini-batch."""
+        [start, end) micro-batches of at most `micro_batch` samples: one optimizer step per mini-batch.
+        `by_tokens` (packing) keeps the mini-batches and their micro-batch counts (DeepSpeed's gradient
+        accumulation and ZeRO-3's collectives need the same count on every rank) and cuts each mini-batch
+        into micro-batches of about equal token counts instead (`balance_by_tokens`)."""
         if count <= 0 or micro_batch <= 0:
             raise ValueError("mini-batch count and micro-batch size must be positive")
         size = max(1, self.num_samples // count)
         bounds = [min(i * size, self.num_samples) for i in range(count)] + [self.num_samples]
-        return [
+        out = [
             [(s, min(s + micro_batch, end)) for s in range(start, end, micro_batch)]
             for start, end in itertools.pairwise(bounds)
             if end > start
         ]
+        if by_tokens:
+            out = [balance_by_tokens(self.seq_lens, mb[0][0], mb[-1][1], len(mb)) for mb in out]
+        return out
+
+
+def balance_by_tokens(seq_lens: torch.Tensor, start: int, end: int, parts: int) -> list[tuple[int, int]]:
+    """Samples [start, end) cut into `parts` contiguous, non-empty [start, end) ranges of about equal token
+    counts: the token budget of a packed micro-batch is the range's tokens / `parts`. A sample goes to the
+    part its token midpoint falls in, so no part is more than one sample over the budget."""
+    n = end - start
+    parts = max(1, min(parts, n))
+    if n <= 0:
+        return []
+    lens = seq_lens[start:end].to(torch.float64)
+    mid = torch.cumsum(lens, 0) - lens / 2  # each sample's token midpoint
+    total = float(lens.sum())
+    cuts = [0]
+    for i in range(1, parts):
+        c = int(torch.searchsorted(mid, torch.tensor(total * i / parts, dtype=torch.float64)))
+        cuts.append(min(max(c, cuts[-1] + 1), n - (parts - i)))  # non-empty, room for the rest
+    cuts.append(n)
+    return [(start + a, start + b) for a, b in itertools.pairwise(cuts)]
 
 
 def pad_micro_batch(
@@ -218,6 +249,21 @@ def pack_micro_batch(
         labels[a : a + L - 1] = ids[a + 1 : a + L]
         act[a + P - 1 : a + L - 1] = 1.0
     return ids.unsqueeze(0), pos.unsqueeze(0), labels.unsqueeze(0), act.unsqueeze(0)
+
+
+def packed_rows(rollout: PackedRollout, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the padded layout's positions are in `pack_micro_batch`'s row: (index, inside), each
+    [end - start, max seq len - 1]. Position t of row b (the logits that predict token t+1 of sample b) is
+    packed position index[b, t]; inside is False past the sample's last prediction. Per-position results
+    of the packed forward taken through it line up with `pad_micro_batch`'s action mask, so the loss, its
+    aggregation and every statistic run on the same [B, T-1] tensors as the padded path."""
+    lens = rollout.seq_lens[start:end]
+    width = max(int(lens.max()) - 1, 0) if lens.numel() else 0
+    first = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), lens]), 0)[:-1]
+    t = torch.arange(width, dtype=torch.int64).unsqueeze(0)
+    inside = t < (lens - 1).unsqueeze(1)
+    index = torch.where(inside, first.unsqueeze(1) + t, torch.zeros_like(t))
+    return index, inside
 
 
 def unpad_response_values(values: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,14 @@
 
 Owns how an HF model becomes a DeepSpeed engine (HfDeepSpeedConfig before from_pretrained, so ZeRO-3
 partitions at load; `build_engine` for every role) and how per-token log-probs/values come out of a
-padded micro-batch. No Ray here.
+micro-batch, padded or packed (`trainer.packing`: one row, no padding). No Ray here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,14 @@ import torch
 
 from rlhf_trainer import algorithms, sequence_parallel
 from rlhf_trainer.sequence_parallel import SequenceParallel, forward_context, gather_columns
-from rlhf_trainer.transfer import PackedRollout, pad_micro_batch, pad_response_values, unpad_response_values
+from rlhf_trainer.transfer import (
+    PackedRollout,
+    pack_micro_batch,
+    packed_rows,
+    pad_micro_batch,
+    pad_response_values,
+    unpad_response_values,
+)
 
 # Parameters below this many elements stay whole on every rank (DeepSpeed's persistence threshold).
 # DeepSpeed's default (1e5) would keep every tensor of a tiny model whole; overridable by env.
@@ -205,17 +213,17 @@ class ResponseScorer:
     temperature: float  # the engines' sampling temperature (1 for greedy)
     sp: SequenceParallel | None
     top_p: float = 1.0  # the engines' nucleus (the actor's log-probs are over it; the reference's are not)
+    packing: bool = False  # packed micro-batches (resolve_packing)
 
     @torch.no_grad()
     def logprobs(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
-        return over_micro_batches(
-            self.engine,
-            rollout,
-            micro_batch,
-            lambda s, e: response_logprobs(
-                self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp, self.top_p
-            ),
-        )
+        def forward(s: int, e: int) -> TokenOutputs:
+            return response_logprobs(
+                self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp, self.top_p,
+                packed=self.packing,
+            )  # fmt: skip
+
+        return over_micro_batches(self.engine, rollout, micro_batch, forward, by_tokens=self.packing)
 
 
 class TrainedRole:
@@ -299,6 +307,27 @@ def _forward(
     return out, labels[:, cols].to(device), act.to(device), cols
 
 
+def _packed_forward(
+    model: torch.nn.Module, rollout: PackedRollout, start: int, end: int
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward of samples [start, end) packed in one row (`pack_micro_batch`: no padding, position ids
+    restarted per sample, no attention mask and no KV cache, so transformers keeps every sample's attention
+    inside it): (model output, labels [1, N], action mask [B, T-1] as the padded path's, and `packed_rows`'
+    index and inside, which lay the row's per-position results out as the padded path's [B, T-1])."""
+    ids, pos, labels, _ = pack_micro_batch(rollout, start, end)
+    device = next(model.parameters()).device
+    out = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
+    index, inside = packed_rows(rollout, start, end)
+    _, _, act = pad_micro_batch(rollout, start, end, 0)
+    return out, labels.to(device), act.to(device), index.to(device), inside.to(device)
+
+
+def _rows(row: torch.Tensor, index: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """A packed row's per-position values [N] laid out as the padded micro-batch's [B, T-1] (0 outside a
+    sample); differentiable."""
+    return torch.where(inside, row[index], torch.zeros((), dtype=row.dtype, device=row.device))
+
+
 def response_logprobs(
     model: torch.nn.Module,
     rollout: PackedRollout,
@@ -309,10 +338,22 @@ def response_logprobs(
     sp: SequenceParallel | None = None,
     top_p: float = 1.0,
     entropy_grad: bool = False,
+    *,
+    packed: bool = False,
 ) -> TokenOutputs:
     """Log-probs of each next token, for samples [start, end) (this rank's columns under SP), under the
     distribution the engines sampled from (logits / temperature, renormalised over the top-p nucleus);
-    `entropy` holds that distribution's entropy per position."""
+    `entropy` holds that distribution's entropy per position. `packed` (no SP): the forward runs over the
+    samples packed in one row, the results come back in the padded layout (`_packed_forward`)."""
+    if packed:
+        if sp is not None and sp.size > 1:
+            raise ValueError("packed micro-batches need whole sequences (sequence parallelism pads)")
+        out, labels, act, index, inside = _packed_forward(model, rollout, start, end)
+        row_lp, row_ent = algorithms.token_logprobs(
+            out.logits.float(), labels, temperature, top_p, entropy_grad
+        )
+        lp, entropy = _rows(row_lp[0], index, inside), _rows(row_ent[0], index, inside)
+        return TokenOutputs(lp, act, act, slice(0, act.shape[1]), None, entropy)
     out, labels, act, cols = _forward(model, rollout, start, end, pad_id, sp)
     logits = out.logits[:, : cols.stop - cols.start, :].float()
     lp, entropy = algorithms.token_logprobs(logits, labels, temperature, top_p, entropy_grad)
@@ -320,11 +361,16 @@ def response_logprobs(
 
 
 def over_micro_batches(
-    engine: Any, rollout: PackedRollout, micro_batch: int, forward: Callable[[int, int], TokenOutputs]
+    engine: Any,
+    rollout: PackedRollout,
+    micro_batch: int,
+    forward: Callable[[int, int], TokenOutputs],
+    by_tokens: bool = False,
 ) -> torch.Tensor:
-    """Inference over a rollout in micro-batches: `forward(start, end)`'s packed outputs, concatenated."""
+    """Inference over a rollout in micro-batches: `forward(start, end)`'s packed outputs, concatenated.
+    `by_tokens` (packing): the same number of micro-batches, balanced by tokens."""
     engine.eval()
-    out = [forward(s, e).packed() for s, e in rollout.micro_batches(micro_batch)]
+    out = [forward(s, e).packed() for s, e in rollout.micro_batches(micro_batch, by_tokens)]
     return torch.cat(out) if out else torch.zeros(0)
 
 
@@ -335,11 +381,56 @@ def token_values(
     end: int,
     pad_id: int,
     sp: SequenceParallel | None = None,
+    *,
+    packed: bool = False,
 ) -> TokenOutputs:
-    """Critic forward: V(state before each response token), for samples [start, end)."""
+    """Critic forward: V(state before each response token), for samples [start, end); `packed` as in
+    response_logprobs."""
+    if packed:
+        if sp is not None and sp.size > 1:
+            raise ValueError("packed micro-batches need whole sequences (sequence parallelism pads)")
+        out, _, act, index, inside = _packed_forward(model, rollout, start, end)
+        values = _rows(out.logits[0, :, 0].float(), index, inside)
+        return TokenOutputs(values, act, act, slice(0, act.shape[1]))
     out, _, act, cols = _forward(model, rollout, start, end, pad_id, sp)
     values = out.logits[:, : cols.stop - cols.start, 0].float()
     return TokenOutputs(values, act[:, cols], act, cols, sp if sp is not None and sp.size > 1 else None)
+
+
+def isolates_packed_samples(model: Any) -> bool:
+    """Whether `model` keeps packed samples apart: a sample's logits in a packed row must not change when
+    the sample before it does (transformers 5.x does so from restarted position ids, with no attention
+    mask and no KV cache). Two tiny forwards, no gradient; collective under ZeRO-3 like any forward."""
+    vocab = int(getattr(model, "module", model).config.vocab_size)  # a DeepSpeed engine wraps the model
+    device = next(model.parameters()).device
+    second = torch.arange(4, dtype=torch.int64) % vocab + 1
+    pos = torch.cat([torch.arange(5), torch.arange(4)]).unsqueeze(0).to(device)
+    logits = []
+    for shift in (0, 3):
+        first = (torch.arange(5, dtype=torch.int64) * 7 + shift) % vocab
+        ids = torch.cat([first, second]).unsqueeze(0).to(device)
+        with torch.no_grad():
+            logits.append(model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, 5:].float())
+    scale = max(float(logits[0].abs().max()), 1.0)
+    return float((logits[0] - logits[1]).abs().max()) <= 1e-3 * scale
+
+
+def resolve_packing(engine: Any, settings: dict[str, Any], sp: SequenceParallel | None, role: str) -> bool:
+    """Whether this role's micro-batches are packed: `trainer.packing` (settings["packing"]), except under
+    sequence parallelism (its forward pads each sequence to a multiple of the group and splits columns) and
+    for a model that does not keep packed samples apart (isolates_packed_samples). Both fall back to padded
+    micro-batches, said on stderr (the driver log) and in the rank's setup result (placement logs it)."""
+    if not settings.get("packing"):
+        return False
+    if sp is not None and sp.size > 1:
+        reason = f"sequence parallelism (size {sp.size}) runs padded micro-batches"
+    elif not isolates_packed_samples(engine):
+        reason = "the model's attention does not keep packed samples apart (needs transformers' packed-"
+        reason += "sequence detection: position ids, no attention mask)"
+    else:
+        return True
+    print(f"trainer.packing is off for the {role}: {reason}", file=sys.stderr, flush=True)
+    return False
 
 
 def training_state_digest(optimizer: Any, scheduler: Any) -> dict[str, float]:

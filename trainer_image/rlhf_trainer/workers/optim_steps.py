@@ -57,10 +57,12 @@ def plan(
     mode: str,
     sp_size: int = 1,
     device: torch.device | None = None,
+    by_tokens: bool = False,
 ) -> OptimSteps:
     """One all-reduce: every mini-batch's normaliser summed over the ranks. Each rank of a sequence-parallel
-    group holds the same samples, so the sum counts them sp_size times: divided out here."""
-    batches = rollout.mini_batches(mini_batches, micro_batch)
+    group holds the same samples, so the sum counts them sp_size times: divided out here. `by_tokens`
+    (packing): each mini-batch's micro-batches balanced by tokens (PackedRollout.mini_batches)."""
+    batches = rollout.mini_batches(mini_batches, micro_batch, by_tokens)
     lens = rollout.response_lens
     local = torch.tensor(
         [
@@ -84,12 +86,14 @@ def for_engine(
     mini_batches: int,
     micro_batch: int,
     mode: str,
+    by_tokens: bool = False,
 ) -> OptimSteps:
     """`plan` for a trained role's engine (switched to train mode here)."""
     engine.train()
     return plan(
         rollout, valid, mini_batches=mini_batches, micro_batch=micro_batch, grad_accum=grad_accum,
         mode=mode, sp_size=sp.size if sp is not None else 1, device=next(engine.parameters()).device,
+        by_tokens=by_tokens,
     )  # fmt: skip
 
 

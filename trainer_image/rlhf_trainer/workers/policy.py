@@ -33,6 +33,7 @@ from rlhf_trainer.workers.deepspeed_utils import (
     all_reduce_sum,
     build_engine,
     full_shape,
+    resolve_packing,
     response_logprobs,
 )
 
@@ -81,6 +82,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
         self._host_staging = StagingBuffer()  # the delta sync packs each bucket here to compare it
         self.temperature = float(settings.get("temperature", 1.0))
         self.top_p = float(settings.get("top_p", 1.0))
+        self.packing = resolve_packing(self.engine, settings, sp, "actor")
 
     # ---- training -------------------------------------------------------------------------------
     def train(
@@ -97,14 +99,15 @@ class PolicyModel(ResponseScorer, TrainedRole):
         loss: PolicyLoss | None = None,
     ) -> dict[str, float]:
         """PPO epochs over this rank's samples, `mini_batches` optimizer steps each; packed per-token
-        tensors are in rollout order. `old_logprobs` None: the training pass's own detached log-probs
+        tensors are in rollout order. With packing the micro-batches are packed rows balanced by tokens (same
+        count); their results come back in the padded layout, so the loss and statistics are the padded path's. `old_logprobs` None: the training pass's own detached log-probs
         (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1). With
         `loss.correction` each token's loss is weighted by pi_prox / pi_behav, the behaviour log-probs
         being the engine's (the kernels' gap; in async mode also the older weights)."""
         cfg = loss or PolicyLoss()
         steps = optim_steps.for_engine(
             self.engine, self.sp, int(self.s["grad_accum"]), rollout, valid,
-            mini_batches=mini_batches, micro_batch=micro_batch, mode=cfg.aggregation,
+            mini_batches=mini_batches, micro_batch=micro_batch, mode=cfg.aggregation, by_tokens=self.packing,
         )  # fmt: skip
         # 0 policy loss (aggregated), 1 tokens where the clip binds, 2 KL loss (aggregated), 3 k1 KL over
         # tokens, 4 valid tokens, 5 |log-prob - the engine's| and 6 the tokens it is taken over (the first
@@ -120,7 +123,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
                     sl = steps.tokens(s, e)
                     out = response_logprobs(
                         self.engine, rollout, s, e, self.pad_id, self.temperature, self.sp, self.top_p,
-                        entropy_grad=cfg.entropy_coef > 0,
+                        entropy_grad=cfg.entropy_coef > 0, packed=self.packing,
                     )  # fmt: skip
                     lp, act = out.values, out.mask
                     mask = act * valid[s:e].float().unsqueeze(1).to(act.device)

@@ -117,6 +117,8 @@ class ModelRank:
             "roles": self.roles,
             "seconds": time.perf_counter() - t0,
             "pid": os.getpid(),
+            # {role: packed micro-batches}: false where trainer.packing is, or fell back (resolve_packing)
+            "packing": {role: bool(getattr(m, "packing", False)) for role, m in self.models.items()},
         }
 
     # ---- rollout shards -----------------------------------------------------------------------------

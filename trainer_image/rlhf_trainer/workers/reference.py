@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_trainer.sequence_parallel import SequenceParallel
-from rlhf_trainer.workers.deepspeed_utils import ResponseScorer, build_engine
+from rlhf_trainer.workers.deepspeed_utils import ResponseScorer, build_engine, resolve_packing
 
 
 class ReferenceModel(ResponseScorer):
@@ -17,3 +17,4 @@ class ReferenceModel(ResponseScorer):
         self.engine = build_engine(path, settings, sp, head="causal_lm", train=False).engine
         self.pad_id = int(settings["pad_id"])
         self.temperature = float(settings.get("temperature", 1.0))
+        self.packing = resolve_packing(self.engine, settings, sp, "reference")

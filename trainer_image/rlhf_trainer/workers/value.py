@@ -20,6 +20,7 @@ from rlhf_trainer.workers.deepspeed_utils import (
     all_reduce_sum,
     build_engine,
     over_micro_batches,
+    resolve_packing,
     token_values,
 )
 
@@ -33,6 +34,7 @@ class ValueModel(TrainedRole):
         built = build_engine(path, settings, sp, head="value", train=True)
         self.engine, self.optimizer, self.scheduler = built.engine, built.optimizer, built.scheduler
         self.pad_id = int(settings["pad_id"])
+        self.packing = resolve_packing(self.engine, settings, sp, "critic")
 
     @torch.no_grad()
     def values(self, rollout: PackedRollout, micro_batch: int) -> torch.Tensor:
@@ -40,7 +42,8 @@ class ValueModel(TrainedRole):
             self.engine,
             rollout,
             micro_batch,
-            lambda s, e: token_values(self.engine, rollout, s, e, self.pad_id, self.sp),
+            lambda s, e: token_values(self.engine, rollout, s, e, self.pad_id, self.sp, packed=self.packing),
+            by_tokens=self.packing,
         )
 
     def train(
@@ -59,7 +62,7 @@ class ValueModel(TrainedRole):
         """Clipped value-loss epochs, `mini_batches` optimizer steps each, normalised like the actor's."""
         steps = optim_steps.for_engine(
             self.engine, self.sp, int(self.s["grad_accum"]), rollout, valid,
-            mini_batches=mini_batches, micro_batch=micro_batch, mode=aggregation,
+            mini_batches=mini_batches, micro_batch=micro_batch, mode=aggregation, by_tokens=self.packing,
         )  # fmt: skip
         total = torch.zeros(1, dtype=torch.float64)
         first_value_dev = 0.0  # |V - V_old| on the first micro-batch: dropout in the critic shows here
@@ -68,7 +71,7 @@ class ValueModel(TrainedRole):
             for m, micro in enumerate(steps.mini_batches):
                 for s, e in micro:
                     sl = steps.tokens(s, e)
-                    out = token_values(self.engine, rollout, s, e, self.pad_id, self.sp)
+                    out = token_values(self.engine, rollout, s, e, self.pad_id, self.sp, packed=self.packing)
                     mask = out.mask * valid[s:e].float().unsqueeze(1).to(out.mask.device)
                     old = out.local(old_values[sl])
                     if epoch == 0 and m == 0 and s == 0 and bool(mask.any()):

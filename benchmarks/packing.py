@@ -1,0 +1,118 @@
+"""Packed against padded training micro-batches on a skewed length distribution (docs/benchmarks.md, issue 39).
+
+The model: a Llama of 4 layers (hidden 256, 4 heads / 2 KV heads, MLP 768, vocabulary 8,192; random init,
+seed 0, fp32), on the CPU. The samples: 64 of them, prompts of 16-48 tokens, responses lognormal (median
+48 tokens, sigma 1, capped at 1,024): most are short, a few are long, as RL rollouts are.
+
+Both ways run the trainer's own code over the same samples, in the same run: the micro-batches of
+`PackedRollout.micro_batches` (trainMicroBatchSize 8: 8 samples each padded; packed, as many micro-batches
+cut to equal token counts) and the forward of `deepspeed_utils.response_logprobs` (padded: right-padded rows
+with an attention mask; packed: one row, position ids restarted), then a token-mean loss and its backward.
+Timed: forward + backward over every micro-batch, the median of 3 repeats after a warm-up. Goals:
+padded / packed time >= 1.3, and pad tokens / all tokens in the packed micro-batches <= 0.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from lib import common
+
+MODEL: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+
+
+def samples(n: int, seed: int) -> Any:
+    import torch
+    from rlhf_trainer.transfer import PackedRollout
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    lens = torch.exp(torch.randn(n, generator=g) + torch.log(torch.tensor(48.0))).clamp(2, 1024).long()
+    for r in lens.tolist():
+        p = int(torch.randint(16, 49, (1,), generator=g))
+        ids = torch.randint(3, MODEL["vocab_size"], (p + r,), generator=g).tolist()
+        out.append((ids[:p], ids[p:], [0.0] * r))
+    return PackedRollout.from_samples(out, list(range(n)))
+
+
+def train_pass(model: Any, rollout: Any, micro_batch: int, packed: bool) -> tuple[float, int, int]:
+    """Forward + backward over every micro-batch: (seconds, tokens fed to the model, of them padding)."""
+    from rlhf_trainer import algorithms
+    from rlhf_trainer.workers.deepspeed_utils import response_logprobs
+
+    fed = pad = 0
+    t0 = time.perf_counter()
+    for s, e in rollout.micro_batches(micro_batch, by_tokens=packed):
+        out = response_logprobs(model, rollout, s, e, 0, packed=packed)
+        loss = algorithms.aggregate_loss(-out.values, out.mask, "token-mean")
+        loss.backward()
+        real = int(rollout.seq_lens[s:e].sum())
+        width = real if packed else (e - s) * int(rollout.seq_lens[s:e].max())
+        fed, pad = fed + width, pad + width - real
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0, fed, pad
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    common.print_machine()
+    torch.manual_seed(0)
+    build: Any = LlamaForCausalLM  # transformers' classes are untyped
+    model = build(LlamaConfig(**MODEL)).float().train()
+    rollout = samples(args.samples, 1)
+    train_pass(model, rollout.select(list(range(8))), 4, True)  # warm-up
+    train_pass(model, rollout.select(list(range(8))), 4, False)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    fed: dict[bool, tuple[int, int]] = {}
+    for _ in range(args.repeats):
+        for packed in (False, True):  # interleaved: a slow spell of the machine hits both
+            seconds, tokens, pad = train_pass(model, rollout, args.micro_batch, packed)
+            times[packed].append(seconds)
+            fed[packed] = (tokens, pad)
+    lens = rollout.response_lens.float()
+    rows = []
+    for packed in (False, True):
+        tokens, pad = fed[packed]
+        n = len(list(rollout.micro_batches(args.micro_batch, by_tokens=packed)))
+        t = common.median(times[packed])
+        rows.append(["packed" if packed else "padded", n, tokens, pad / tokens, t, tokens / t])
+    common.table(
+        f"{args.samples} samples, responses median {float(lens.median()):.0f} / max {int(lens.max())} tokens, "
+        f"{int(rollout.seq_lens.sum())} tokens in all; trainMicroBatchSize {args.micro_batch}; "
+        f"forward + backward, median of {args.repeats}",
+        ["micro-batches", "count", "tokens fed", "padding fraction", "seconds", "fed tokens/s"],
+        rows,
+    )
+    padded_t, packed_t = common.median(times[False]), common.median(times[True])
+    common.result(
+        {
+            "train_speedup": round(padded_t / packed_t, 3),
+            "padding_fraction": round(fed[True][1] / fed[True][0], 4),
+            "padded_padding_fraction": round(fed[False][1] / fed[False][0], 4),
+            "padded_seconds": round(padded_t, 3),
+            "packed_seconds": round(packed_t, 3),
+            "samples": args.samples,
+            "tokens": int(rollout.seq_lens.sum()),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
