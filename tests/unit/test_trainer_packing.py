@@ -150,6 +150,26 @@ def test_packed_training_forward_gives_the_padded_loss_and_gradients(model: Any,
         assert float((g1[name] - g).abs().max()) <= 1e-5, name
 
 
+def test_the_packed_forward_runs_the_lm_head_at_response_positions_only(model: Any) -> None:
+    """Issue 39, item 3: the LM head (and the float32 vocabulary-wide log-softmax after it) runs at the
+    response positions of the packed row only, not over the prompts; the log-probs are those of the
+    whole-row forward."""
+    from rlhf_trainer.workers.deepspeed_utils import response_logprobs
+
+    r = _rollout(int(model.config.vocab_size))
+    seen: list[tuple[int, ...]] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(tuple(out.shape)))
+    try:
+        with torch.no_grad():
+            out = response_logprobs(model, r, 0, r.num_samples, 0, 1.0, None, 1.0, packed=True)
+    finally:
+        hook.remove()
+    responses, tokens = int(r.response_lens.sum()), int(r.seq_lens.sum())
+    assert seen == [(1, responses, int(model.config.vocab_size))], (seen, responses, tokens)
+    assert tokens - responses == int(r.prompt_lens.sum()) == 28  # a position per prompt token skipped
+    assert torch.allclose(out.packed(), _padded(model, r), atol=1e-5)
+
+
 def test_packed_critic_forward_gives_the_padded_values_and_gradients(tmp_path: Path) -> None:
     from rlhf_trainer.tiny_model import make_tiny_model
     from rlhf_trainer.workers.deepspeed_utils import token_values

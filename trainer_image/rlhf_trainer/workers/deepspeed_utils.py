@@ -308,18 +308,38 @@ def _forward(
 
 
 def _packed_forward(
-    model: torch.nn.Module, rollout: PackedRollout, start: int, end: int
-) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    model: torch.nn.Module, rollout: PackedRollout, start: int, end: int, *, responses_only: bool = False
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One forward of samples [start, end) packed in one row (`pack_micro_batch`: no padding, position ids
     restarted per sample, no attention mask and no KV cache, so transformers keeps every sample's attention
-    inside it): (model output, labels [1, N], action mask [B, T-1] as the padded path's, and `packed_rows`'
-    index and inside, which lay the row's per-position results out as the padded path's [B, T-1])."""
-    ids, pos, labels, _ = pack_micro_batch(rollout, start, end)
+    inside it): (model output, labels [1, N], action mask [B, T-1] as the padded path's, `packed_rows`'
+    index and inside, which lay the row's per-position results out as the padded path's [B, T-1], and the
+    row positions the logits were kept at). `responses_only` (a causal LM that takes `logits_to_keep`):
+    the LM head and its logits run at the response positions only (`keep`), not over the prompts."""
+    ids, pos, labels, act_row = pack_micro_batch(rollout, start, end)
     device = next(model.parameters()).device
-    out = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
+    kwargs: dict[str, Any] = {}
+    keep = None
+    if responses_only and takes_logits_to_keep(model):
+        keep = act_row[0].nonzero().squeeze(1).to(device)
+        kwargs["logits_to_keep"] = keep
+    out = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, **kwargs)
     index, inside = packed_rows(rollout, start, end)
     _, _, act = pad_micro_batch(rollout, start, end, 0)
-    return out, labels.to(device), act.to(device), index.to(device), inside.to(device)
+    return out, labels.to(device), act.to(device), index.to(device), inside.to(device), keep
+
+
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the (DeepSpeed-wrapped) model's forward selects the positions its LM head runs at."""
+    import inspect
+
+    module = getattr(model, "module", model)
+    return "logits_to_keep" in inspect.signature(module.forward).parameters
+
+
+def _spread(kept: torch.Tensor, keep: torch.Tensor, row_len: int) -> torch.Tensor:
+    """[1, R] values at row positions `keep` as a [1, row_len] row, 0 elsewhere; differentiable."""
+    return kept.new_zeros(1, row_len).index_put((torch.zeros_like(keep), keep), kept[0])
 
 
 def _rows(row: torch.Tensor, index: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
@@ -348,10 +368,17 @@ def response_logprobs(
     if packed:
         if sp is not None and sp.size > 1:
             raise ValueError("packed micro-batches need whole sequences (sequence parallelism pads)")
-        out, labels, act, index, inside = _packed_forward(model, rollout, start, end)
+        out, labels, act, index, inside, keep = _packed_forward(
+            model, rollout, start, end, responses_only=True
+        )
+        row_len = labels.shape[1]
+        if keep is not None:  # logits at the response positions only: [1, R, V]
+            labels = labels[:, keep]
         row_lp, row_ent = algorithms.token_logprobs(
             out.logits.float(), labels, temperature, top_p, entropy_grad
         )
+        if keep is not None:  # back to the whole row (0 at the prompt positions, which the mask drops)
+            row_lp, row_ent = _spread(row_lp, keep, row_len), _spread(row_ent, keep, row_len)
         lp, entropy = _rows(row_lp[0], index, inside), _rows(row_ent[0], index, inside)
         return TokenOutputs(lp, act, act, slice(0, act.shape[1]), None, entropy)
     out, labels, act, cols = _forward(model, rollout, start, end, pad_id, sp)
@@ -389,7 +416,7 @@ def token_values(
     if packed:
         if sp is not None and sp.size > 1:
             raise ValueError("packed micro-batches need whole sequences (sequence parallelism pads)")
-        out, _, act, index, inside = _packed_forward(model, rollout, start, end)
+        out, _, act, index, inside, _ = _packed_forward(model, rollout, start, end)
         values = _rows(out.logits[0, :, 0].float(), index, inside)
         return TokenOutputs(values, act, act, slice(0, act.shape[1]))
     out, _, act, cols = _forward(model, rollout, start, end, pad_id, sp)
