@@ -333,6 +333,18 @@ def run_ranks(target: Callable[..., None], world: int, args: tuple[Any, ...], ti
     )
 
 
+def tiny_critic(model_dir: Path, out: Path) -> Path:
+    """A token-classification critic (one label, seed 5) built from the tiny model, saved under out/critic,
+    for the unit tests that start real ZeRO-3 ranks with a critic."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(5)
+    critic = out / "critic"
+    AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1).save_pretrained(critic)
+    return critic
+
+
 def example_job(name: str, **overrides: Any) -> dict[str, Any]:
     """examples/rlhfjob-tiny.yaml as written, named `name`, with `overrides` set by dotted path
     (`**{"spec.runPolicy.backoffLimit": 0}`): a job the operator renders, whose trainer need not run."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import free_port, run_ranks
+from support import free_port, run_ranks, tiny_critic
 
 pytestmark = pytest.mark.unit
 PAD = 0
@@ -149,14 +149,8 @@ def _spawn(world: int, *args: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    from transformers import AutoModelForTokenClassification
-
     out = tmp_path_factory.mktemp("dp")
-    torch.manual_seed(5)
-    critic = out / "critic"
-    AutoModelForTokenClassification.from_pretrained(tiny_model / "model", num_labels=1).save_pretrained(
-        critic
-    )
+    critic = tiny_critic(tiny_model / "model", out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _spawn(1, str(tiny_model / "model"), str(critic), str(out))
     _spawn(2, str(tiny_model / "model"), str(critic), str(out))

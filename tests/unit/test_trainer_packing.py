@@ -24,7 +24,7 @@ from rlhf_trainer.transfer import (
     pad_micro_batch,
     unpad_response_values,
 )
-from support import free_port, run_ranks
+from support import free_port, run_ranks, tiny_critic
 
 pytestmark = pytest.mark.unit
 
@@ -288,14 +288,8 @@ def _run(rank: int, port: int, lm: str, critic: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from transformers import AutoModelForTokenClassification
-
     out = tmp_path_factory.mktemp("packing")
-    torch.manual_seed(5)
-    critic = out / "critic"
-    AutoModelForTokenClassification.from_pretrained(tiny_model / "model", num_labels=1).save_pretrained(
-        critic
-    )
+    critic = tiny_critic(tiny_model / "model", out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_ranks(_run, 1, (free_port(), str(tiny_model / "model"), str(critic), str(out)), timeout=300)
     res: dict[str, Any] = torch.load(out / "packing.pt")
