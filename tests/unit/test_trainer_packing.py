@@ -150,24 +150,51 @@ def test_packed_training_forward_gives_the_padded_loss_and_gradients(model: Any,
         assert float((g1[name] - g).abs().max()) <= 1e-5, name
 
 
-def test_the_packed_forward_runs_the_lm_head_at_response_positions_only(model: Any) -> None:
-    """Issue 39, item 3: the LM head (and the float32 vocabulary-wide log-softmax after it) runs at the
-    response positions of the packed row only, not over the prompts; the log-probs are those of the
-    whole-row forward."""
-    from rlhf_trainer.workers.deepspeed_utils import response_logprobs
+def test_the_packed_forward_folds_rows_and_takes_log_probs_at_response_positions_only(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39, item 3: the packed row is folded into rows as wide as the longest sample (so attention
+    costs about N x W, not N x N), and the float32 vocabulary-wide log-softmax runs at the response
+    positions only, not over the prompts; the log-probs are the padded forward's."""
+    from rlhf_trainer.workers import deepspeed_utils
 
     r = _rollout(int(model.config.vocab_size))
-    seen: list[tuple[int, ...]] = []
-    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(tuple(out.shape)))
+    fed: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: fed.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    softmaxed: list[tuple[int, ...]] = []
+    real = algorithms.token_logprobs
+
+    def spy(logits: torch.Tensor, *args: Any) -> Any:
+        softmaxed.append(tuple(logits.shape))
+        return real(logits, *args)
+
+    monkeypatch.setattr(deepspeed_utils.algorithms, "token_logprobs", spy)
     try:
         with torch.no_grad():
-            out = response_logprobs(model, r, 0, r.num_samples, 0, 1.0, None, 1.0, packed=True)
+            out = deepspeed_utils.response_logprobs(
+                model, r, 0, r.num_samples, 0, 1.0, None, 1.0, packed=True
+            )
     finally:
         hook.remove()
-    responses, tokens = int(r.response_lens.sum()), int(r.seq_lens.sum())
-    assert seen == [(1, responses, int(model.config.vocab_size))], (seen, responses, tokens)
-    assert tokens - responses == int(r.prompt_lens.sum()) == 28  # a position per prompt token skipped
+    lens = [int(x) for x in r.seq_lens]  # 14, 5, 29, 5, 8: rows [14, 5], [29], [5, 8] of width 29
+    assert fed == [(3, max(lens))], (fed, lens)
+    responses = int(r.response_lens.sum())
+    assert softmaxed == [(1, responses, int(model.config.vocab_size))], (softmaxed, responses, sum(lens))
     assert torch.allclose(out.packed(), _padded(model, r), atol=1e-5)
+
+
+def test_fold_row_keeps_samples_whole_and_in_order() -> None:
+    from rlhf_trainer.transfer import fold_row
+
+    lens = torch.tensor([3, 2, 6, 1, 4])
+    ids = torch.arange(1, int(lens.sum()) + 1)
+    pos = torch.cat([torch.arange(int(n)) for n in lens])
+    rows, row_pos, flat = fold_row(ids, pos, lens)
+    assert rows.tolist() == [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 0]]
+    assert row_pos.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 3, 0]]
+    assert torch.equal(rows.reshape(-1)[flat], ids)  # every token once, in order
 
 
 def test_packed_critic_forward_gives_the_padded_values_and_gradients(tmp_path: Path) -> None:
@@ -258,10 +285,10 @@ def _run(rank: int, port: int, lm: str, critic: str, out: str) -> None:
             "packing": packing,
         }  # fmt: skip
         actor = PolicyModel(lm, settings)
-        rows: list[tuple[int, ...]] = []  # every forward's input shape: packed means one row, no padding
+        rows: list[tuple[int, ...]] = []  # every forward's input shape and its real (non-pad) tokens
 
         def record(_m: Any, _a: Any, kw: dict[str, Any], rows: list[tuple[int, ...]] = rows) -> None:
-            rows.append(tuple(kw["input_ids"].shape))
+            rows.append((*kw["input_ids"].shape, int((kw["input_ids"] != 0).sum())))
 
         actor.engine.module.register_forward_pre_hook(record, with_kwargs=True)
         grads: dict[str, torch.Tensor] = {}
@@ -300,9 +327,12 @@ def test_packed_training_on_zero3_matches_the_padded_step(trained: dict[str, Any
     padded, packed = trained["packing=False"], trained["packing=True"]
     assert packed["on"] == (True, True) and padded["on"] == (False, False)
     total = sum(p + n for p, n in LENS)
-    # packed: one row per forward, and the rows hold every token once (3 old-log-prob + 6 training forwards)
-    assert all(b == 1 for b, _ in packed["rows"]) and sum(n for _, n in packed["rows"]) == 3 * total
-    assert all(b == 2 for b, _ in padded["rows"])  # padded: micro-batches of trainMicroBatchSize samples
+    # packed: the rows hold every token once (3 old-log-prob + 6 training forwards), in fewer positions
+    # than the padded micro-batches feed
+    assert sum(real for *_, real in packed["rows"]) == 3 * total
+    fed = sum(b * n for b, n, _ in packed["rows"])
+    assert fed < sum(b * n for b, n, _ in padded["rows"]), (packed["rows"], padded["rows"])
+    assert all(b == 2 for b, _, _ in padded["rows"])  # padded: micro-batches of trainMicroBatchSize samples
     assert len(packed["rows"]) == len(padded["rows"])
     assert torch.allclose(packed["old"], padded["old"], atol=1e-5)
     assert torch.allclose(packed["values"], padded["values"], atol=1e-5)

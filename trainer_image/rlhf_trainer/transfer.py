@@ -266,6 +266,36 @@ def packed_rows(rollout: PackedRollout, start: int, end: int) -> tuple[torch.Ten
     return index, inside
 
 
+def fold_row(
+    ids: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_micro_batch`'s one row [N] folded into rows as wide as the longest sample: (ids [R, W],
+    position ids [R, W], flat [N]: where each position of the one row sits in the folded rows, flattened).
+    Samples fill rows in order, a sample never splits; a row's tail is padding (token 0, position ids
+    restarted, so it is a sample of its own that no real token attends to: causal attention looks back
+    only). Attention then costs about N x W, as padded micro-batches do, not N x N as one long row would
+    (without a varlen kernel the packed row's block-diagonal mask is computed whole)."""
+    width = int(seq_lens.max()) if seq_lens.numel() else 0
+    rows: list[list[int]] = []  # sample lengths per row
+    for n in (int(x) for x in seq_lens):
+        if rows and sum(rows[-1]) + n <= width:
+            rows[-1].append(n)
+        else:
+            rows.append([n])
+    out_ids = torch.zeros(len(rows), width, dtype=ids.dtype)
+    out_pos = torch.zeros(len(rows), width, dtype=pos.dtype)
+    flat = torch.empty(ids.numel(), dtype=torch.int64)
+    src = 0
+    for r, lens in enumerate(rows):
+        used = sum(lens)
+        out_ids[r, :used] = ids[src : src + used]
+        out_pos[r, :used] = pos[src : src + used]
+        out_pos[r, used:] = torch.arange(width - used)
+        flat[src : src + used] = r * width + torch.arange(used)
+        src += used
+    return out_ids, out_pos, flat
+
+
 def unpad_response_values(values: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
     """[B, T-1] per-position values -> packed response-token values (concatenated, no padding)."""
     return values[action_mask.bool()]

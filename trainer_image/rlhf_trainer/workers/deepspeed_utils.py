@@ -20,6 +20,7 @@ from rlhf_trainer import algorithms, sequence_parallel
 from rlhf_trainer.sequence_parallel import SequenceParallel, forward_context, gather_columns
 from rlhf_trainer.transfer import (
     PackedRollout,
+    fold_row,
     pack_micro_batch,
     packed_rows,
     pad_micro_batch,
@@ -309,32 +310,24 @@ def _forward(
 
 def _packed_forward(
     model: torch.nn.Module, rollout: PackedRollout, start: int, end: int, *, responses_only: bool = False
-) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One forward of samples [start, end) packed in one row (`pack_micro_batch`: no padding, position ids
-    restarted per sample, no attention mask and no KV cache, so transformers keeps every sample's attention
-    inside it): (model output, labels [1, N], action mask [B, T-1] as the padded path's, `packed_rows`'
-    index and inside, which lay the row's per-position results out as the padded path's [B, T-1], and the
-    row positions the logits were kept at). `responses_only` (a causal LM that takes `logits_to_keep`):
-    the LM head and its logits run at the response positions only (`keep`), not over the prompts."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One forward of samples [start, end) packed without padding (`pack_micro_batch`: back to back, position
+    ids restarted per sample, no attention mask and no KV cache, so transformers keeps every sample's
+    attention inside it), folded into rows as wide as the longest sample (`fold_row`): (logits [1, N, ...]
+    in the one row's order, labels [1, N], action mask [B, T-1] as the padded path's, `packed_rows`' index
+    and inside, which lay the row's per-position results out as the padded path's [B, T-1], and the row
+    positions the logits were kept at). `responses_only`: the logits at the response positions only (`keep`),
+    so the float32 vocabulary-wide log-softmax after them does not run over the prompts."""
     ids, pos, labels, act_row = pack_micro_batch(rollout, start, end)
     device = next(model.parameters()).device
-    kwargs: dict[str, Any] = {}
-    keep = None
-    if responses_only and takes_logits_to_keep(model):
-        keep = act_row[0].nonzero().squeeze(1).to(device)
-        kwargs["logits_to_keep"] = keep
-    out = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False, **kwargs)
+    rows, row_pos, flat = fold_row(ids[0], pos[0], rollout.seq_lens[start:end])
+    keep = act_row[0].nonzero().squeeze(1).to(device) if responses_only else None
+    out = model(input_ids=rows.to(device), position_ids=row_pos.to(device), use_cache=False)
+    wanted = flat.to(device) if keep is None else flat.to(device)[keep]
+    logits = out.logits.reshape(-1, out.logits.shape[-1])[wanted].unsqueeze(0)
     index, inside = packed_rows(rollout, start, end)
     _, _, act = pad_micro_batch(rollout, start, end, 0)
-    return out, labels.to(device), act.to(device), index.to(device), inside.to(device), keep
-
-
-def takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the (DeepSpeed-wrapped) model's forward selects the positions its LM head runs at."""
-    import inspect
-
-    module = getattr(model, "module", model)
-    return "logits_to_keep" in inspect.signature(module.forward).parameters
+    return logits, labels.to(device), act.to(device), index.to(device), inside.to(device), keep
 
 
 def _spread(kept: torch.Tensor, keep: torch.Tensor, row_len: int) -> torch.Tensor:
@@ -368,15 +361,13 @@ def response_logprobs(
     if packed:
         if sp is not None and sp.size > 1:
             raise ValueError("packed micro-batches need whole sequences (sequence parallelism pads)")
-        out, labels, act, index, inside, keep = _packed_forward(
+        logits, labels, act, index, inside, keep = _packed_forward(
             model, rollout, start, end, responses_only=True
         )
         row_len = labels.shape[1]
         if keep is not None:  # logits at the response positions only: [1, R, V]
             labels = labels[:, keep]
-        row_lp, row_ent = algorithms.token_logprobs(
-            out.logits.float(), labels, temperature, top_p, entropy_grad
-        )
+        row_lp, row_ent = algorithms.token_logprobs(logits.float(), labels, temperature, top_p, entropy_grad)
         if keep is not None:  # back to the whole row (0 at the prompt positions, which the mask drops)
             row_lp, row_ent = _spread(row_lp, keep, row_len), _spread(row_ent, keep, row_len)
         lp, entropy = _rows(row_lp[0], index, inside), _rows(row_ent[0], index, inside)
@@ -416,8 +407,8 @@ def token_values(
     if packed:
         if sp is not None and sp.size > 1:
             raise ValueError("packed micro-batches need whole sequences (sequence parallelism pads)")
-        out, _, act, index, inside, _ = _packed_forward(model, rollout, start, end)
-        values = _rows(out.logits[0, :, 0].float(), index, inside)
+        logits, _, act, index, inside, _ = _packed_forward(model, rollout, start, end)
+        values = _rows(logits[0, :, 0].float(), index, inside)
         return TokenOutputs(values, act, act, slice(0, act.shape[1]))
     out, _, act, cols = _forward(model, rollout, start, end, pad_id, sp)
     values = out.logits[:, : cols.stop - cols.start, 0].float()
