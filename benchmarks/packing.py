@@ -7,7 +7,9 @@ seed 0, fp32), on the CPU. The samples: 64 of them, prompts of 16-48 tokens, res
 Both ways run the trainer's own code over the same samples, in the same run: the micro-batches of
 `PackedRollout.micro_batches` (trainMicroBatchSize 8: 8 samples each padded; packed, as many micro-batches
 cut to equal token counts) and the forward of `deepspeed_utils.response_logprobs` (padded: right-padded rows
-with an attention mask; packed: one row, position ids restarted), then a token-mean loss and its backward.
+with an attention mask; packed: back to back with position ids restarted, folded into rows as wide as the
+longest sample, `transfer.fold_row`), then a token-mean loss and its backward. Tokens fed are counted as
+the model received them (a forward pre-hook).
 Timed: forward + backward over every micro-batch, the median of 3 repeats after a warm-up. Goals:
 padded / packed time >= 1.3, and pad tokens / all tokens in the packed micro-batches <= 0.10.
 """
@@ -50,15 +52,21 @@ def train_pass(model: Any, rollout: Any, micro_batch: int, packed: bool) -> tupl
     from rlhf_trainer import algorithms
     from rlhf_trainer.workers.deepspeed_utils import response_logprobs
 
+    shapes: list[int] = []  # what the model was fed, as it saw it (padded rows, or packed rows folded)
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(int(kw["input_ids"].numel())), with_kwargs=True
+    )
     fed = pad = 0
     t0 = time.perf_counter()
-    for s, e in rollout.micro_batches(micro_batch, by_tokens=packed):
-        out = response_logprobs(model, rollout, s, e, 0, packed=packed)
-        loss = algorithms.aggregate_loss(-out.values, out.mask, "token-mean")
-        loss.backward()
-        real = int(rollout.seq_lens[s:e].sum())
-        width = real if packed else (e - s) * int(rollout.seq_lens[s:e].max())
-        fed, pad = fed + width, pad + width - real
+    try:
+        for s, e in rollout.micro_batches(micro_batch, by_tokens=packed):
+            out = response_logprobs(model, rollout, s, e, 0, packed=packed)
+            loss = algorithms.aggregate_loss(-out.values, out.mask, "token-mean")
+            loss.backward()
+            real, width = int(rollout.seq_lens[s:e].sum()), shapes[-1]
+            fed, pad = fed + width, pad + width - real
+    finally:
+        hook.remove()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - t0, fed, pad
 
