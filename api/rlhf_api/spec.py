@@ -724,7 +724,7 @@ class WeightSyncSpec(_Spec):
         description="Gathered ZeRO-3 partitions are sent in buckets of at most this many MiB.",
     )
     delta: DeltaSyncSpec = Field(
-        default_factory=lambda: DeltaSyncSpec(),
+        default_factory=DeltaSyncSpec,
         description="Send only the elements that changed since the engines' copy.",
     )
 

@@ -224,9 +224,7 @@ class RolloutEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("weight sync: vLLM could not drop its prefix cache (requests still running)")
         out = dict(results[0])
-        # every tensor-parallel worker holds its own copy: each one's digests, and every drop
-        out["digests"] = [list(r.get("digests", [])) for r in results]
-        out["dropped"] = sum(int(r.get("dropped", 0)) for r in results)
+        out["digests"] = [list(r.get("digests", [])) for r in results]  # each TP worker holds its own copy
         return out
 
     def close_weight_channel(self) -> None:

@@ -120,7 +120,7 @@ class DeltaReceiver:
         held = self.held.get(index)
         if d.encoding == "full":
             if held is None or held.numel() != d.numel or held.dtype != d.values.dtype:
-                self.held[index] = held = d.values.clone()
+                self.held[index] = held = d.values  # recv_frame's own host copy
             else:
                 held.copy_(d.values)
             return held, d, nbytes

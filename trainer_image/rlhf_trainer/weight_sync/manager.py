@@ -162,7 +162,7 @@ class WeightSyncManager:
         )
         delta = self.spec.weight_sync.delta
         if not delta.enabled:
-            sent, _, _ = self._send(plan, None, None)
+            sent, _, _ = self._send(plan, None)
             return sent
         verify = self.syncs_on_channel % delta.verify_every == 0
         self.syncs_on_channel += 1
@@ -174,7 +174,7 @@ class WeightSyncManager:
             self.metrics.weight_sync_digest_mismatches.labels(self.job).inc(len(stale))
             self.stats["digest_mismatches"] = self.stats.get("digest_mismatches", 0) + len(stale)
             self.log(f"weight sync: engine copies differ from the trainer's ({', '.join(stale)}); full sync")
-            more, rank0, engines = self._send(plan, self._delta_wire(True, full=True), False)
+            more, rank0, engines = self._send(plan, self._delta_wire(True, full=True))
             sent += more
             self._count(rank0, True)
             self.stats["repairs"] = self.stats.get("repairs", 0) + 1
@@ -189,7 +189,7 @@ class WeightSyncManager:
         return {"full_above": d.full_above, "recheck_every": d.recheck_every, "verify": verify, "full": full}
 
     def _send(
-        self, plan: list[dict[str, Any]], delta_wire: dict[str, object] | None, drop: bool | None
+        self, plan: list[dict[str, Any]], delta_wire: dict[str, object] | None, drop: bool = False
     ) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
         """One pass over the plan: every actor rank gathers, rank 0 sends, every ready engine receives.
         Returns the bytes the engines measured arriving, rank 0's figures and each engine's."""
@@ -199,7 +199,7 @@ class WeightSyncManager:
         else:
             sends = self.actor_group.call("send_weights", delta_wire)
             engine_wires: list[dict[str, Any] | None] = [
-                {"verify": delta_wire["verify"], "drop": bool(drop) and i == 0}
+                {"verify": delta_wire["verify"], "drop": drop and i == 0}
                 for i in range(len(self.pool.ready()))
             ]
             recvs = self.pool.receive_refs(plan, engine_wires)

@@ -83,7 +83,6 @@ class RLHFWorkerExtension:
             "load_seconds": t_load,
             "repacked": repacked,
             "digests": digests,
-            "dropped": dropped,
         }
 
 

@@ -330,9 +330,10 @@ def _packed_forward(
     return logits, labels.to(device), act.to(device), index.to(device), inside.to(device), keep
 
 
-def _spread(kept: torch.Tensor, keep: torch.Tensor, row_len: int) -> torch.Tensor:
-    """[1, R] values at row positions `keep` as a [1, row_len] row, 0 elsewhere; differentiable."""
-    return kept.new_zeros(1, row_len).index_put((torch.zeros_like(keep), keep), kept[0])
+def _at_responses(values: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """Per-response-token values [R] laid out as the padded micro-batch's [B, T-1] (0 where `act` is 0);
+    differentiable."""
+    return values.new_zeros(act.shape).masked_scatter(act.bool(), values)
 
 
 def _rows(row: torch.Tensor, index: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
@@ -361,16 +362,11 @@ def response_logprobs(
     if packed:
         if sp is not None and sp.size > 1:
             raise ValueError("packed micro-batches need whole sequences (sequence parallelism pads)")
-        logits, labels, act, index, inside, keep = _packed_forward(
-            model, rollout, start, end, responses_only=True
-        )
-        row_len = labels.shape[1]
-        if keep is not None:  # logits at the response positions only: [1, R, V]
-            labels = labels[:, keep]
-        row_lp, row_ent = algorithms.token_logprobs(logits.float(), labels, temperature, top_p, entropy_grad)
-        if keep is not None:  # back to the whole row (0 at the prompt positions, which the mask drops)
-            row_lp, row_ent = _spread(row_lp, keep, row_len), _spread(row_ent, keep, row_len)
-        lp, entropy = _rows(row_lp[0], index, inside), _rows(row_ent[0], index, inside)
+        logits, labels, act, _, _, keep = _packed_forward(model, rollout, start, end, responses_only=True)
+        assert keep is not None  # logits at the response positions only: [1, R, V]
+        lp, ent = algorithms.token_logprobs(logits.float(), labels[:, keep], temperature, top_p, entropy_grad)
+        # the response positions in row order are the action mask's in [B, T-1] order: scattered there
+        lp, entropy = _at_responses(lp[0], act), _at_responses(ent[0], act)
         return TokenOutputs(lp, act, act, slice(0, act.shape[1]), None, entropy)
     out, labels, act, cols = _forward(model, rollout, start, end, pad_id, sp)
     logits = out.logits[:, : cols.stop - cols.start, :].float()

@@ -99,8 +99,9 @@ class PolicyModel(ResponseScorer, TrainedRole):
         loss: PolicyLoss | None = None,
     ) -> dict[str, float]:
         """PPO epochs over this rank's samples, `mini_batches` optimizer steps each; packed per-token
-        tensors are in rollout order. With packing the micro-batches are packed rows balanced by tokens (same
-        count); their results come back in the padded layout, so the loss and statistics are the padded path's. `old_logprobs` None: the training pass's own detached log-probs
+        tensors are in rollout order. With packing the micro-batches are packed rows balanced by tokens
+        (same count); their results come back in the padded layout, so the loss and statistics are the
+        padded path's. `old_logprobs` None: the training pass's own detached log-probs
         (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1). With
         `loss.correction` each token's loss is weighted by pi_prox / pi_behav, the behaviour log-probs
         being the engine's (the kernels' gap; in async mode also the older weights)."""
@@ -258,8 +259,6 @@ class PolicyModel(ResponseScorer, TrainedRole):
                         flat = pack_bucket(bucket, tensors, out=staged)
                         channel.send(flat, index)
                         nbytes += bucket.nbytes
-                        if verify:
-                            digests.append(digest(flat))
                     else:  # packed in host memory, compared with the engines' copy there
                         flat = pack_bucket(
                             bucket,
