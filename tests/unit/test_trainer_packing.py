@@ -150,15 +150,22 @@ def test_packed_training_forward_gives_the_padded_loss_and_gradients(model: Any,
         assert float((g1[name] - g).abs().max()) <= 1e-5, name
 
 
+@pytest.mark.parametrize("price", ["narrow", "model"])
 def test_the_packed_forward_folds_rows_and_takes_log_probs_at_response_positions_only(
-    model: Any, monkeypatch: pytest.MonkeyPatch
+    model: Any, monkeypatch: pytest.MonkeyPatch, price: str
 ) -> None:
-    """Issue 39, item 3: the packed row is folded into rows as wide as the longest sample (so attention
-    costs about N x W, not N x N), and the float32 vocabulary-wide log-softmax runs at the response
-    positions only, not over the prompts; the log-probs are the padded forward's."""
+    """Issue 39, item 3: the packed row is folded as `fold_layout` chose (so attention costs about N x W,
+    not N x N), and the float32 vocabulary-wide log-softmax runs at the response positions only, not over
+    the prompts; the log-probs are the padded forward's whichever layout was chosen."""
     from rlhf_trainer.workers import deepspeed_utils
 
     r = _rollout(int(model.config.vocab_size))
+    lens = [int(x) for x in r.seq_lens]  # 14, 5, 29, 5, 8
+    if price == "narrow":  # attention priced high: rows as wide as the longest sample, [29], [14, 8, 5], [5]
+        monkeypatch.setattr(deepspeed_utils, "attention_tokens", lambda hidden: 1.0)
+        expected = (3, max(lens))
+    else:  # the tiny model's own price (hidden 128): 61 tokens cost least as one row
+        expected = (1, sum(lens))
     fed: list[tuple[int, ...]] = []
     hook = model.register_forward_pre_hook(
         lambda _m, _a, kw: fed.append(tuple(kw["input_ids"].shape)), with_kwargs=True
@@ -178,23 +185,36 @@ def test_the_packed_forward_folds_rows_and_takes_log_probs_at_response_positions
             )
     finally:
         hook.remove()
-    lens = [int(x) for x in r.seq_lens]  # 14, 5, 29, 5, 8: rows [14, 5], [29], [5, 8] of width 29
-    assert fed == [(3, max(lens))], (fed, lens)
+    assert fed == [expected], (fed, lens)
     responses = int(r.response_lens.sum())
     assert softmaxed == [(1, responses, int(model.config.vocab_size))], (softmaxed, responses, sum(lens))
     assert torch.allclose(out.packed(), _padded(model, r), atol=1e-5)
 
 
-def test_fold_row_keeps_samples_whole_and_in_order() -> None:
+def test_fold_row_keeps_samples_whole_longest_first() -> None:
     from rlhf_trainer.transfer import fold_row
 
     lens = torch.tensor([3, 2, 6, 1, 4])
     ids = torch.arange(1, int(lens.sum()) + 1)
     pos = torch.cat([torch.arange(int(n)) for n in lens])
-    rows, row_pos, flat = fold_row(ids, pos, lens)
-    assert rows.tolist() == [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 0]]
-    assert row_pos.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 3, 0]]
-    assert torch.equal(rows.reshape(-1)[flat], ids)  # every token once, in order
+    rows, row_pos, flat = fold_row(ids, pos, lens, attention_tokens=1.0)  # narrow rows: width 6
+    # first-fit decreasing, by sample: 2 (6 tokens) | 4 (4), 1 (2) | 0 (3), 3 (1), 2 of padding
+    assert rows.tolist() == [[6, 7, 8, 9, 10, 11], [13, 14, 15, 16, 4, 5], [1, 2, 3, 12, 0, 0]]
+    assert row_pos.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 1]]
+    assert torch.equal(rows.reshape(-1)[flat], ids)  # every token once, back in the packed row's order
+
+
+def test_fold_layout_packs_longest_first_and_widens_rows_only_where_padding_costs_more() -> None:
+    from rlhf_trainer.transfer import attention_tokens, first_fit_decreasing, fold_layout
+
+    # in sample order these take 6 rows of 5 ([5] [2] [5] [2] [4] [4]); longest first, 5
+    assert first_fit_decreasing([5, 2, 5, 2, 4, 4], 5) == [[0], [2], [4], [5], [1, 3]]
+    skewed = [506, 40, 60, 80, 30, 50, 70, 40]  # 876 tokens: 2 rows of 506 pad 13 % of 1,012
+    assert fold_layout(skewed, attention_tokens(256))[0] == 876  # one row: attention is cheap at 876
+    assert fold_layout(skewed, attention_tokens(16))[0] == 506  # attention priced high: 2 narrow rows
+    alike = [150] * 32  # nothing to pad: as narrow as the samples, whatever the price
+    width, rows = fold_layout(alike, attention_tokens(512))
+    assert (width, len(rows)) == (150, 32)
 
 
 def test_packed_critic_forward_gives_the_padded_values_and_gradients(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from rlhf_trainer.transfer import (
     PackedRollout,
+    balance_shards,
     pad_micro_batch,
     pad_response_values,
     plan_chunks,
@@ -102,3 +103,24 @@ def test_plan_chunks_whole_prompts_balanced_shards() -> None:
     assert {e for _, e, _ in chunks} == {0, 1, 2}
     with pytest.raises(ValueError):
         plan_chunks(15, shards=2, engines=1)
+
+
+def test_generated_chunks_go_to_ranks_by_tokens_and_each_rank_keeps_its_sample_count() -> None:
+    """Issue 39 item 2: micro-batches balanced by tokens across ranks. Planned round robin, rank 0 would
+    get the two long chunks (190 tokens against 30); balanced, 110 each, two 2-prompt chunks each."""
+    chunks = plan_chunks(8, shards=2, engines=1)  # 2 prompts a chunk: shards 0, 1, 0, 1
+    assert [s for s, _, _ in chunks] == [0, 1, 0, 1]
+    owners = balance_shards([s for s, _, _ in chunks], [len(i) for _, _, i in chunks], [100, 10, 90, 20])
+    assert owners == [0, 0, 1, 1]
+    load = {s: sum(t for o, t in zip(owners, [100, 10, 90, 20], strict=True) if o == s) for s in (0, 1)}
+    assert load == {0: 110, 1: 110}
+
+
+def test_balancing_keeps_each_ranks_chunk_sizes_and_the_plan_when_tokens_are_even() -> None:
+    # a 3-prompt chunk can only trade places with another 3-prompt chunk
+    shards, sizes = [0, 1, 0, 1], [3, 3, 2, 2]
+    owners = balance_shards(shards, sizes, [300, 10, 200, 5])
+    for s in (0, 1):
+        assert sorted(z for o, z in zip(owners, sizes, strict=True) if o == s) == [2, 3]
+    assert owners == [0, 1, 1, 0]  # planned 300 + 200 against 10 + 5; now 300 + 5 against 10 + 200
+    assert balance_shards(shards, sizes, [50, 50, 50, 50]) == shards  # ties: as planned

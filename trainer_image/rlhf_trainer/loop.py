@@ -30,7 +30,7 @@ from rlhf_trainer.placement import Placed, shards_of
 from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
 from rlhf_trainer.rollout.pool import EngineSlot
 from rlhf_trainer.stacks.watchdog import PhaseWatchdog
-from rlhf_trainer.transfer import plan_chunks
+from rlhf_trainer.transfer import ChunkMeta, balance_shards, plan_chunks
 from rlhf_trainer.weight_sync.manager import WeightSyncManager
 
 
@@ -348,6 +348,7 @@ def train_on(
         first = next((msg for m in reward_metas for msg in m.messages), "")
         raise RewardFailure(f"step {step}: reward failed for {errors} sample(s) (onError=failStep): {first}")
 
+    chunks = balanced(chunks, rollout.metas)  # chunks to ranks by tokens, each rank's sample count kept
     shards = by_shard(chunks, rollout.packed)  # {shard: [packed chunk refs]}; refs only
     rewards = by_shard(chunks, [result for _, result in rollout.reward_calls])
     micro, algo = spec.algorithm.rollout_micro_batch_size, algorithm_wire(spec)
@@ -518,6 +519,16 @@ def rollout_digest(rollout: Rollout) -> str:
 
     joined = ",".join(m.digest for m in rollout.metas).encode()
     return hashlib.blake2b(joined, digest_size=8).hexdigest()
+
+
+def balanced(chunks: list[Chunk], metas: list[ChunkMeta]) -> list[Chunk]:
+    """The generated chunks given to the trainer ranks by their tokens (`transfer.balance_shards`)."""
+    owners = balance_shards(
+        [shard for shard, _, _ in chunks],
+        [len(idx) for _, _, idx in chunks],
+        [m.prompt_tokens + m.response_tokens for m in metas],
+    )
+    return [(owner, engine, idx) for owner, (_, engine, idx) in zip(owners, chunks, strict=True)]
 
 
 def by_shard(chunks: list[Chunk], refs: list[Any]) -> dict[int, list[Any]]:

@@ -20,6 +20,7 @@ from rlhf_trainer import algorithms, sequence_parallel
 from rlhf_trainer.sequence_parallel import SequenceParallel, forward_context, gather_columns
 from rlhf_trainer.transfer import (
     PackedRollout,
+    attention_tokens,
     fold_row,
     pack_micro_batch,
     packed_rows,
@@ -313,14 +314,16 @@ def _packed_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One forward of samples [start, end) packed without padding (`pack_micro_batch`: back to back, position
     ids restarted per sample, no attention mask and no KV cache, so transformers keeps every sample's
-    attention inside it), folded into rows as wide as the longest sample (`fold_row`): (logits [1, N, ...]
+    attention inside it), folded into rows (`fold_row`: first-fit decreasing, as wide as attention's cost allows): (logits [1, N, ...]
     in the one row's order, labels [1, N], action mask [B, T-1] as the padded path's, `packed_rows`' index
     and inside, which lay the row's per-position results out as the padded path's [B, T-1], and the row
     positions the logits were kept at). `responses_only`: the logits at the response positions only (`keep`),
     so the float32 vocabulary-wide log-softmax after them does not run over the prompts."""
     ids, pos, labels, act_row = pack_micro_batch(rollout, start, end)
     device = next(model.parameters()).device
-    rows, row_pos, flat = fold_row(ids[0], pos[0], rollout.seq_lens[start:end])
+    rows, row_pos, flat = fold_row(
+        ids[0], pos[0], rollout.seq_lens[start:end], attention_tokens(hidden_size(model))
+    )
     keep = act_row[0].nonzero().squeeze(1).to(device) if responses_only else None
     out = model(input_ids=rows.to(device), position_ids=row_pos.to(device), use_cache=False)
     wanted = flat.to(device) if keep is None else flat.to(device)[keep]
@@ -328,6 +331,17 @@ def _packed_forward(
     index, inside = packed_rows(rollout, start, end)
     _, _, act = pad_micro_batch(rollout, start, end, 0)
     return logits, labels.to(device), act.to(device), index.to(device), inside.to(device), keep
+
+
+def hidden_size(model: Any) -> int:
+    """The transformer's hidden size, through a DeepSpeed engine (whose own `config` is DeepSpeed's)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    size = getattr(config, "hidden_size", None)
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(
+            f"cannot fold packed rows: the model's config has no hidden_size ({type(config).__name__})"
+        )
+    return size
 
 
 def _at_responses(values: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
