@@ -7,9 +7,11 @@ seed 0, fp32), on the CPU. The samples: 64 of them, prompts of 16-48 tokens, res
 Both ways run the trainer's own code over the same samples, in the same run: the micro-batches of
 `PackedRollout.micro_batches` (trainMicroBatchSize 8: 8 samples each padded; packed, as many micro-batches
 cut to equal token counts) and the forward of `deepspeed_utils.response_logprobs` (padded: right-padded rows
-with an attention mask; packed: back to back with position ids restarted, folded into rows as wide as the
-longest sample, `transfer.fold_row`), then a token-mean loss and its backward. Tokens fed are counted as
-the model received them (a forward pre-hook).
+with an attention mask; packed: back to back with position ids restarted, folded into rows first-fit
+decreasing at the width that costs least, `transfer.fold_row`), then a token-mean loss and its backward.
+Tokens fed are counted as the model received them (a forward pre-hook).
+Also, computed (no training): how uneven two trainer ranks' tokens are when the generated chunks go to
+the ranks as planned before generation, and by their tokens (`transfer.balance_shards`).
 Timed: forward + backward over every micro-batch, the median of 3 repeats after a warm-up. Goals:
 padded / packed time >= 1.3, and pad tokens / all tokens in the packed micro-batches <= 0.10.
 """
@@ -71,11 +73,33 @@ def train_pass(model: Any, rollout: Any, micro_batch: int, packed: bool) -> tupl
     return time.perf_counter() - t0, fed, pad
 
 
+def rank_imbalance(steps: int, ranks: int, prompts: int, group: int, seed: int) -> tuple[float, float]:
+    """The slowest rank's tokens over the mean rank's, averaged over `steps` GRPO batches (`prompts` x
+    `group` samples, the lengths of `samples`): chunks given to ranks as planned (`plan_chunks`, before
+    generation) and by their generated tokens (`balance_shards`, what the trainer does)."""
+    from rlhf_trainer.transfer import balance_shards, plan_chunks
+
+    chunks = plan_chunks(prompts, shards=ranks, engines=ranks)
+    planned, balanced = [], []
+    for step in range(steps):
+        lens = samples(prompts * group, seed + step).seq_lens.view(prompts, group).sum(1).tolist()
+        tokens = [sum(lens[i] for i in idx) for _, _, idx in chunks]
+        shards = [s for s, _, _ in chunks]
+        for owners, out in (
+            (shards, planned),
+            (balance_shards(shards, [len(i) for _, _, i in chunks], tokens), balanced),
+        ):
+            load = [sum(t for o, t in zip(owners, tokens, strict=True) if o == r) for r in range(ranks)]
+            out.append(max(load) / (sum(load) / ranks))
+    return sum(planned) / steps, sum(balanced) / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--balance-steps", type=int, default=200, help="batches for the rank-balance figure")
     args = parser.parse_args()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -109,6 +133,16 @@ def main() -> None:
         rows,
     )
     padded_t, packed_t = common.median(times[False]), common.median(times[True])
+    planned, balanced = rank_imbalance(args.balance_steps, 2, 32, 4, 100)
+    common.table(
+        f"2 trainer ranks, 32 prompts x 4 samples a step (lengths as above), {args.balance_steps} steps: "
+        "the slowest rank's tokens / the mean rank's",
+        ["chunks to ranks", "imbalance", "training bound by the slowest rank"],
+        [
+            ["as planned before generation", planned, 1.0],
+            ["by generated tokens", balanced, balanced / planned],
+        ],
+    )
     common.result(
         {
             "train_speedup": round(padded_t / packed_t, 3),
@@ -118,6 +152,8 @@ def main() -> None:
             "packed_seconds": round(packed_t, 3),
             "samples": args.samples,
             "tokens": int(rollout.seq_lens.sum()),
+            "rank_imbalance_planned": round(planned, 4),
+            "rank_imbalance_balanced": round(balanced, 4),
         }
     )
 
