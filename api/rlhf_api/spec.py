@@ -699,6 +699,14 @@ class DeltaSyncSpec(_Spec):
         description="A bucket sent whole because too much changed is sent whole without comparing for this "
         "many syncs minus one, then compared again.",
     )
+    choose: Literal["time", "bytes"] = Field(
+        default="time",
+        description="`time`: a bucket goes as a delta only when comparing and applying it is expected to "
+        "take less time than sending it whole (priced from a 1/64 sample of the bucket and the link speed "
+        "measured on whole buckets; a bucket priced whole is not priced again for recheckEvery syncs, then "
+        "twice as many), so turning delta on never makes a sync much slower. `bytes`: whenever the delta is "
+        "smaller (a link whose cost the trainer's clock does not see: shared, metered or congested).",
+    )
     verify_every: int = Field(
         default=10,
         ge=1,

@@ -424,9 +424,11 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     # checked does not depend on it);
     # one epoch and no KL: the old-log-probs forward is redundant and skipped (issue 18, item 11)
     # delta sync: a learning rate at which a share of the bf16 values changes per step (at the example's
-    # 5e-3 every one does, and every bucket would go whole)
+    # 5e-3 every one does, and every bucket would go whole); choose bytes: deltas whatever they cost in
+    # time (on this machine's gloo link a delta of the tiny bucket may not pay, and `time` would send it
+    # whole, which tests/unit/test_trainer_delta_sync.py covers)
     delta = ["rollout.dtype=bfloat16", "weightSync.delta.enabled=true", "weightSync.delta.verifyEvery=3",
-             "algorithm.actorLearningRate=2.0e-5"]  # fmt: skip
+             "weightSync.delta.choose=bytes", "algorithm.actorLearningRate=2.0e-5"]  # fmt: skip
     sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *REINFORCE_PP, f"model.reward.function={flaky}:reward",
             "model.reward.onError=skipSample", "algorithm.totalSteps=10", "checkpoint.path=null",
             "algorithm.epochs=1", "algorithm.klCoef=0", *delta]  # fmt: skip

@@ -4,6 +4,9 @@ than the whole bucket; a missed delta shows in the digest. benchmarks/delta_sync
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 from rlhf_trainer.weight_sync import delta
@@ -108,3 +111,56 @@ def test_the_encoder_skips_comparing_a_bucket_that_went_whole_until_its_recheck(
     d = enc.encode(0, new.clone(), new)  # the recheck compares again: nothing changed now
     assert (d.encoding, d.changed) == ("gaps", 0)
     assert enc.encode(1, new, None).encoding == "full"  # another bucket, first sync
+
+
+def test_choose_time_sends_whole_where_the_delta_would_cost_more_time_and_prices_again_ever_later() -> None:
+    """weightSync.delta.choose time: a 1 % change is a delta over a slow link and goes whole over one as
+    fast as memory (comparing and applying it would take longer); a bucket priced whole is not priced
+    again for recheck_every syncs, then twice as many."""
+    old = _bucket(1 << 16, 7)
+    new = old.clone()
+    new[::100] = (new[::100].float() + 1.0).to(torch.bfloat16)
+    slow = delta.DeltaEncoder(recheck_every=2, choose="time", seconds_per_byte=1e-3)  # 1 KB/s
+    assert slow.encode(0, new, old).encoding != "full"
+    fast = delta.DeltaEncoder(recheck_every=2, choose="time", seconds_per_byte=1e-15)  # 1 PB/s
+    sent = [fast.encode(0, new, old) for _ in range(8)]
+    # priced whole, 1 skipped; priced whole, 3 skipped; priced whole (7 to skip), 1 of them skipped
+    assert [d.encoding for d in sent] == ["full"] * 8 and all(d.changed == -1 for d in sent)
+    assert fast.skip[0] == 6 and fast.window[0] == 16
+    by_bytes = delta.DeltaEncoder(recheck_every=2, choose="bytes", seconds_per_byte=1e-15)
+    assert by_bytes.encode(0, new, old).encoding != "full"  # bytes decide, whatever the link
+    unknown = delta.DeltaEncoder(recheck_every=2, choose="time")  # no whole bucket sent yet
+    assert unknown.encode(0, new, old).encoding != "full"
+
+
+def test_the_link_speed_comes_from_whole_buckets_sent() -> None:
+    enc = delta.DeltaEncoder(choose="time")
+    enc.observe_link(1000, 0.002)
+    assert enc.seconds_per_byte == pytest.approx(2e-6)
+    enc.observe_link(1000, 0.004)  # smoothed: half the last, half the new
+    assert enc.seconds_per_byte == pytest.approx(3e-6)
+    enc.observe_link(0, 1.0)  # nothing sent: nothing learnt
+    assert enc.seconds_per_byte == pytest.approx(3e-6)
+
+
+def test_the_sender_measures_the_link_on_whole_buckets_and_forgets_it_on_a_new_channel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rlhf_trainer.weight_sync import delta_wire
+
+    def slow_link(channel: Any, d: delta.Delta, index: int) -> int:
+        time.sleep(0.05)
+        return d.nbytes
+
+    monkeypatch.setattr(delta_wire, "send_frame", slow_link)
+    sender = delta_wire.DeltaSender(delta.DeltaEncoder(choose="time"))
+    old = _bucket(4096, 3)
+    sender.send(None, 0, old)  # the first sync of a channel: whole
+    link = sender.encoder.seconds_per_byte
+    assert link is not None and link >= 0.05 / old.nbytes
+    new = old.clone()
+    new[0] = (new[0].float() + 1.0).to(torch.bfloat16)
+    d, _ = sender.send(None, 0, new)  # 1 change over a 50 ms link: a delta, which says nothing of the link
+    assert d.encoding != "full" and sender.encoder.seconds_per_byte == link
+    sender.reset()
+    assert sender.encoder.seconds_per_byte is None

@@ -5,12 +5,12 @@ next (the fp32 master weights move by less than one bf16 step). A bucket is comp
 the copy the engines hold (same dtype, same layout) and sent as whichever is smallest: the changed
 elements' positions (as uint16 gaps) and values, a bitmask and the values, or the whole bucket. Applying a delta to the
 engines' copy reproduces the new bucket exactly, so the engines stay bit-identical to the trainer's cast
-weights. Pure torch, no transport: benchmarks/delta_sync.py measures it; wiring into the sync is
-issue 39's next step.
+weights. Pure torch, no transport (delta_wire.py sends it; benchmarks/delta_sync.py measures it).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -106,26 +106,74 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, full_above: float = 0.5)
     return Delta("bitmask", numel, new[mask], bitmask=pack_bits(mask), changed=changed)
 
 
+WORK_PER_COMPARE = 4.0
+"""A delta costs about four bit-compares of its bucket: the compare, `nonzero` or the bitmask, the gather
+and the receiver's scatter (each measured alone on this machine's CPU for a 134M-element bf16 bucket:
+0.113, 0.170, 0.173 and 0.34-0.44 s; docs/benchmarks.md, delta_sync.py)."""
+SAMPLE = 64  # a bucket's first 1/64 is compared to price its delta: 1.6 % of one compare's cost
+MIN_SAMPLE = 1 << 16  # elements: below, a call's fixed cost would dominate the sample's time
+MAX_WINDOW = 512  # the longest run of syncs a bucket priced whole goes without being priced again
+
+
 @dataclass
 class DeltaEncoder:
-    """`encode` per bucket across syncs, without paying the comparison where it did not pay last time: a
-    bucket that went whole (too much changed) is sent whole without comparing for the next
-    `recheck_every - 1` syncs, then compared again. So a delta sync at a learning rate where most values
-    change costs about what a full one does. `changed` is -1 for a bucket sent without comparing."""
+    """`encode` per bucket across syncs, without paying the comparison where it does not pay. A bucket that
+    went whole because too much changed is sent whole without comparing for the next `recheck_every - 1`
+    syncs, then compared again. With `choose` "time" and the link's speed known (`observe_link`, from
+    whole buckets sent), a bucket is first priced on a sample: if comparing and applying its delta
+    (WORK_PER_COMPARE compares) would take longer than sending it whole, it goes whole, and is not priced
+    again for a window of syncs that doubles each time the price says whole (up to MAX_WINDOW). So on a
+    link as fast as memory a delta sync costs what a full one does, plus the samples. `changed` is -1 for
+    a bucket sent without comparing."""
 
     full_above: float = 0.5
     recheck_every: int = 8
+    choose: str = "bytes"  # "time" or "bytes" (weightSync.delta.choose)
+    seconds_per_byte: float | None = None  # the link's, from whole buckets sent; None: unknown
     skip: dict[int, int] = field(default_factory=dict)  # bucket index -> syncs left to send it whole
+    window: dict[int, int] = field(default_factory=dict)  # bucket index -> its next skip after a price
+
+    def observe_link(self, nbytes: int, seconds: float) -> None:
+        """A whole bucket of `nbytes` took `seconds` to send: the link's speed (the latest, smoothed)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        now = seconds / nbytes
+        self.seconds_per_byte = now if self.seconds_per_byte is None else 0.5 * (self.seconds_per_byte + now)
 
     def encode(self, index: int, new: torch.Tensor, old: torch.Tensor | None) -> Delta:
         left = self.skip.get(index, 0)
         if old is not None and left > 0:
             self.skip[index] = left - 1
             return Delta("full", new.numel(), new, changed=-1)
+        if old is not None and self.choose == "time" and not self.pays(new, old):
+            window = self.window.get(index, self.recheck_every)
+            self.skip[index] = window - 1
+            self.window[index] = min(2 * window, MAX_WINDOW)
+            return Delta("full", new.numel(), new, changed=-1)
         out = encode(new, old, self.full_above)
         if out.encoding == "full" and old is not None:
             self.skip[index] = self.recheck_every - 1
+        elif out.encoding != "full":
+            self.window.pop(index, None)  # a delta paid: price it afresh next time
         return out
+
+    def pays(self, new: torch.Tensor, old: torch.Tensor) -> bool:
+        """Whether the delta of `new` should take less time than sending it whole, from the link's speed
+        and a compare of the bucket's first 1/SAMPLE (at least MIN_SAMPLE elements): its time and the share
+        that changed. Unknown link: yes (bytes decide)."""
+        if self.seconds_per_byte is None:
+            return True
+        numel, elem = new.numel(), new.element_size()
+        k = min(numel, max(numel // SAMPLE, MIN_SAMPLE))  # a small bucket whole: no overhead scaled up
+        t0 = time.perf_counter()
+        changed = int(torch.count_nonzero(changed_mask(new[:k], old[:k])))
+        compare = (time.perf_counter() - t0) * numel / k
+        moved = changed / k * numel
+        delta_bytes = min(moved * (elem + 2), numel / 8 + moved * elem)
+        return (
+            WORK_PER_COMPARE * compare + delta_bytes * self.seconds_per_byte
+            < numel * elem * self.seconds_per_byte
+        )
 
 
 def apply(delta: Delta, held: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ carries them unchanged; an empty payload is not sent.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,8 @@ class DeltaSender:
         """A new channel: the engines hold nothing we sent."""
         self.held.clear()
         self.encoder.skip.clear()
+        self.encoder.window.clear()
+        self.encoder.seconds_per_byte = None  # another channel, maybe another link: measured afresh
 
     def send(self, channel: WeightChannel, index: int, new: torch.Tensor) -> tuple[delta.Delta, int]:
         """Encode `new` (the packed bucket, host memory) against the copy, send it, keep it as the copy."""
@@ -94,7 +97,10 @@ class DeltaSender:
         if old is not None and (old.numel() != new.numel() or old.dtype != new.dtype):
             old = None  # the plan changed shape: send whole
         d = self.encoder.encode(index, new, old)
+        t0 = time.perf_counter()
         sent = send_frame(channel, d, index)
+        if d.encoding == "full":  # the link's speed, which prices the next deltas (choose: time)
+            self.encoder.observe_link(sent, time.perf_counter() - t0)
         if old is None:
             self.held[index] = new.clone()
         elif d.encoding == "full" or d.changed != 0:

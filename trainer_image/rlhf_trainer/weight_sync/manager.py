@@ -186,7 +186,8 @@ class WeightSyncManager:
 
     def _delta_wire(self, verify: bool, *, full: bool) -> dict[str, object]:
         d = self.spec.weight_sync.delta
-        return {"full_above": d.full_above, "recheck_every": d.recheck_every, "verify": verify, "full": full}
+        return {"full_above": d.full_above, "recheck_every": d.recheck_every, "choose": d.choose,
+                "verify": verify, "full": full}  # fmt: skip
 
     def _send(
         self, plan: list[dict[str, Any]], delta_wire: dict[str, object] | None, drop: bool = False

@@ -297,7 +297,7 @@ class ModelRank:
             self.channel = open_channel(Rendezvous.from_wire(rdzv_wire), 0)
 
     def send_weights(self, delta_wire: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One sync. `delta_wire` (weightSync.delta on): {full_above, recheck_every, verify, full}; `full`
+        """One sync. `delta_wire` (weightSync.delta on): {full_above, recheck_every, choose, verify, full}; `full`
         sends every bucket whole (the repair after a digest mismatch)."""
         from rlhf_trainer.weight_sync.delta import DeltaEncoder
         from rlhf_trainer.weight_sync.delta_wire import DeltaSender
@@ -306,7 +306,11 @@ class ModelRank:
         if delta_wire is not None:
             verify = bool(delta_wire["verify"])
             if self.delta_sender is None:
-                encoder = DeltaEncoder(float(delta_wire["full_above"]), int(delta_wire["recheck_every"]))
+                encoder = DeltaEncoder(
+                    float(delta_wire["full_above"]),
+                    int(delta_wire["recheck_every"]),
+                    str(delta_wire["choose"]),
+                )
                 self.delta_sender = DeltaSender(encoder)
             if delta_wire.get("full"):
                 self.delta_sender.reset()
