@@ -46,7 +46,7 @@ class _Ref:
 @dataclass
 class _Ray:
     """Stands in for ray.wait / ray.get and records, in order, every call launched (`launch`) and every
-    wait (`wait`, with the phases in progress at that moment)."""
+    wait or get (`wait`, `get`: the methods waited on and the phases in progress at that moment)."""
 
     metrics: TrainerExporter
     events: list[tuple[str, Any]] = field(default_factory=list)
@@ -60,6 +60,8 @@ class _Ray:
         return list(refs[:num_returns]), list(refs[num_returns:])
 
     def get(self, refs: Any, **_: Any) -> Any:
+        listed = refs if isinstance(refs, list) else [refs]
+        self.events.append(("get", (sorted({r.method for r in listed}), self.in_progress())))
         return [r.value for r in refs] if isinstance(refs, list) else refs.value
 
 
@@ -79,6 +81,9 @@ class _Group:
             return [(_Ref(self.name, method, r, ADVANTAGE_STATS), _Ref(self.name, method, r)) for r in range(self.world_size)]  # fmt: skip
         value = ACTOR_STATS if method == "train_actor" else {"value_loss": 0.1, "first_value_deviation": 0.0}
         return [_Ref(self.name, method, r, value) for r in range(self.world_size)]
+
+    def get(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:  # RayGroup.get: call, then wait
+        return list(ray.get(self.call(method, *args, **kwargs)))
 
 
 def _spec() -> RLHFJobSpec:
@@ -121,9 +126,11 @@ def _train_on(monkeypatch: pytest.MonkeyPatch, layout: str) -> _Ray:
 
 
 def _launched_before_first_wait(fake: _Ray, methods: tuple[str, ...]) -> list[str]:
-    """Of `methods`, those launched before the first wait on any of them."""
+    """Of `methods`, those launched before the first wait (or blocking get) on any of them."""
     first = next(
-        i for i, (kind, what) in enumerate(fake.events) if kind == "wait" and set(what[0]) & set(methods)
+        i
+        for i, (kind, what) in enumerate(fake.events)
+        if kind in ("wait", "get") and set(what[0]) & set(methods)
     )
     return [m for kind, m in fake.events[:first] if kind == "launch" and m in methods]
 
@@ -199,7 +206,7 @@ def test_each_phase_is_timed_to_its_own_refs_and_an_error_surfaces_in_its_phase(
     assert set(done) == {"reference", "critic_values"}
     assert 0.04 < timer.seconds["reference"] < timer.seconds["critic_values"] - 0.04
     assert timer.seconds["reference"] + timer.seconds["critic_values"] > wall
-    in_progress = [what[1] for kind, what in fake.events]
+    in_progress = [what[1] for kind, what in fake.events if kind == "wait"]
     assert in_progress == [{"reference", "critic_values"}, {"critic_values"}, {"critic_values"}]
 
     failing: list[set[str]] = []
