@@ -264,3 +264,24 @@ def test_the_hang_watch_snapshots_a_phase_past_its_deadline_once() -> None:
     now[0] += 2
     failing.check()
     assert seen[-1] == ("reward", 3, "the snapshot failed: ZeroDivisionError: division by zero")
+
+
+def test_the_hang_watch_names_a_stuck_phase_while_another_ran_beside_it() -> None:
+    """Phases that run at once (the experience forwards): the one that ends does not hide the one still
+    running, which is snapshotted once it is past its own deadline."""
+    now = [0.0]
+    seen: list[tuple[str, int, float]] = []
+    watch = PhaseWatchdog(
+        lambda: {"processes": []},
+        lambda p, s, r, snap: seen.append((p, s, r)),
+        floor=10,
+        clock=lambda: now[0],
+    )
+    watch.started("reference", 3)
+    watch.started("critic_values", 3)
+    now[0] = 2.0
+    watch.ended("critic_values", 2.0)  # started last, ended first
+    now[0] = 12.0
+    watch.check()
+    watch.check()
+    assert seen == [("reference", 3, 12.0)]

@@ -25,6 +25,29 @@ def test_timer_marks_in_progress_and_records() -> None:
         t.start("not_a_phase")
 
 
+def test_two_phases_run_at_once_each_in_progress_and_timed_on_its_own() -> None:
+    """overlap.run_phases starts the experience forwards together and stops each when its own refs are
+    done: both are in progress at once, each gets its own seconds, and both gauges return to 0."""
+    m = TrainerExporter("demo")
+    t = PhaseTimer(m)
+
+    def shown() -> dict[str, float]:
+        return {p: m.phase_in_progress.labels("demo", p)._value.get() for p in ("reference", "critic_values")}
+
+    ref0 = t.start("reference")
+    critic0 = t.start("critic_values")
+    assert shown() == {"reference": 1.0, "critic_values": 1.0}
+    assert set(t.running) == {"reference", "critic_values"}
+    time.sleep(0.02)
+    t.stop("critic_values", critic0)
+    assert shown() == {"reference": 1.0, "critic_values": 0.0}  # the other is still running
+    time.sleep(0.03)
+    t.stop("reference", ref0)
+    assert shown() == {"reference": 0.0, "critic_values": 0.0} and not t.running
+    assert 0.02 <= t.seconds["critic_values"] < t.seconds["reference"]
+    assert t.seconds["reference"] >= 0.05  # its own wall time, not what was left after the other ended
+
+
 def test_exposition_has_every_contract_series_with_rlhfjob_label() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 

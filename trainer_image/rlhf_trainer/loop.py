@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import ray
@@ -24,7 +26,9 @@ from rlhf_trainer.checkpoint import Checkpointer
 from rlhf_trainer.config import algorithm_wire, sampling
 from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.faults import FaultInjector
+from rlhf_trainer.groups import RayGroup
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
+from rlhf_trainer.overlap import PhaseWork, run_phases
 from rlhf_trainer.pipeline import Background, admit, busy_seconds, idle_ratio, staleness
 from rlhf_trainer.placement import Placed, shards_of
 from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
@@ -356,36 +360,44 @@ def train_on(
         ctx.objective = ObjectiveState.restore(spec, None)
     objective = ctx.objective
     algo["kl_coef"], algo["score_moments"] = objective.kl_coef, objective.score_moments
-    ref_out: list[Any] = []
-    value_out: list[Any] = []
+
+    def forward(phase: str, role: str, method: str) -> PhaseWork:
+        return PhaseWork(phase, placed.roles[role], partial(placed.launch_role, role, method, shards, micro))
+
+    forwards = []  # run at once where different groups host them (overlap.py)
     if spec.algorithm.uses_reference and "reference" in placed.roles:
-        with timer.phase("reference"):
-            ref_out = placed.call_role("reference", "ref_logprobs", shards, micro)
+        forwards.append(forward("reference", "reference", "ref_logprobs"))
     if placed.critic is not None:
-        with timer.phase("critic_values"):
-            value_out = placed.call_role("critic", "critic_values", shards, micro)
+        forwards.append(forward("critic_values", "critic", "critic_values"))
     if not algo["skip_old_logprobs"]:  # else the training pass's own log-probs (on-policy, ratio 1)
-        with timer.phase("old_logprobs"):
-            placed.call_role("actor", "old_logprobs", shards, micro)
+        forwards.append(forward("old_logprobs", "actor", "old_logprobs"))
+    experience = run_phases(timer, forwards)
+    ref_out, value_out = experience.get("reference", []), experience.get("critic_values", [])
     with timer.phase("advantages"):
         if algo["skip_old_logprobs"]:  # the actor ranks may not have pulled their shards yet
             placed.call_role("actor", "load_shards", shards, micro)
         adv = placed.actor.call("advantages", rewards, ref_out, value_out, algo, num_returns=2)
         stats = ray.get([s for s, _ in adv])
     valid = int(sum(s["valid"] for s in stats))
-    trained_tokens = 0
-    actor_stats: list[dict[str, float]] = []
-    critic_stats: list[dict[str, float]] = []
-    with timer.phase("actor_train"):
-        if valid:
-            actor_stats = placed.actor.get("train_actor", {**algo, "step": step})
-            trained_tokens = int(sum(s["trained_tokens"] for s in actor_stats))
+
+    def train(group: RayGroup, method: str, *args: Any) -> Callable[[], list[Any]]:
+        """The training call, or none when no sample is valid (the phase is still timed, empty)."""
+        return partial(group.call, method, *args) if valid else list
+
+    trainings = [
+        PhaseWork("actor_train", placed.actor, train(placed.actor, "train_actor", {**algo, "step": step}))
+    ]
+    if placed.critic is not None:  # at once with the actor's where another group hosts the critic
+        critic_args = ([r for _, r in adv], algo)
+        trainings.append(
+            PhaseWork("critic_train", placed.critic, train(placed.critic, "train_critic", *critic_args))
+        )
+    trained = run_phases(timer, trainings)
+    actor_stats: list[dict[str, float]] = ray.get(trained["actor_train"])
+    critic_stats: list[dict[str, float]] = ray.get(trained.get("critic_train", []))
+    trained_tokens = int(sum(s["trained_tokens"] for s in actor_stats))
     if valid:
         ctx.actor_version += 1
-    if placed.critic is not None:
-        with timer.phase("critic_train"):
-            if valid:
-                critic_stats = placed.critic.get("train_critic", [r for _, r in adv], algo)
     kl_tokens = sum(s["kl_tokens"] for s in stats)
     kl = sum(s["kl_sum"] for s in stats) / max(kl_tokens, 1.0)
     if algo["skip_old_logprobs"] and actor_stats:  # no old log-probs: the training pass measured it

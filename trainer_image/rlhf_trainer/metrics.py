@@ -242,7 +242,10 @@ class TrainerExporter:
 
 
 class PhaseTimer:
-    """Times the named phases of one step: `with timer.phase("generation"): ...`."""
+    """Times the named phases of one step: `with timer.phase("generation"): ...`, or `start`/`stop` for
+    phases that run at once (overlap.run_phases: the experience forwards, the two trainings). Each phase
+    is in progress from its own start to its own stop, so the seconds of a step's phases may sum to more
+    than the step. A phase never overlaps itself."""
 
     def __init__(
         self,
@@ -254,17 +257,17 @@ class PhaseTimer:
         self.on_start = on_start  # called once a phase is marked in progress (fault injection hooks here)
         self.on_stop = on_stop  # called with the phase and its seconds once it ends (the hang watch)
         self.seconds: dict[str, float] = {}
-        self.current: str | None = None
+        self.running: dict[str, float] = {}  # phase -> when it started (perf_counter), in start order
 
     def start(self, name: str) -> float:
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}")
-        self.current = name
         if self.metrics is not None:
             job = self.metrics.job
             self.metrics.phase_in_progress.labels(job, name).set(1)
             self.metrics.phase_started.labels(job, name).set(time.time())
         t0 = time.perf_counter()
+        self.running[name] = t0
         if self.on_start is not None:
             self.on_start(name)
         return t0
@@ -272,7 +275,7 @@ class PhaseTimer:
     def stop(self, name: str, started: float) -> float:
         elapsed = time.perf_counter() - started
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
-        self.current = None
+        self.running.pop(name, None)
         if self.metrics is not None:
             job = self.metrics.job
             self.metrics.phase_in_progress.labels(job, name).set(0)

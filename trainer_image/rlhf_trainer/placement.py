@@ -51,10 +51,13 @@ class Placed:
     def critic(self) -> RayGroup | None:
         return self.roles.get("critic")
 
-    def call_role(self, role: str, method: str, shards: dict[int, list[Any]], micro_batch: int) -> list[Any]:
-        """Run an experience phase on the group hosting `role`. Its ranks form D data-parallel groups of
-        SP ranks (contiguous blocks); rank w is in group w // SP and takes shards s with s % D == w // SP.
-        Every rank of an SP group gets the same refs and pulls the chunks itself: nothing is broadcast."""
+    def launch_role(
+        self, role: str, method: str, shards: dict[int, list[Any]], micro_batch: int
+    ) -> list[Any]:
+        """Launch an experience phase on the group hosting `role` and return its refs, without waiting.
+        Its ranks form D data-parallel groups of SP ranks (contiguous blocks); rank w is in group w // SP
+        and takes shards s with s % D == w // SP. Every rank of an SP group gets the same refs and pulls
+        the chunks itself: nothing is broadcast."""
         group = self.roles[role]
         W = group.world_size
         sp = self.sequence_parallel[group.name]
@@ -62,7 +65,11 @@ class Placed:
         per_rank = [
             ({s: refs for s, refs in shards.items() if s % D == w // sp}, micro_batch) for w in range(W)
         ]
-        refs = group.call(method, per_rank=per_rank)
+        return group.call(method, per_rank=per_rank)
+
+    def call_role(self, role: str, method: str, shards: dict[int, list[Any]], micro_batch: int) -> list[Any]:
+        """`launch_role`, then wait for every rank (an error surfaces here, in the caller's phase)."""
+        refs = self.launch_role(role, method, shards, micro_batch)
         ray.wait(refs, num_returns=len(refs))
         ray.get(refs)  # surface errors inside the phase that caused them
         return list(refs)

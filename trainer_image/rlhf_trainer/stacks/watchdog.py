@@ -3,7 +3,8 @@ so `rlhf run` without Kubernetes (or an operator that cannot reach the cluster) 
 
 The deadline of a phase is `factor` x the longest this phase has taken so far in the run, and never
 less than `floor` seconds (the first step's phases, which load models and compile, have only the
-floor). One snapshot per phase run: a phase that stays stuck is not snapshotted again.
+floor). One snapshot per phase run: a phase that stays stuck is not snapshotted again. Phases may run
+at once (the experience forwards, the two trainings): each is watched from its own start to its own end.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class PhaseWatchdog:
     ) -> None:
         self.take, self.report, self.floor, self.factor, self.clock = take, report, floor, factor, clock
         self.longest: dict[str, float] = {}
-        self._current: tuple[str, int, float] | None = None
-        self._snapped = False
+        self._running: dict[str, tuple[int, float]] = {}  # phase -> (its step, when it started)
+        self._snapped: set[str] = set()  # phases in progress already snapshotted
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -38,25 +39,26 @@ class PhaseWatchdog:
 
     def started(self, phase: str, step: int = 0) -> None:
         with self._lock:
-            self._current, self._snapped = (phase, step, self.clock()), False
+            self._running[phase] = (step, self.clock())
+            self._snapped.discard(phase)
 
     def ended(self, phase: str, seconds: float) -> None:
         with self._lock:
             self.longest[phase] = max(self.longest.get(phase, 0.0), seconds)
-            if self._current and self._current[0] == phase:
-                self._current = None
+            self._running.pop(phase, None)
+            self._snapped.discard(phase)
 
     def due(self) -> tuple[str, int, float] | None:
-        """The phase past its deadline, its step and how long it has run, once per phase run."""
+        """A phase past its deadline (the earliest started of those), its step and how long it has run,
+        once per phase run."""
         with self._lock:
-            if self._current is None or self._snapped:
-                return None
-            phase, step, since = self._current
-            running = self.clock() - since
-            if running <= self.deadline(phase):
-                return None
-            self._snapped = True
-            return phase, step, running
+            now = self.clock()
+            for phase, (step, since) in self._running.items():
+                running = now - since
+                if phase not in self._snapped and running > self.deadline(phase):
+                    self._snapped.add(phase)
+                    return phase, step, running
+            return None
 
     def check(self) -> None:
         overdue = self.due()
