@@ -489,6 +489,7 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 
 # Every series name of the trainer's metrics contract (docs/monitoring.md), written out independently of the code.
 METRICS_CONTRACT = [
+    "rlhf_step_seconds",
     "rlhf_step_phase_seconds",
     "rlhf_phase_duration_seconds_bucket",
     "rlhf_phase_in_progress",

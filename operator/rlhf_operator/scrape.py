@@ -29,6 +29,7 @@ class ScrapedMetrics:
     last_step_completed_ts: float | None = None
     stall_timeout_seconds: float | None = None
     step_phase_seconds: dict[str, float] = field(default_factory=dict)
+    last_step_seconds: float | None = None  # rlhf_step_seconds
     in_progress_step_phase: str | None = None
     in_progress_since: float | None = None
     generated_tokens_total: float = 0.0
@@ -56,6 +57,10 @@ class ScrapedMetrics:
 
     @property
     def step_seconds(self) -> float:
+        """The last step's wall time (rlhf_step_seconds); from a trainer image without it, the phases'
+        sum, which overstates a step whose phases overlapped."""
+        if self.last_step_seconds is not None and self.last_step_seconds > 0:
+            return self.last_step_seconds
         return sum(self.step_phase_seconds.values())
 
     @property
@@ -81,6 +86,8 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> ScrapedMetrics:
                 continue
             name, value = s.name, float(s.value)
             step_phase = labels.get("phase", "")  # the label keeps its contract name
+            if name == "rlhf_step_seconds":
+                out.last_step_seconds = value
             if name == "rlhf_step_phase_seconds" and step_phase:
                 out.step_phase_seconds[step_phase] = value
             elif name == "rlhf_phase_in_progress" and step_phase and value >= 1:

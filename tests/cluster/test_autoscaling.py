@@ -205,7 +205,7 @@ def test_built_in_policy_scales_up_when_generation_bound_and_back_down(
 
     def complete_step(generation: float, train: float) -> None:
         nonlocal step
-        trainer.step_done({"generation": generation, "actor_train": train})
+        trainer.step_done({"generation": generation, "actor_train": train}, generation + train)
         step += 1
         wait_for(
             lambda: job_status(cluster, ns, "auto").get("step") == step,

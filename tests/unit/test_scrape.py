@@ -31,7 +31,7 @@ def test_a_fresh_trainer_exposition_parses_with_no_step_and_no_phase() -> None:
 
 def test_a_completed_step_and_a_running_phase_are_read_back() -> None:
     m = TrainerExporter("job-a")
-    m.step_done({"generation": 3.0, "reward": 0.5, "actor_train": 1.5})
+    m.step_done({"generation": 3.0, "reward": 0.5, "actor_train": 1.5}, 5.0)
     m.generated_tokens.labels("job-a").inc(1234)
     m.reward_mean.labels("job-a").set(0.25)
     m.set_engines({"ready": 2, "starting": 1})
@@ -49,9 +49,29 @@ def test_a_completed_step_and_a_running_phase_are_read_back() -> None:
     assert got.last_step_completed_ts is not None
 
 
+def test_the_generation_share_is_of_the_steps_wall_time_when_phases_overlap() -> None:
+    """Phases that ran at the same time (reference beside critic, actor beside critic training) each
+    report their own seconds, so they sum to more than the step: the autoscaler's share is of the step's
+    wall time (rlhf_step_seconds). A trainer image without that gauge falls back to the sum."""
+    m = TrainerExporter("job-a")
+    m.step_done(
+        {"generation": 3.0, "reference": 1.0, "critic_values": 1.0, "actor_train": 2.0, "critic_train": 2.0},
+        6.0,
+    )
+    got = parse_metrics(exported(m), "job-a")
+    assert got.step_seconds == 6.0 and got.generation_share == pytest.approx(3.0 / 6.0)  # not 3 / 9
+    older = "\n".join(
+        line
+        for line in exported(m).splitlines()
+        if not line.startswith(("rlhf_step_seconds", "# HELP rlhf_step_seconds", "# TYPE rlhf_step_seconds"))
+    )
+    got = parse_metrics(older + "\n", "job-a")
+    assert got.step_seconds == 9.0 and got.generation_share == pytest.approx(3.0 / 9.0)
+
+
 def test_series_of_another_job_are_ignored() -> None:
     m = TrainerExporter("other")
-    m.step_done({"generation": 9.0})
+    m.step_done({"generation": 9.0}, 9.0)
     got = parse_metrics(exported(m), "job-a")
     assert got.steps_completed == 0 and got.step_phase_seconds == {}
 
@@ -90,7 +110,7 @@ def server() -> Iterator[dict[str, Any]]:
 
 def test_fetch_reads_a_live_endpoint(server: dict[str, Any]) -> None:
     m = TrainerExporter("job-a")
-    m.step_done({"generation": 1.0})
+    m.step_done({"generation": 1.0}, 1.0)
     server["body"] = generate_latest(m.registry)
     assert fetch_metrics(server["url"], "job-a").steps_completed == 1
 

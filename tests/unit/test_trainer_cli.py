@@ -37,12 +37,12 @@ def test_step_table_has_a_column_per_phase_aligned_with_its_header() -> None:
     assert list(cli._PHASE_COLUMNS) == list(PHASES)
     r = StepReport(step=3, phase_seconds={"generation": 1.25, "weight_sync": 0.05}, reward_mean=0.41, kl=0.01,
                    generated_tokens=10, trained_tokens=10, reward_errors=0, valid_samples=8,
-                   tokens_per_second=8.0)  # fmt: skip
+                   tokens_per_second=8.0, step_seconds=1.4)  # fmt: skip
     header, row = cli._step_header(), cli._step_row(r)
     assert len(header) == len(row)
     cols = header.split("|")[1].split()
     cells = row.split("|")[1].split()
     assert dict(zip(cols, cells, strict=True)) == {
         "gen": "1.25", "reward": "-", "ref": "-", "values": "-", "oldlp": "-", "adv": "-", "actor": "-",
-        "critic": "-", "sync": "0.05", "ckpt": "-", "total": "1.30",
+        "critic": "-", "sync": "0.05", "ckpt": "-", "total": "1.40",  # the step's wall time
     }  # fmt: skip

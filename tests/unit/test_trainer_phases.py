@@ -52,7 +52,7 @@ def test_exposition_has_every_contract_series_with_rlhfjob_label() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     m = TrainerExporter("demo")
-    m.step_done({"generation": 1.5, "weight_sync": 0.1})
+    m.step_done({"generation": 1.5, "weight_sync": 0.1}, 1.6)
     text = generate_latest(m.registry).decode()
     samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
     names = {s.name for s in samples}
@@ -169,7 +169,7 @@ def test_a_resumed_driver_counts_steps_from_the_checkpoint(monkeypatch: pytest.M
     # Announced before the minute of start-up (placement), so `kubectl get rlhf` never shows 0/N mid-run.
     assert seen["steps_at_place"] == 8
     assert seen["checkpoint_at_place"] == 8  # rlhf_last_checkpoint_step: the checkpoint resumed from
-    m.step_done({"generation": 1.0})
+    m.step_done({"generation": 1.0}, 1.0)
     assert m.steps_completed.labels("demo")._value.get() == 9
     assert m.last_step_ts.labels("demo")._value.get() >= float(seen["ts_at_place"])  # type: ignore[arg-type]
 
@@ -178,7 +178,7 @@ def test_a_phase_that_did_not_run_in_the_last_step_reports_zero() -> None:
     """docs/monitoring.md: rlhf_step_phase_seconds is the last completed step; `checkpoint` (not due every
     step) must not keep an older step's duration, or the step time and generation share drift."""
     m = TrainerExporter("demo")
-    m.step_done({"generation": 2.0, "weight_sync": 0.5, "checkpoint": 3.0})
-    m.step_done({"generation": 1.0, "weight_sync": 0.25})
+    m.step_done({"generation": 2.0, "weight_sync": 0.5, "checkpoint": 3.0}, 5.5)
+    m.step_done({"generation": 1.0, "weight_sync": 0.25}, 1.25)
     got = {p: m.step_phase_seconds.labels("demo", p)._value.get() for p in PHASES}
     assert got == {**dict.fromkeys(PHASES, 0.0), "generation": 1.0, "weight_sync": 0.25}

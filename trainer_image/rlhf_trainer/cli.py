@@ -217,19 +217,20 @@ def _step_row(r: Any) -> str:
     )
     return (
         f"{r.step:>5} {r.reward_mean:>7.3f} {r.kl:>7.4f} {r.tokens_per_second:>6.0f} {r.reward_errors:>6} |"
-        f"{cells} {sum(r.phase_seconds.values()):>7.2f}"
+        f"{cells} {r.step_seconds:>7.2f}"
     )
 
 
 def _phase_table(rows: list[Any]) -> Any:
-    """Phases as rows (the table stays narrow however many steps ran): last step, mean, share of the step."""
+    """Phases as rows (the table stays narrow however many steps ran): last step, mean, share of the steps'
+    wall time (phases that ran at the same time each count their own, so the shares may sum past 100 %)."""
     from rich.table import Table
 
     from rlhf_trainer.metrics import PHASES
 
     used = [p for p in PHASES if any(p in r.phase_seconds for r in rows)]
     totals = {p: sum(r.phase_seconds.get(p, 0.0) for r in rows) for p in used}
-    grand = sum(totals.values()) or 1.0
+    grand = sum(r.step_seconds for r in rows) or 1.0
     last = rows[-1]
     table = Table(
         title=f"phases over {len(rows)} step(s); last step {last.step}, reward {last.reward_mean:.3f}, "
@@ -244,7 +245,7 @@ def _phase_table(rows: list[Any]) -> Any:
             f"{totals[p] / len(rows):.2f}",
             f"{100 * totals[p] / grand:.0f}%",
         )
-    table.add_row("total", f"{sum(last.phase_seconds.values()):.2f}", f"{grand / len(rows):.2f}", "100%")
+    table.add_row("step", f"{last.step_seconds:.2f}", f"{grand / len(rows):.2f}", "100%")
     return table
 
 

@@ -63,6 +63,7 @@ class StepReport:
     rollout_digest: str = ""  # of every chunk's tokens, in chunk order
     staleness: int = 0  # optimizer steps between the generating weights and the trained policy
     stale_samples: int = 0  # samples of a too-stale batch regenerated or dropped before this step trained
+    step_seconds: float = 0.0  # wall time, start to end (phases that overlap count once)
     trainer_idle_ratio: float = 0.0  # share of the step the trainer waited for rollouts
     rollout_idle_ratio: float = 0.0  # share of the step the engines were not generating
     generating_seconds: float = 0.0  # how long the engines took to generate the batch (async: partly hidden)
@@ -445,6 +446,7 @@ def train_on(
         checkpoint=checkpoint,
         training=training,
         rollout_digest=rollout_digest(rollout),
+        step_seconds=step_seconds,
         trainer_idle_ratio=idle_ratio(step_seconds - waited, step_seconds),
         rollout_idle_ratio=idle_ratio(busy_seconds(busy, started, ended), step_seconds),
         generating_seconds=gen.generating_seconds,
@@ -569,4 +571,4 @@ def record(ctx: StepContext, report: StepReport) -> None:
             m.logprob_gap.labels(ctx.job, stat).set(t[f"logprob_gap_{stat}"])
     m.trainer_idle_ratio.labels(ctx.job).set(report.trainer_idle_ratio)
     m.rollout_idle_ratio.labels(ctx.job).set(report.rollout_idle_ratio)
-    m.step_done(report.phase_seconds)
+    m.step_done(report.phase_seconds, report.step_seconds)

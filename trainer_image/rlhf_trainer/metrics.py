@@ -61,6 +61,12 @@ class TrainerExporter:
         self.phase_started = Gauge(
             "rlhf_phase_started_timestamp_seconds", "When the phase last started", [L, "phase"], registry=r
         )
+        self.step_seconds = Gauge(
+            "rlhf_step_seconds",
+            "Wall time of the last completed step (phases that ran at the same time count once)",
+            [L],
+            registry=r,
+        )
         self.steps_completed = Counter("rlhf_steps_completed", "Completed training steps", [L], registry=r)
         self.last_step_ts = Gauge(
             "rlhf_last_step_completed_timestamp_seconds", "When the last step completed", [L], registry=r
@@ -198,6 +204,7 @@ class TrainerExporter:
         ):
             c.labels(job)
         for g in (
+            self.step_seconds,
             self.last_step_ts,
             self.total_steps,
             self.stall_timeout,
@@ -234,7 +241,9 @@ class TrainerExporter:
         """A checkpoint of `step` was written, or the run resumed from it."""
         self.last_checkpoint_step.labels(self.job).set(step)
 
-    def step_done(self, phase_seconds: dict[str, float]) -> None:
+    def step_done(self, phase_seconds: dict[str, float], seconds: float) -> None:
+        """A step ended: its phases' own wall times (which may overlap) and the step's."""
+        self.step_seconds.labels(self.job).set(seconds)
         for phase in PHASES:  # a phase that did not run in this step reports 0, not its last duration
             self.step_phase_seconds.labels(self.job, phase).set(phase_seconds.get(phase, 0.0))
         self.steps_completed.labels(self.job).inc()
