@@ -99,24 +99,34 @@ def _backward_discount(x: torch.Tensor, factor: float) -> torch.Tensor:
     return out
 
 
+def _group_centred(
+    scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample, over its group's valid samples: (score - group mean, the group's valid count, the group
+    index), float64. One scatter pass per moment instead of a Python loop over the groups; invalid samples
+    get 0 and add nothing (their scores may be NaN: a failed reward), so nothing leaks into a group."""
+    _, inv = torch.unique(groups, return_inverse=True)
+    k = int(inv.max()) + 1 if inv.numel() else 0
+    s = torch.where(valid, scores.double(), torch.zeros((), dtype=torch.float64))
+    count = torch.zeros(k, dtype=torch.float64).index_add_(0, inv, valid.double())
+    mean = torch.zeros(k, dtype=torch.float64).index_add_(0, inv, s) / count.clamp(min=1.0)
+    centred = torch.where(valid, s - mean[inv], torch.zeros((), dtype=torch.float64))
+    return centred, count[inv], inv
+
+
 def group_normalised_scores(
     scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor | None = None, scale: bool = True
 ) -> torch.Tensor:
     """(score - group mean) / (unbiased group std + GRPO_STD_EPS) per sample, over the group's valid samples;
-    invalid samples get 0 and don't count, and a group with a single valid sample gets 0 (no baseline)."""
-    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
-    out = torch.zeros_like(scores, dtype=torch.float32)
-    for g in torch.unique(groups):
-        idx = (groups == g) & valid
-        if not bool(idx.any()):
-            continue
-        s = scores[idx].float()
-        centred = s - s.mean()
-        if scale:
-            std = s.std(unbiased=True) if s.numel() > 1 else torch.tensor(0.0)
-            centred = centred / (std + GRPO_STD_EPS)
-        out[idx] = centred
-    return out
+    invalid samples get 0 and don't count, and a group with a single valid sample gets 0 (no baseline).
+    Vectorised over the groups (float64 moments, float32 result)."""
+    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.bool()
+    centred, n, inv = _group_centred(scores, groups, valid)
+    if scale:
+        sq = torch.zeros_like(centred).index_add_(0, inv, centred.square())  # rows: groups (<= samples)
+        std = (sq[inv] / (n - 1.0).clamp(min=1.0)).sqrt()
+        centred = centred / (std + GRPO_STD_EPS)
+    return centred.float()  # a single valid sample is its own mean: exactly 0, scaled or not
 
 
 def grpo(
@@ -140,21 +150,18 @@ def rloo(
     """REINFORCE leave-one-out (Ahmadian et al. 2024): score minus the mean of the other valid samples of its
     group, broadcast over the sample's tokens; n/(n-1) times (score - group mean). A group with one valid
     sample has no baseline and gets 0; invalid samples get 0. No whitening."""
-    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
-    out = torch.zeros_like(scores, dtype=torch.float32)
-    for g in torch.unique(groups):
-        idx = (groups == g) & valid
-        n = int(idx.sum())
-        if n < 2:
-            continue
-        s = scores[idx].float()
-        out[idx] = (s - s.mean()) * (n / (n - 1))
-    return _broadcast(out, response_lens)
+    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.bool()
+    centred, n, _ = _group_centred(scores, groups, valid)
+    # a single valid sample is its own mean (centred exactly 0): the clamp only avoids 0/0
+    return _broadcast((centred * n / (n - 1.0).clamp(min=1.0)).float(), response_lens)
 
 
 def _broadcast(per_sample: torch.Tensor, response_lens: Sequence[int]) -> Advantages:
-    advs = [torch.full((int(n),), float(per_sample[i])) for i, n in enumerate(response_lens)]
-    return Advantages(advs, [torch.zeros_like(x) for x in advs])
+    """Each sample's value over its response tokens: one repeat and one split (the tensors are views of one
+    buffer; every caller concatenates or reads them), not a tensor built per sample."""
+    lens = [int(n) for n in response_lens]
+    flat = torch.repeat_interleave(per_sample.detach().float().cpu(), torch.tensor(lens, dtype=torch.long))
+    return Advantages(list(torch.split(flat, lens)), list(torch.split(torch.zeros_like(flat), lens)))
 
 
 def reinforce_pp(
@@ -539,13 +546,15 @@ def normalise_scores(scores: torch.Tensor, moments: RunningMoments) -> torch.Ten
 
 
 def informative_groups(scores: Sequence[float], group_size: int, tol: float = 1e-9) -> list[bool]:
-    """Per consecutive group of `group_size` scores: whether its rewards differ (DAPO's dynamic sampling
-    keeps only these; a group whose rewards are all equal has zero group-relative advantage)."""
-    out = []
-    for i in range(0, len(scores), group_size):
-        g = scores[i : i + group_size]
-        out.append(max(g) - min(g) > tol)
-    return out
+    """Per consecutive group of `group_size` scores (the last may be shorter): whether its rewards differ
+    (DAPO's dynamic sampling keeps only these; a group whose rewards are all equal has zero group-relative
+    advantage). One max and one min scatter over all groups, in float64 (a Python float's precision)."""
+    x = torch.tensor([float(v) for v in scores], dtype=torch.float64)
+    n = -(-x.numel() // group_size)
+    idx = torch.arange(x.numel()) // group_size
+    hi = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce(0, idx, x, "amax")
+    lo = torch.full((n,), math.inf, dtype=torch.float64).scatter_reduce(0, idx, x, "amin")
+    return [bool(b) for b in (hi - lo > tol).tolist()]
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
