@@ -233,3 +233,67 @@ def test_stale_samples_are_weighted_by_proximal_over_behaviour_and_capped() -> N
         A.rollout_weights(prox, behav, mask, "naive", "mask", 0.0, 5.0)
     with pytest.raises(ValueError, match="naive"):
         A.rollout_weights(prox, behav, mask, "token", "naive", 0.0, 5.0)
+
+
+# ---- the vectorised group estimators against a loop over the groups --------------------------------------
+def _loop_group_scores(
+    scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, kind: str
+) -> torch.Tensor:
+    """Per sample, one group at a time in Python (float64): 'grpo' (s - mean) / (unbiased std + eps),
+    'dr_grpo' s - mean, 'rloo' s - mean of the others; over the group's valid samples, 0 for invalid samples
+    and for a group with fewer than two valid samples."""
+    out = torch.zeros(scores.numel(), dtype=torch.float64)
+    for g in set(groups.tolist()):
+        members = [i for i in range(scores.numel()) if int(groups[i]) == g and bool(valid[i])]
+        if len(members) < 2:
+            continue
+        s = [float(scores[i]) for i in members]
+        mean = sum(s) / len(s)
+        std = math.sqrt(sum((x - mean) ** 2 for x in s) / (len(s) - 1))
+        for i, x in zip(members, s, strict=True):
+            if kind == "grpo":
+                out[i] = (x - mean) / (std + A.GRPO_STD_EPS)
+            elif kind == "dr_grpo":
+                out[i] = x - mean
+            else:
+                out[i] = x - (sum(s) - x) / (len(s) - 1)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_group_estimators_equal_a_loop_over_the_groups(seed: int) -> None:
+    """Random group ids (unsorted, sparse), invalid samples with NaN scores (a failed reward), singleton
+    groups and groups whose only other member is invalid, ties (a zero-std group)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 200
+    groups = torch.randint(0, 60, (n,), generator=g) * 7 - 100  # ids need not be 0..k-1
+    groups[:5] = torch.tensor([9001, 9002, 9003, 9003, 9004])  # singletons, and a pair ...
+    scores = torch.randn(n, generator=g) * 3.0
+    scores[10:] = torch.where(torch.rand(n - 10, generator=g) < 0.3, scores[10:].round(), scores[10:])
+    valid = torch.rand(n, generator=g) > 0.2
+    valid[2] = False  # ... one of whose members is invalid
+    valid[3] = True
+    scores = torch.where(valid, scores, torch.full_like(scores, math.nan))
+    lens = torch.randint(0, 6, (n,), generator=g).tolist()
+    for kind, got in (
+        ("grpo", A.grpo(scores, groups, lens, valid).advantages),
+        ("dr_grpo", A.grpo(scores, groups, lens, valid, scale=False).advantages),
+        ("rloo", A.rloo(scores, groups, lens, valid).advantages),
+    ):
+        ref = _loop_group_scores(scores, groups, valid, kind)
+        assert [int(a.numel()) for a in got] == lens
+        per_sample = torch.tensor([float(a[0]) if a.numel() else float(ref[i]) for i, a in enumerate(got)])
+        assert all(bool((a == a[0]).all()) for a in got if a.numel())  # one value over the sample's tokens
+        assert bool(torch.isfinite(per_sample).all()), kind
+        assert float((per_sample.double() - ref).abs().max()) <= 1e-5 * max(1.0, float(ref.abs().max())), kind
+        assert bool((per_sample[~valid] == 0).all()) and bool((per_sample[:3] == 0).all()), kind
+    direct = A.group_normalised_scores(scores, groups, valid)
+    assert direct.dtype == torch.float32 and direct.shape == scores.shape
+    assert float((direct.double() - _loop_group_scores(scores, groups, valid, "grpo")).abs().max()) <= 1e-5
+
+
+def test_informative_groups_with_a_short_last_group() -> None:
+    scores = [1.0, 1.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0, 3.0]  # groups of 4: the last has one score
+    assert A.informative_groups(scores, 4) == [True, False, False]
+    assert A.informative_groups([], 4) == []
+    assert A.informative_groups([0.5, 0.5 + 1e-12, 0.5 + 2e-9], 3) == [True]

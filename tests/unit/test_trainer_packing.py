@@ -171,13 +171,13 @@ def test_the_packed_forward_folds_rows_and_takes_log_probs_at_response_positions
         lambda _m, _a, kw: fed.append(tuple(kw["input_ids"].shape)), with_kwargs=True
     )
     softmaxed: list[tuple[int, ...]] = []
-    real = algorithms.token_logprobs
+    real = algorithms.chunked_token_logprobs
 
     def spy(logits: torch.Tensor, *args: Any) -> Any:
         softmaxed.append(tuple(logits.shape))
         return real(logits, *args)
 
-    monkeypatch.setattr(deepspeed_utils.algorithms, "token_logprobs", spy)
+    monkeypatch.setattr(algorithms, "chunked_token_logprobs", spy)
     try:
         with torch.no_grad():
             out = deepspeed_utils.response_logprobs(
@@ -187,7 +187,7 @@ def test_the_packed_forward_folds_rows_and_takes_log_probs_at_response_positions
         hook.remove()
     assert fed == [expected], (fed, lens)
     responses = int(r.response_lens.sum())
-    assert softmaxed == [(1, responses, int(model.config.vocab_size))], (softmaxed, responses, sum(lens))
+    assert softmaxed == [(responses, int(model.config.vocab_size))], (softmaxed, responses, sum(lens))
     assert torch.allclose(out.packed(), _padded(model, r), atol=1e-5)
 
 

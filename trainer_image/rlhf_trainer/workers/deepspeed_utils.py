@@ -372,20 +372,31 @@ def response_logprobs(
     """Log-probs of each next token, for samples [start, end) (this rank's columns under SP), under the
     distribution the engines sampled from (logits / temperature, renormalised over the top-p nucleus);
     `entropy` holds that distribution's entropy per position. `packed` (no SP): the forward runs over the
-    samples packed in one row, the results come back in the padded layout (`_packed_forward`)."""
+    samples packed in one row, the results come back in the padded layout (`_packed_forward`).
+
+    Either way the float32 vocabulary-wide log-softmax runs only at the response positions (the action
+    mask; under SP, those among this rank's columns), in chunks (`algorithms.chunked_token_logprobs`);
+    every other position gets 0, as the packed layout always did, and every consumer masks by `mask`."""
     if packed:
         if sp is not None and sp.size > 1:
             raise ValueError("packed micro-batches need whole sequences (sequence parallelism pads)")
         logits, labels, act, _, _, keep = _packed_forward(model, rollout, start, end, responses_only=True)
         assert keep is not None  # logits at the response positions only: [1, R, V]
-        lp, ent = algorithms.token_logprobs(logits.float(), labels[:, keep], temperature, top_p, entropy_grad)
+        lp, ent = algorithms.chunked_token_logprobs(
+            logits[0], labels[0, keep], temperature, top_p, entropy_grad
+        )
         # the response positions in row order are the action mask's in [B, T-1] order: scattered there
-        lp, entropy = _at_responses(lp[0], act), _at_responses(ent[0], act)
+        lp, entropy = _at_responses(lp, act), _at_responses(ent, act)
         return TokenOutputs(lp, act, act, slice(0, act.shape[1]), None, entropy)
     out, labels, act, cols = _forward(model, rollout, start, end, pad_id, sp)
-    logits = out.logits[:, : cols.stop - cols.start, :].float()
-    lp, entropy = algorithms.token_logprobs(logits, labels, temperature, top_p, entropy_grad)
-    return TokenOutputs(lp, act[:, cols], act, cols, sp if sp is not None and sp.size > 1 else None, entropy)
+    local = act[:, cols]
+    at = local.bool()
+    # one gather of the response rows (in the model's dtype); the [B, columns, V] logits are then dropped
+    logits = out.logits[:, : cols.stop - cols.start, :][at]
+    del out
+    lp, ent = algorithms.chunked_token_logprobs(logits, labels[at], temperature, top_p, entropy_grad)
+    lp, entropy = _at_responses(lp, local), _at_responses(ent, local)
+    return TokenOutputs(lp, local, act, cols, sp if sp is not None and sp.size > 1 else None, entropy)
 
 
 def over_micro_batches(
