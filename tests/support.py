@@ -333,6 +333,18 @@ def run_ranks(target: Callable[..., None], world: int, args: tuple[Any, ...], ti
     )
 
 
+def tiny_policy(out: Path) -> Any:
+    """The tiny Llama built under `out`, loaded as a float32 causal LM in eval mode: the real model the
+    trainer's forward, packing and log-prob tests run on."""
+    import torch
+    from rlhf_trainer.tiny_model import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_model(out)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(str(out / "model"), dtype=torch.float32)
+    return loaded.eval()
+
+
 def tiny_critic(model_dir: Path, out: Path) -> Path:
     """A token-classification critic (one label, seed 5) built from the tiny model, saved under out/critic,
     for the unit tests that start real ZeRO-3 ranks with a critic."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from rlhf_trainer import algorithms
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.workers import deepspeed_utils as du
+from support import tiny_policy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = pytest.mark.unit
@@ -28,13 +28,7 @@ TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from rlhf_trainer.tiny_model import make_tiny_model
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out)
-    loaded: Any = AutoModelForCausalLM.from_pretrained(str(Path(out) / "model"), dtype=torch.float32)
-    return loaded.eval()
+    return tiny_policy(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture

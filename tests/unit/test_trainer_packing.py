@@ -24,20 +24,14 @@ from rlhf_trainer.transfer import (
     pad_micro_batch,
     unpad_response_values,
 )
-from support import free_port, run_ranks, tiny_critic
+from support import free_port, run_ranks, tiny_critic, tiny_policy
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from rlhf_trainer.tiny_model import make_tiny_model
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out)
-    loaded: Any = AutoModelForCausalLM.from_pretrained(str(Path(out) / "model"), dtype=torch.float32)
-    return loaded.eval()
+    return tiny_policy(tmp_path_factory.mktemp("tiny"))
 
 
 def _rollout(vocab: int) -> PackedRollout:
