@@ -39,6 +39,15 @@ def marker(phase: str, step: int) -> Path:
     return Path(os.environ.get(DIR_ENV, ".")) / f"{phase}@{step}"
 
 
+def write_marker(path: Path, record: dict[str, object]) -> None:
+    """A fault's marker, whole or not at all: written aside and renamed, so a test that polls for it
+    never reads it half written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    aside = path.with_name(f".{path.name}.{os.getpid()}")
+    aside.write_text(json.dumps(record) + "\n")
+    os.replace(aside, path)
+
+
 def maybe_hang(step: int | None, role: str, rank: int, world_size: int) -> None:
     """`rank_hang@step`: the actor group's last rank (`role` actor) hangs here, once (its marker), in
     every run where the fault is armed; nothing otherwise."""
@@ -47,8 +56,7 @@ def maybe_hang(step: int | None, role: str, rank: int, world_size: int) -> None:
     mark = marker(RANK_HANG, step)
     if mark.exists():
         return
-    mark.parent.mkdir(parents=True, exist_ok=True)
-    mark.write_text(json.dumps({"who": f"{role} rank {rank}", "pid": os.getpid()}) + "\n")
+    write_marker(mark, {"who": f"{role} rank {rank}", "pid": os.getpid()})
     print(f"fault injected: {role} rank {rank} (pid {os.getpid()}) hangs in step {step}", file=sys.stderr)
     sys.stderr.flush()
     injected_hang(HANG_SECONDS)

@@ -28,7 +28,6 @@ InjectedFault names the file it waited for, and the save is aborted like any fai
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -36,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rlhf_trainer.fault_env import DIR_ENV, ENV, InjectedFault, armed
+from rlhf_trainer.fault_env import DIR_ENV, ENV, InjectedFault, armed, write_marker
 from rlhf_trainer.fault_env import marker as _marker
 
 __all__ = ["DIR_ENV", "ENV", "FaultInjector", "InjectedFault", "armed", "fail_at_start"]
@@ -162,5 +161,4 @@ class FaultInjector:
         """The marker the test reads: who fires, and the partial checkpoints at that moment."""
         root = self.checkpoint_root
         partial = sorted(p.name for p in root.glob(".tmp-*")) if root is not None else []
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"who": who, "pid": pid, "partial_checkpoints": partial}) + "\n")
+        write_marker(marker, {"who": who, "pid": pid, "partial_checkpoints": partial})
