@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rlhf_trainer.faults import FaultInjector, InjectedFault, armed
@@ -148,3 +149,23 @@ def test_the_mid_sync_engine_kill_fires_once_in_its_steps_sync_on_engine_0(
         assert asked == ["generation"]
     finally:
         engine.kill()
+
+
+def test_a_marker_appears_whole_never_half_written(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A test polls for a fault's marker and reads it the moment it exists: the marker is written aside and
+    renamed into place, so it never exists empty or cut short (the unit stage once read an empty one)."""
+    from rlhf_trainer import fault_env
+
+    written: list[Path] = []
+    real = Path.write_text
+
+    def spy(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        written.append(self)
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", spy)
+    marker = tmp_path / "faults" / "checkpoint_hold@3"
+    fault_env.write_marker(marker, {"who": "actor rank 0", "pid": 1})
+    assert written and marker not in written  # never written where the test looks
+    assert json.loads(marker.read_text()) == {"who": "actor rank 0", "pid": 1}
+    assert [p.name for p in marker.parent.iterdir()] == [marker.name]  # nothing left aside
