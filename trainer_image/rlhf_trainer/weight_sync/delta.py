@@ -79,6 +79,13 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) & weights) != 0).reshape(-1)[:n]
 
 
+def encoded_bytes(numel: int, changed: int, elem: int) -> tuple[int, int]:
+    """Wire bytes of a bucket's delta with `changed` of its `numel` elements changed: as gaps (a filler per
+    MAX_GAP unchanged elements at most) and as a bitmask."""
+    gap_bytes = (changed + numel // MAX_GAP) * (elem + 2)
+    return gap_bytes, (numel + 7) // 8 + changed * elem
+
+
 def encode(new: torch.Tensor, old: torch.Tensor | None, full_above: float = 0.5) -> Delta:
     """The cheapest encoding of `new` for a receiver holding `old` (None: it holds nothing yet). A bucket
     whose delta would not be at most `full_above` of the full bucket's bytes goes whole, so a delta sync
@@ -88,11 +95,8 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, full_above: float = 0.5)
         return Delta("full", numel, new, changed=numel)
     mask = changed_mask(new, old)
     changed = int(torch.count_nonzero(mask))
-    elem = new.element_size()
-    full_bytes = numel * elem
-    fillers = numel // MAX_GAP  # at most: one per MAX_GAP unchanged elements
-    gap_bytes = (changed + fillers) * (elem + 2)
-    bitmask_bytes = (numel + 7) // 8 + changed * elem
+    full_bytes = numel * new.element_size()
+    gap_bytes, bitmask_bytes = encoded_bytes(numel, changed, new.element_size())
     if min(gap_bytes, bitmask_bytes) > full_above * full_bytes:
         return Delta("full", numel, new, changed=changed)
     if gap_bytes <= bitmask_bytes:
@@ -133,6 +137,12 @@ class DeltaEncoder:
     skip: dict[int, int] = field(default_factory=dict)  # bucket index -> syncs left to send it whole
     window: dict[int, int] = field(default_factory=dict)  # bucket index -> its next skip after a price
 
+    def reset(self) -> None:
+        """A new channel: no skips, no pricing windows, and the link measured afresh (maybe another one)."""
+        self.skip.clear()
+        self.window.clear()
+        self.seconds_per_byte = None
+
     def observe_link(self, nbytes: int, seconds: float) -> None:
         """A whole bucket of `nbytes` took `seconds` to send: the link's speed (the latest, smoothed)."""
         if nbytes <= 0 or seconds <= 0:
@@ -168,8 +178,7 @@ class DeltaEncoder:
         t0 = time.perf_counter()
         changed = int(torch.count_nonzero(changed_mask(new[:k], old[:k])))
         compare = (time.perf_counter() - t0) * numel / k
-        moved = changed / k * numel
-        delta_bytes = min(moved * (elem + 2), numel / 8 + moved * elem)
+        delta_bytes = min(encoded_bytes(numel, round(changed / k * numel), elem))
         return (
             WORK_PER_COMPARE * compare + delta_bytes * self.seconds_per_byte
             < numel * elem * self.seconds_per_byte

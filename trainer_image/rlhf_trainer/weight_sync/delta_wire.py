@@ -87,9 +87,7 @@ class DeltaSender:
     def reset(self) -> None:
         """A new channel: the engines hold nothing we sent."""
         self.held.clear()
-        self.encoder.skip.clear()
-        self.encoder.window.clear()
-        self.encoder.seconds_per_byte = None  # another channel, maybe another link: measured afresh
+        self.encoder.reset()
 
     def send(self, channel: WeightChannel, index: int, new: torch.Tensor) -> tuple[delta.Delta, int]:
         """Encode `new` (the packed bucket, host memory) against the copy, send it, keep it as the copy."""
