@@ -83,9 +83,9 @@ class HandOffClock:
         self.score_request = self
         self.times: list[float] = []
 
-    def remote(self, request_ref: Any) -> Any:
+    def remote(self, request_ref: Any, columns: Any = None) -> Any:
         self.times.append(time.perf_counter())
-        return self.scorer.score_request.remote(request_ref)
+        return self.scorer.score_request.remote(request_ref, columns)
 
 
 def run_ours(t: Any, prompts: list[str], ranks: int) -> dict[str, float]:
@@ -183,7 +183,7 @@ def main() -> None:
 
     data = PromptDataset(str(tiny / "prompts.jsonl"), "prompt", None, 0)
     t = build(tiny, args)
-    prompts, _ = data.next_batch(args.prompts)
+    prompts = [str(p) for p in data.next_batch(args.prompts).prompts]
     ways = {
         "ours": lambda ps: run_ours(t, ps, args.ranks),
         "blocking_threads": lambda ps: run_blocking(t, ps, args.ranks, "threads"),
@@ -196,7 +196,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in ways}
     order = list(ways)
     for i in range(args.repeats):  # interleaved, order rotated each round
-        prompts, _ = data.next_batch(args.prompts)
+        prompts = [str(p) for p in data.next_batch(args.prompts).prompts]
         for name in order[i % len(order) :] + order[: i % len(order)]:
             runs[name].append(ways[name](prompts))
     for name, rs in runs.items():

@@ -119,7 +119,7 @@ def run_ours(
     """`driver.run` on the manifest for `steps` steps. Per step: the driver's step summary, plus `end` (the
     perf_counter when the step ended) and `prompt_tokens` (its prompts' tokens x samples per prompt)."""
     from rlhf_trainer.config import parse_spec, preflight
-    from rlhf_trainer.data import PromptDataset
+    from rlhf_trainer.data import PromptBatch, PromptDataset
     from rlhf_trainer.driver import run, step_summary
     from transformers import AutoTokenizer
 
@@ -133,10 +133,10 @@ def run_ours(
         """The driver's dataset, also counting each batch's prompt tokens (x samples per prompt), in the
         order drawn: step by step (asynchronous RL draws step n+1's batch during step n, still in order)."""
 
-        def next_batch(self, n: int) -> tuple[list[str], list[Any]]:
-            prompts, labels = super().next_batch(n)
-            drawn.append(prompt_tokens(tok, prompts) * samples)
-            return prompts, labels
+        def next_batch(self, n: int) -> PromptBatch:
+            batch = super().next_batch(n)
+            drawn.append(prompt_tokens(tok, [str(p) for p in batch.prompts]) * samples)
+            return batch
 
     d = spec.data
     data = RecordingDataset(d.prompts, d.input_key, d.label_key, spec.algorithm.seed)

@@ -103,7 +103,7 @@ class FakeScorer:
         self.score_request = Method(self._score_request)
         self.assemble = Method(self._assemble)
 
-    def _score_request(self, ref: tuple[str, FinishedRequest]) -> tuple[Any, ...]:
+    def _score_request(self, ref: tuple[str, FinishedRequest], columns: dict[str, Any]) -> tuple[Any, ...]:
         req = ref[1]
         self.requests.append((req.chunk, req.request, req.responses[0]))
         return ("request-scores", req.chunk, req.request, req.responses[0])

@@ -1,16 +1,30 @@
-"""The prompt dataset: a .jsonl file read once, served in a seeded order with a resumable position.
+"""The prompt dataset: a .jsonl or .parquet file, indexed once and read on demand, served in a seeded
+order with a resumable position.
 
-Owns reading and validating the file (errors name the path and line) and the data position saved in
-checkpoints. Pure Python; no Ray, no tokenizer.
+Owns reading and validating the file (errors name data.prompts, the path and the line or row), the order
+rows are served in, and the data position saved in checkpoints. The driver keeps an index, never the
+rows: a JSONL file's byte offsets, a Parquet file's row-group sizes (and at most two row groups decoded).
+Pure Python and pyarrow; no Ray, no tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+Message = dict[str, str]
+Prompt = str | list[Message]  # a text, or chat messages rendered by the actor tokenizer's chat template
+Columns = dict[str, Any]  # a row's other columns (JSON values), for the reward function
+ROLES = ("system", "user", "assistant")
+# Parquet rows are shuffled within windows of this many row groups (the groups' order is shuffled too):
+# each row group is read once per epoch, and the driver decodes at most this many at a time.
+SHUFFLE_WINDOW_ROW_GROUPS = 2
 
 
 class DatasetError(ValueError):
@@ -26,55 +40,280 @@ class DataPosition:
         return {"epoch": self.epoch, "offset": self.offset}
 
 
+@dataclass(frozen=True)
+class PromptBatch:
+    """A batch of prompts as drawn: per prompt its label (data.labelKey; None without) and its row's
+    other columns (every column but data.inputKey, see `reward_columns`)."""
+
+    prompts: list[Prompt]
+    labels: list[Any]
+    columns: list[Columns] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.columns:
+            object.__setattr__(self, "columns", [{} for _ in self.prompts])
+
+
+def prompt_problem(value: Any) -> str | None:
+    """Why `value` is not a prompt (a string, or a non-empty list of {role, content} messages with role
+    system, user or assistant and string content), or None when it is one."""
+    if isinstance(value, str):
+        return None
+    if not isinstance(value, list) or not value:
+        return f"is {type(value).__name__}, not a string or a non-empty list of chat messages"
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            return f"message {i} is not an object with exactly the keys 'role' and 'content'"
+        if m["role"] not in ROLES:
+            return f"message {i} has role {m['role']!r}, not one of {', '.join(ROLES)}"
+        if not isinstance(m["content"], str):
+            return f"message {i} has content of type {type(m['content']).__name__}, not a string"
+    return None
+
+
+def reward_columns(row: dict[str, Any], input_key: str) -> Columns:
+    """Every column of a row but the prompt, for the reward function. verl's rows keep the reference
+    answer at reward_model.ground_truth: it is also passed as `ground_truth` unless the row has its own."""
+    cols = {k: v for k, v in row.items() if k != input_key}
+    nested = cols.get("reward_model")
+    if isinstance(nested, dict) and "ground_truth" in nested and "ground_truth" not in cols:
+        cols["ground_truth"] = nested["ground_truth"]
+    return cols
+
+
+class _Rows(Protocol):
+    """A file's rows by index, and the order an epoch serves them in."""
+
+    def __len__(self) -> int: ...
+    def order(self, seed: int, epoch: int) -> array[int]: ...
+    def read(self, rows: Sequence[int]) -> list[dict[str, Any]]: ...
+
+
+def _shuffled(n_or_rows: range, rng: random.Random) -> array[int]:
+    """random.shuffle over an int64 array: the same order as over a list (what the dataset always
+    served), at 8 bytes a row."""
+    order = array("q", n_or_rows)
+    rng.shuffle(order)  # type: ignore[arg-type]  # a mutable sequence: shuffle only swaps items
+    return order
+
+
+def _epoch_rng(seed: int, epoch: int) -> random.Random:
+    return random.Random(seed * 1_000_003 + epoch)
+
+
+class JsonlRows:
+    """A .jsonl file as the byte offsets of its non-empty lines; each row is read again when served.
+    Indexing validates every line (JSON object, prompt shape), so a bad line fails the preflight."""
+
+    def __init__(self, path: str, input_key: str) -> None:
+        self.path = path
+        self.offsets = array("q")
+        self.lines = array("q")  # each row's line number, for messages
+        try:
+            with open(path, "rb") as f:
+                self._index(f, input_key)
+        except OSError as e:
+            raise DatasetError(f"data.prompts {path}: cannot read: {e.strerror or e}") from e
+
+    def _index(self, f: Any, input_key: str) -> None:
+        offset = 0
+        for lineno, raw in enumerate(f, start=1):
+            obj = _parse_line(raw, self.path, lineno)
+            if obj is not None:
+                _check_row_prompt(obj, input_key, f"data.prompts {self.path}: line {lineno}")
+                self.offsets.append(offset)
+                self.lines.append(lineno)
+            offset += len(raw)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def order(self, seed: int, epoch: int) -> array[int]:
+        return _shuffled(range(len(self)), _epoch_rng(seed, epoch))
+
+    def read(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        with open(self.path, "rb") as f:
+            for i in rows:
+                f.seek(self.offsets[i])
+                obj = _parse_line(f.readline(), self.path, self.lines[i])
+                if obj is None:
+                    raise DatasetError(f"data.prompts {self.path}: line {self.lines[i]}: changed since read")
+                out.append(obj)
+        return out
+
+
+def _parse_line(raw: bytes, path: str, lineno: int) -> dict[str, Any] | None:
+    """One JSONL line -> its object (None for a blank line), or DatasetError naming the line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"data.prompts {path}: line {lineno}: not UTF-8 text: {e}") from e
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"data.prompts {path}: line {lineno}: not JSON: {e.msg}") from e
+    if not isinstance(obj, dict):
+        raise DatasetError(f"data.prompts {path}: line {lineno}: not a JSON object")
+    return obj
+
+
+def _check_row_prompt(row: dict[str, Any], input_key: str, where: str) -> None:
+    if input_key not in row:
+        raise DatasetError(f"{where}: no field {input_key!r} (data.inputKey)")
+    problem = prompt_problem(row[input_key])
+    if problem:
+        raise DatasetError(f"{where}: field {input_key!r} (data.inputKey) {problem}")
+
+
+class ParquetRows:
+    """A .parquet file as its row groups' sizes; a served row's group is decoded on demand and kept in a
+    cache of SHUFFLE_WINDOW_ROW_GROUPS groups. Opening checks the schema (the prompt column, JSON-typed
+    columns) and every row's prompt, one row group at a time."""
+
+    def __init__(self, path: str, input_key: str) -> None:
+        import pyarrow.parquet as pq
+
+        self.path = path
+        try:
+            self.file = pq.ParquetFile(path)
+        except OSError as e:
+            raise DatasetError(f"data.prompts {path}: cannot read as Parquet: {e}") from e
+        schema = self.file.schema_arrow
+        if input_key not in schema.names:
+            raise DatasetError(
+                f"data.prompts {path}: no column {input_key!r} (data.inputKey); columns: {schema.names}"
+            )
+        for f in schema:
+            if not _json_typed(f.type):
+                raise DatasetError(
+                    f"data.prompts {path}: column {f.name!r} has type {f.type}, which is not JSON "
+                    "(strings, numbers, booleans, lists and structs of them)"
+                )
+        meta = self.file.metadata
+        self.starts = array("q", [0])
+        for g in range(meta.num_row_groups):
+            self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
+        self._cache: OrderedDict[int, Any] = OrderedDict()
+        self._check_prompts(input_key)
+
+    def _check_prompts(self, input_key: str) -> None:
+        for g in range(len(self.starts) - 1):
+            values = self.file.read_row_group(g, columns=[input_key]).column(0).to_pylist()
+            for j, value in enumerate(values):
+                problem = prompt_problem(value)
+                if problem:
+                    raise DatasetError(
+                        f"data.prompts {self.path}: row {self.starts[g] + j} (counting from 0): "
+                        f"column {input_key!r} (data.inputKey) {problem}"
+                    )
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def order(self, seed: int, epoch: int) -> array[int]:
+        """The row groups in a shuffled order, then the rows of each window of SHUFFLE_WINDOW_ROW_GROUPS
+        groups shuffled: one row group gives the JSONL order of the same rows."""
+        rng = _epoch_rng(seed, epoch)
+        groups = list(range(len(self.starts) - 1))
+        rng.shuffle(groups)
+        order = array("q")
+        for w in range(0, len(groups), SHUFFLE_WINDOW_ROW_GROUPS):
+            window = array("q")
+            for g in groups[w : w + SHUFFLE_WINDOW_ROW_GROUPS]:
+                window.extend(range(self.starts[g], self.starts[g + 1]))
+            rng.shuffle(window)  # type: ignore[arg-type]
+            order.extend(window)
+        return order
+
+    def read(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        import bisect
+
+        out: list[dict[str, Any]] = []
+        for i in rows:
+            g = bisect.bisect_right(self.starts, i) - 1
+            out.append(self._group(g).slice(i - self.starts[g], 1).to_pylist()[0])
+        return out
+
+    def _group(self, g: int) -> Any:
+        if g in self._cache:
+            self._cache.move_to_end(g)
+            return self._cache[g]
+        table = self.file.read_row_group(g)
+        self._cache[g] = table
+        while len(self._cache) > SHUFFLE_WINDOW_ROW_GROUPS:
+            self._cache.popitem(last=False)
+        return table
+
+
+def _json_typed(t: Any) -> bool:
+    """Whether pyarrow type `t` reads as JSON values (to_pylist): no bytes, times, decimals or maps."""
+    import pyarrow.types as pt
+
+    if pt.is_dictionary(t):
+        return _json_typed(t.value_type)
+    if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
+        return _json_typed(t.value_type)
+    if pt.is_struct(t):
+        return all(_json_typed(t.field(i).type) for i in range(t.num_fields))
+    return bool(
+        pt.is_null(t)
+        or pt.is_boolean(t)
+        or pt.is_integer(t)
+        or pt.is_floating(t)
+        or pt.is_string(t)
+        or pt.is_large_string(t)
+    )
+
+
+def open_rows(path: str, input_key: str) -> JsonlRows | ParquetRows:
+    """The file's reader, chosen by its extension."""
+    if "://" in path:
+        raise DatasetError(f"data.prompts {path}: only local files are supported (a path on a volume)")
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        return JsonlRows(path, input_key)
+    if suffix == ".parquet":
+        return ParquetRows(path, input_key)
+    raise DatasetError(
+        f"data.prompts {path}: unknown format {suffix or '(no extension)'}: use .jsonl or .parquet"
+    )
+
+
 class PromptDataset:
     def __init__(self, path: str, input_key: str, label_key: str | None, seed: int) -> None:
         self.path = path
         self.seed = seed
-        self.prompts: list[str] = []
-        self.labels: list[Any] = []
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as e:
-            raise DatasetError(f"data.prompts {path}: cannot read: {e.strerror or e}") from e
-        except UnicodeDecodeError as e:
-            raise DatasetError(f"data.prompts {path}: not UTF-8 text: {e}") from e
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"data.prompts {path}: line {lineno}: not JSON: {e.msg}") from e
-            if not isinstance(obj, dict) or not isinstance(obj.get(input_key), str):
-                raise DatasetError(
-                    f"data.prompts {path}: line {lineno}: no string field {input_key!r} (data.inputKey)"
-                )
-            self.prompts.append(obj[input_key])
-            self.labels.append(obj.get(label_key) if label_key else None)
-        if not self.prompts:
+        self.input_key = input_key
+        self.label_key = label_key
+        self.rows: _Rows = open_rows(path, input_key)
+        if not len(self.rows):
             raise DatasetError(f"data.prompts {path}: no prompts")
         self.position = DataPosition()
-        self._order = self._permutation(0)
+        self._order = self.rows.order(seed, 0)
 
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+    def __len__(self) -> int:
+        return len(self.rows)
 
     def restore(self, pos: dict[str, int]) -> None:
         self.position = DataPosition(int(pos["epoch"]), int(pos["offset"]))
-        self._order = self._permutation(self.position.epoch)
+        self._order = self.rows.order(self.seed, self.position.epoch)
 
-    def next_batch(self, n: int) -> tuple[list[str], list[Any]]:
-        prompts: list[str] = []
-        labels: list[Any] = []
-        while len(prompts) < n:
+    def next_batch(self, n: int) -> PromptBatch:
+        rows = self.rows.read(list(self._indices(n)))
+        return PromptBatch(
+            prompts=[r[self.input_key] for r in rows],
+            labels=[r.get(self.label_key) if self.label_key else None for r in rows],
+            columns=[reward_columns(r, self.input_key) for r in rows],
+        )
+
+    def _indices(self, n: int) -> Iterator[int]:
+        """The next n row indices, moving the position (a new epoch reshuffles)."""
+        for _ in range(n):
             if self.position.offset >= len(self._order):
                 self.position = DataPosition(self.position.epoch + 1, 0)
-                self._order = self._permutation(self.position.epoch)
-            i = self._order[self.position.offset]
+                self._order = self.rows.order(self.seed, self.position.epoch)
+            yield self._order[self.position.offset]
             self.position.offset += 1
-            prompts.append(self.prompts[i])
-            labels.append(self.labels[i])
-        return prompts, labels

@@ -24,7 +24,7 @@ from rlhf_trainer import dynamic_sampling as dynamic
 from rlhf_trainer.algorithms import AdaptiveKL
 from rlhf_trainer.checkpoint import Checkpointer
 from rlhf_trainer.config import algorithm_wire, sampling
-from rlhf_trainer.data import PromptDataset
+from rlhf_trainer.data import PromptBatch, PromptDataset
 from rlhf_trainer.faults import FaultInjector
 from rlhf_trainer.groups import RayGroup
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
@@ -126,7 +126,7 @@ class Generated:
     reward_metas: list[Any]
     version: int  # the actor version the engines held when it was launched
     position: dict[str, Any]  # the data position after its prompts were drawn
-    prompts: tuple[list[str], list[Any]]  # (prompts, labels): a regeneration asks for the same
+    prompts: PromptBatch  # what was drawn: a regeneration asks for the same
     generating_seconds: float  # how long the engines took to generate it
     generated_tokens: int | None = None  # every round's (dynamic sampling); None: the rollout's
     engines: list[int] | None = None  # the engines every round used (dynamic sampling); None: the rollout's
@@ -169,7 +169,7 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
 
 
 def generate_now(
-    ctx: StepContext, step: int, timer: PhaseTimer, batch: tuple[list[str], list[Any]] | None = None
+    ctx: StepContext, step: int, timer: PhaseTimer, batch: PromptBatch | None = None
 ) -> Generated:
     """Generate and score a batch on the critical path (the synchronous step, and the first async one)."""
     ctx.placed.new_step()
@@ -180,23 +180,24 @@ def generate_now(
 
 
 def generate_round(
-    ctx: StepContext, step: int, timer: PhaseTimer, batch: tuple[list[str], list[Any]] | None = None
+    ctx: StepContext, step: int, timer: PhaseTimer, batch: PromptBatch | None = None
 ) -> Generated:
     """One batch of rolloutBatchSize prompts generated and scored on the critical path."""
-    prompts, labels = batch or ctx.data.next_batch(ctx.spec.algorithm.rollout_batch_size)
+    batch = batch or ctx.data.next_batch(ctx.spec.algorithm.rollout_batch_size)
     position = ctx.data.position.to_dict()
-    chunks = plan_chunks(len(prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready()))  # whole groups
+    chunks = plan_chunks(
+        len(batch.prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready())
+    )  # whole groups
     t0 = time.monotonic()
     with timer.phase("generation"):  # rewards start as soon as each chunk is generated
-        dispatcher = generate(ctx, step, chunks, prompts, labels)
+        dispatcher = generate(ctx, step, chunks, batch)
     t1 = time.monotonic()
     ctx.generating.append((t0, t1))
     with timer.phase("reward"):  # only the part of scoring not hidden behind generation
         # A chunk whose engine was lost after finishing it is generated again here, so the engines sleep
         # (rollout.enableSleep, GPU: they free their memory while models train) only after it.
         rollout, reward_metas = dispatcher.scored()
-    version, batch = ctx.engine_version, (prompts, labels)
-    return Generated(step, chunks, rollout, reward_metas, version, position, batch, t1 - t0)
+    return Generated(step, chunks, rollout, reward_metas, ctx.engine_version, position, batch, t1 - t0)
 
 
 def refill(ctx: StepContext, step: int, timer: PhaseTimer, first: Generated) -> Generated:
@@ -304,20 +305,20 @@ def refresh(ctx: StepContext, timer: PhaseTimer) -> int:
 
 def launch(ctx: StepContext, step: int) -> Pending:
     """Start generating (and scoring) step's batch in the background with the weights the engines hold."""
-    prompts, labels = ctx.data.next_batch(ctx.spec.algorithm.rollout_batch_size)
+    batch = ctx.data.next_batch(ctx.spec.algorithm.rollout_batch_size)
     position = ctx.data.position.to_dict()
-    chunks = plan_chunks(len(prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready()))
+    chunks = plan_chunks(len(batch.prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready()))
     version, done, interval = ctx.engine_version, threading.Event(), [time.monotonic()]
 
     def work() -> Generated:
         try:
-            dispatcher = generate(ctx, step, chunks, prompts, labels)
+            dispatcher = generate(ctx, step, chunks, batch)
         finally:
             interval.append(time.monotonic())
             done.set()
         rollout, reward_metas = dispatcher.scored()
         seconds = interval[1] - interval[0]
-        return Generated(step, chunks, rollout, reward_metas, version, position, (prompts, labels), seconds)
+        return Generated(step, chunks, rollout, reward_metas, version, position, batch, seconds)
 
     return Pending(step, Background(work, name=f"rollout-step-{step}"), done, interval)
 
@@ -476,9 +477,7 @@ def pending_interval(pending: Pending, now: float) -> tuple[float, float]:
     return pending.interval[0], pending.interval[1] if len(pending.interval) > 1 else now
 
 
-def generate(
-    ctx: StepContext, step: int, chunks: list[Chunk], prompts: list[str], labels: list[Any]
-) -> ChunkDispatcher:
+def generate(ctx: StepContext, step: int, chunks: list[Chunk], batch: PromptBatch) -> ChunkDispatcher:
     """The generation phase's work: stream the chunks out of the ready engines, scoring each at once.
     The dispatcher it returns gathers the scores (`scored`), regenerating what a lost engine held."""
     pool, metrics = ctx.placed.pool, ctx.metrics
@@ -488,7 +487,7 @@ def generate(
         metrics.set_engines(pool.counts())
 
     dispatcher = ChunkDispatcher(step, pool.ready(), ctx.placed.reward, sampling(ctx.spec), engine_lost)
-    rollout = dispatcher.run(chunks, prompts, labels)
+    rollout = dispatcher.run(chunks, batch.prompts, batch.labels, batch.columns)
     metrics.generated_tokens.labels(ctx.job).inc(sum(m.response_tokens for m in rollout.metas))
     return dispatcher
 

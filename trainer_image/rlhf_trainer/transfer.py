@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhf_trainer.data import Prompt
+
 
 @dataclass(frozen=True)
 class ChunkMeta:
@@ -36,7 +38,7 @@ class FinishedRequest:
 
     chunk: int
     request: int  # the prompt's index within its chunk: its samples' place in the chunk's sample order
-    prompt: str
+    prompt: Prompt
     responses: list[str]
     label: object = None
 
@@ -55,7 +57,7 @@ class PackedRollout:
     prompt_lens: torch.Tensor
     group: torch.Tensor
     rollout_logprobs: torch.Tensor
-    prompts: list[str] = field(default_factory=list)
+    prompts: list[Prompt] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)
     labels: list[object] = field(default_factory=list)
@@ -89,7 +91,7 @@ class PackedRollout:
     def from_samples(
         samples: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]],
         groups: Sequence[int],
-        prompts: Sequence[str] = (),
+        prompts: Sequence[Prompt] = (),
         responses: Sequence[str] = (),
         finished: Sequence[bool] = (),
         labels: Sequence[object] = (),

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
+from rlhf_trainer.data import Columns, Prompt
 from rlhf_trainer.rollout.pool import EngineSlot
 from rlhf_trainer.transfer import ChunkMeta, FinishedRequest
 
@@ -81,8 +82,17 @@ class ChunkDispatcher:
     # unfinished chunk -> {request index -> the ref of its scores}, from the chunk's current generation
     request_scores: dict[int, dict[int, Any]] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
+    # chunk -> its prompts' row columns, in request order: they go to the scorer with each finished
+    # request, never through the engines
+    columns: dict[int, list[Columns]] = field(default_factory=dict)
 
-    def run(self, chunks: Sequence[Chunk], prompts: Sequence[str], labels: Sequence[Any]) -> Rollout:
+    def run(
+        self,
+        chunks: Sequence[Chunk],
+        prompts: Sequence[Prompt],
+        labels: Sequence[Any],
+        columns: Sequence[Columns] = (),
+    ) -> Rollout:
         """Generate every chunk, scoring its requests as they finish; raises if an engine returned none
         for some chunk."""
         n = len(chunks)
@@ -97,6 +107,7 @@ class ChunkDispatcher:
                 "labels": [labels[i] for i in idx],
             }
             self.assigned.setdefault(engine, []).append(job)
+            self.columns[c] = [columns[i] for i in idx] if columns else [{} for _ in idx]
         for e, batch in self.assigned.items():
             self._launch(e, list(batch))  # a stream's own chunks: `assigned` grows when chunks move
         return self._drain()
@@ -185,7 +196,7 @@ class ChunkDispatcher:
             self._engine_lost(e, err)
             return
         if isinstance(item, FinishedRequest):  # the scorer reads the texts from `ref`, not from here
-            scores = self.reward.score_request.remote(ref)
+            scores = self.reward.score_request.remote(ref, self.columns[item.chunk][item.request])
             self.request_scores.setdefault(item.chunk, {})[item.request] = scores
             return
         c = item.chunk

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from rlhf_trainer.data import Prompt
 from rlhf_trainer.device import whereabouts
 from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.transfer import ChunkMeta, FinishedRequest, PackedRollout
@@ -20,16 +21,21 @@ from rlhf_trainer.transfer import ChunkMeta, FinishedRequest, PackedRollout
 EXTENSION = "rlhf_trainer.weight_sync.worker_extension.RLHFWorkerExtension"
 
 
-def encode_prompt(tokenizer: Any, text: str, chat_template: bool, max_tokens: int | None) -> list[int]:
-    """Prompt text -> token ids: wrapped as one user turn of the tokenizer's chat template (the template
-    adds its own special tokens) or plain with them; keeps the last max_tokens tokens."""
-    if chat_template:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat_template: bool, max_tokens: int | None) -> list[int]:
+    """A prompt -> token ids; keeps the last max_tokens tokens. Chat messages, or a text with
+    data.applyChatTemplate (as one user turn), go through the tokenizer's chat template with the
+    generation prompt (the template adds its own special tokens); a plain text is tokenized with them."""
+    if isinstance(prompt, list) or chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "data.prompts: a prompt is a list of chat messages (or data.applyChatTemplate is set) but the "
+                f"actor tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template"
+            )
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     else:
-        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     return ids[-max_tokens:] if max_tokens else ids
 
 
@@ -132,8 +138,10 @@ class RolloutEngine:
             cid = int(ch["chunk"])
             pending[cid] = len(ch["prompts"])
             outputs[cid] = {}
-            for i, text in enumerate(ch["prompts"]):
-                ids = encode_prompt(self.tokenizer, text, bool(self.options.get("chat_template")), max_prompt)
+            for i, prompt in enumerate(ch["prompts"]):
+                ids = encode_prompt(
+                    self.tokenizer, prompt, bool(self.options.get("chat_template")), max_prompt
+                )
                 prompt_ids[(cid, i)] = ids
                 params = SamplingParams(
                     n=int(sampling["n"]),

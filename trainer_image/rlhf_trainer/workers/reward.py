@@ -13,12 +13,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from rlhf_trainer import device as device_mod
+from rlhf_trainer.data import Columns, Prompt
 from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.transfer import FinishedRequest, PackedRollout
 from rlhf_trainer.workers.reward_results import (
@@ -33,7 +35,8 @@ from rlhf_trainer.workers.reward_results import (
 from rlhf_trainer.workers.timed_pool import TimedPool
 
 RewardFn = Callable[..., Any]
-Batch = tuple[list[str], list[str], list[Any]]  # prompts, responses, labels of one reward call
+# prompts, responses, labels and each sample's row columns (data.Columns) of one reward call
+Batch = tuple[list[Prompt], list[str], list[Any], list[Columns]]
 
 
 class RewardSetupError(RuntimeError):
@@ -83,6 +86,45 @@ def _accepts_labels(fn: RewardFn) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
+def positional_arguments(fn: RewardFn) -> int:
+    """How many positional arguments `fn` is called with: 3 (prompts, responses, labels) when it takes a
+    third positional parameter or *args, else 2."""
+    return 3 if _accepts_labels(fn) else 2
+
+
+@dataclass(frozen=True)
+class ColumnParameters:
+    """Which row columns a reward function takes as keyword arguments: those named by its keyword
+    parameters (`names`; None: it takes **kwargs, so every column), never one named like a parameter
+    that already receives a positional argument (`reserved`: a column `labels` would collide)."""
+
+    names: frozenset[str] | None
+    reserved: frozenset[str]
+
+    @staticmethod
+    def of(fn: RewardFn) -> ColumnParameters:
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            return ColumnParameters(frozenset(), frozenset())
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        positional = [p for p in named if p.kind is p.POSITIONAL_OR_KEYWORD][: positional_arguments(fn)]
+        reserved = frozenset(p.name for p in positional)
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return ColumnParameters(None, reserved)
+        return ColumnParameters(frozenset(p.name for p in named) - reserved, reserved)
+
+    def wants(self, name: str) -> bool:
+        return name not in self.reserved and (self.names is None or name in self.names)
+
+
+def column_lists(columns: Sequence[Columns]) -> dict[str, list[Any]]:
+    """Per-sample columns -> one list per column name, aligned with the samples (None where a sample's
+    row lacks the column), in the order the names first appear."""
+    names = dict.fromkeys(k for row in columns for k in row)
+    return {k: [row.get(k) for row in columns] for k in names}
+
+
 def reward_model_max_length(tokenizer: Any, config: Any) -> int:
     """Tokens the reward model reads: the tokenizer's limit, capped by the model's positions."""
     limits = [int(tokenizer.model_max_length)] if tokenizer.model_max_length < 10**9 else []
@@ -91,25 +133,33 @@ def reward_model_max_length(tokenizer: Any, config: Any) -> int:
     return min(limits) if limits else 4096
 
 
-def reward_model_input(tokenizer: Any, prompt: str, response: str, max_length: int) -> list[int]:
+def reward_model_input(tokenizer: Any, prompt: Prompt, response: str, max_length: int) -> list[int]:
     """Token ids a reward model reads for one sample, in the form it was trained on: [user: prompt,
-    assistant: response] through the reward tokenizer's own chat template when it has one, else prompt +
-    response as plain text (with the tokenizer's special tokens). Tokenized whole, so the response's
+    assistant: response] (a message-list prompt: its messages, then the response) through the reward
+    tokenizer's own chat template when it has one, else prompt + response as plain text (with the
+    tokenizer's special tokens; messages' contents joined by newlines). Tokenized whole, so the response's
     first tokens join the prompt's as in training. Too long, it keeps the last max_length tokens: the
     prompt loses its left, the response is kept whole (all of a reward model's signal is at the end)."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=False
+            [*turns, {"role": "assistant", "content": response}], tokenize=False
         )
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     else:
-        ids = list(tokenizer(prompt + response, add_special_tokens=True)["input_ids"])
+        plain = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        ids = list(tokenizer(plain + response, add_special_tokens=True)["input_ids"])
     return ids[-max_length:]
 
 
 def _take(batch: Batch, idx: Sequence[int]) -> Batch:
-    prompts, responses, labels = batch
-    return [prompts[i] for i in idx], [responses[i] for i in idx], [labels[i] for i in idx]
+    prompts, responses, labels, columns = batch
+    return (
+        [prompts[i] for i in idx],
+        [responses[i] for i in idx],
+        [labels[i] for i in idx],
+        [columns[i] for i in idx],
+    )
 
 
 class RewardScorer:
@@ -132,6 +182,7 @@ class RewardScorer:
         if self.kind == "function":
             self.fn = load_reward_function(str(reward["function"]))
             self.with_labels = _accepts_labels(self.fn)
+            self.columns = ColumnParameters.of(self.fn)
         elif self.kind == "http":
             self.url = str(reward["url"])
         elif self.kind == "model":
@@ -160,10 +211,16 @@ class RewardScorer:
         """Its pod and GPU ids, and a `problem` if it does not see the GPU it was promised."""
         return self.whereabouts
 
-    def score_request(self, request: FinishedRequest) -> RequestScores:
-        """One finished request's samples, scored the moment the engine streams it."""
+    def score_request(self, request: FinishedRequest, columns: Columns | None = None) -> RequestScores:
+        """One finished request's samples, scored the moment the engine streams it. `columns`: its row's
+        other columns (the dispatcher sends them here, not through the engine)."""
         n = len(request.responses)
-        batch: Batch = ([request.prompt] * n, list(request.responses), [request.label] * n)
+        batch: Batch = (
+            [request.prompt] * n,
+            list(request.responses),
+            [request.label] * n,
+            [columns or {}] * n,
+        )
         return self._score(request.chunk, request.request, batch)
 
     def assemble(
@@ -178,7 +235,8 @@ class RewardScorer:
         """A whole packed rollout at once, in sub-batches like a request (the blocking way, for callers
         holding every sample: benchmarks/async_reward.py's baselines)."""
         labels = list(rollout.labels) or [None] * rollout.num_samples
-        scores = self._score(chunk, 0, (list(rollout.prompts), list(rollout.responses), labels))
+        batch: Batch = (list(rollout.prompts), list(rollout.responses), labels, [{}] * rollout.num_samples)
+        scores = self._score(chunk, 0, batch)
         return assemble_chunk(chunk, [scores], rollout.num_samples)
 
     def _score(self, chunk: int, request: int, batch: Batch) -> RequestScores:
@@ -203,7 +261,7 @@ class RewardScorer:
         """Every batch submitted at once, then each one's scores (None per sample on failure) and error."""
         calls = [self._pool.submit(self._call, *b) for b in batches]
         out: list[tuple[list[float | None], str]] = []
-        for call, (prompts, _, _) in zip(calls, batches, strict=True):
+        for call, (prompts, *_) in zip(calls, batches, strict=True):
             try:
                 raw = call.result()
             except Exception as e:
@@ -212,24 +270,26 @@ class RewardScorer:
             out.append(checked_scores(raw, len(prompts)))
         return out
 
-    def _call(self, prompts: list[str], responses: list[str], labels: list[Any]) -> list[Any]:
+    def _call(
+        self, prompts: list[Prompt], responses: list[str], labels: list[Any], columns: list[Columns]
+    ) -> list[Any]:
         if self.fn is not None:
-            out = self.fn(prompts, responses, labels) if self.with_labels else self.fn(prompts, responses)
-            return list(out)
+            kwargs = {k: v for k, v in column_lists(columns).items() if self.columns.wants(k)}
+            args = (prompts, responses, labels) if self.with_labels else (prompts, responses)
+            return list(self.fn(*args, **kwargs))
         if self.url is not None:
             import httpx
 
-            resp = httpx.post(
-                self.url,
-                json={"prompts": prompts, "responses": responses, "labels": labels},
-                timeout=self.timeout,
-            )
+            body: dict[str, Any] = {"prompts": prompts, "responses": responses, "labels": labels}
+            if any(columns):
+                body["columns"] = column_lists(columns)
+            resp = httpx.post(self.url, json=body, timeout=self.timeout)
             resp.raise_for_status()
             return list(resp.json()["rewards"])
         return self._score_with_model(prompts, responses)
 
     @torch.no_grad()
-    def _score_with_model(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def _score_with_model(self, prompts: list[Prompt], responses: list[str]) -> list[float]:
         limit = reward_model_max_length(self.tokenizer, self.model.config)
         ids = [
             reward_model_input(self.tokenizer, p, r, limit) for p, r in zip(prompts, responses, strict=True)
