@@ -179,7 +179,7 @@ class ParquetRows:
         self.path = path
         try:
             self.file = pq.ParquetFile(path)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (not Parquet) is a ValueError
             raise DatasetError(f"data.prompts {path}: cannot read as Parquet: {e}") from e
         schema = self.file.schema_arrow
         if input_key not in schema.names:
