@@ -45,7 +45,25 @@ def test_jsonl_rows_come_in_the_order_the_old_reader_served(tmp_path: Path) -> N
     path = write_jsonl(tmp_path / "p.jsonl", ROWS, blank_after=3)
     ds = PromptDataset(str(path), "prompt", "answer", seed=3)
     prompts, labels, _ = drawn(ds, 17)
-    assert prompts == "p2 p1 p5 p3 p4 p6 p0 p0 p1 p2 p6 p3 p5 p4 p2 p6 p3".split()
+    assert prompts == [
+        "p2",
+        "p1",
+        "p5",
+        "p3",
+        "p4",
+        "p6",
+        "p0",
+        "p0",
+        "p1",
+        "p2",
+        "p6",
+        "p3",
+        "p5",
+        "p4",
+        "p2",
+        "p6",
+        "p3",
+    ]
     assert labels == [2, 1, 5, 3, 4, 6, 0, 0, 1, 2, 6, 3, 5, 4, 2, 6, 3]
     assert ds.position.to_dict() == {"epoch": 2, "offset": 3}
     ds.restore({"epoch": 5, "offset": 4})
@@ -197,5 +215,5 @@ def test_a_path_that_is_not_a_readable_jsonl_or_parquet_file_is_named(
 
 
 def test_an_object_store_url_is_refused_for_now() -> None:
-    with pytest.raises(DatasetError, match="data.prompts s3://b/p.parquet: only local files"):
+    with pytest.raises(DatasetError, match=r"data.prompts s3://b/p\.parquet: only local files"):
         PromptDataset("s3://b/p.parquet", "prompt", None, seed=0)

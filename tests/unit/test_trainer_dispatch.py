@@ -72,6 +72,7 @@ class FakeEngine:
         self.unreachable_in_wait = False  # ray.wait on its stream raises (the actor's node is gone)
         self.dead = False  # lost after its stream ended: its finished chunks' tokens are gone
         self.batches: list[list[int]] = []
+        self.jobs: list[dict[str, Any]] = []  # every chunk job it was sent, as sent
         self.generate_chunks = self
         self.ready = Probe(self)
 
@@ -80,6 +81,7 @@ class FakeEngine:
 
     def remote(self, batch: list[dict[str, Any]], sampling: dict[str, Any]) -> FakeStream:
         self.batches.append([job["chunk"] for job in batch])
+        self.jobs += batch
         return FakeStream(self, batch)
 
 
@@ -100,12 +102,14 @@ class FakeScorer:
     def __init__(self) -> None:
         self.requests: list[tuple[int, int, str]] = []  # (chunk, request, response) as scored, in order
         self.scored: list[tuple[int, str]] = []  # (chunk, packed ref) as assembled
+        self.columns: dict[tuple[int, int], dict[str, Any]] = {}  # (chunk, request) -> its row's columns
         self.score_request = Method(self._score_request)
         self.assemble = Method(self._assemble)
 
     def _score_request(self, ref: tuple[str, FinishedRequest], columns: dict[str, Any]) -> tuple[Any, ...]:
         req = ref[1]
         self.requests.append((req.chunk, req.request, req.responses[0]))
+        self.columns[(req.chunk, req.request)] = columns
         return ("request-scores", req.chunk, req.request, req.responses[0])
 
     def _assemble(self, chunk: int, packed_ref: str, *requests: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -168,13 +172,23 @@ def dispatch(engines: list[FakeEngine], n_prompts: int = 8, shards: int = 2) -> 
     )
     chunks = plan_chunks(n_prompts, shards, len(engines))
     prompts = [f"p{i}" for i in range(n_prompts)]
-    rollout = d.run(chunks, prompts, [None] * n_prompts)
+    columns = [{"row": i} for i in range(n_prompts)]
+    rollout = d.run(chunks, prompts, [None] * n_prompts, columns)
     return d, rollout, scorer, lost, logs, chunks
 
 
 def scores_of(chunk: int, engine: int, requests: int = 2) -> tuple[tuple[Any, ...], ...]:
     """The fake scorer's refs of a chunk's request scores, in request order, from `engine`'s samples."""
     return tuple(("request-scores", chunk, i, f"r{engine}") for i in range(requests))
+
+
+def test_each_request_goes_to_the_scorer_with_its_rows_columns_which_never_reach_the_engines() -> None:
+    engines = [FakeEngine(0), FakeEngine(1)]
+    _, _, scorer, _, _, chunks = dispatch(engines)
+    assert scorer.columns == {
+        (c, r): {"row": idx[r]} for c, (_, _, idx) in enumerate(chunks) for r in range(len(idx))
+    }
+    assert all("columns" not in job for e in engines for job in e.jobs)
 
 
 def test_every_request_is_scored_as_it_finishes_and_each_chunk_assembled_in_request_order() -> None:

@@ -65,3 +65,31 @@ def test_engine_options_carry_the_specs_vllm_modes() -> None:
     doc["spec"].setdefault("rollout", {}).update(enforceEager=True, enablePrefixCaching=False)
     options = engine_options(parse_spec(doc), cuda, 1)
     assert options["enforce_eager"] is True and options["enable_prefix_caching"] is False
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+
+
+def test_chat_messages_go_through_the_chat_template_with_the_generation_prompt(tok: Any) -> None:
+    """A message-list prompt is rendered by the template whatever data.applyChatTemplate says, system
+    turn included, ending with the assistant's generation prompt."""
+    tok.chat_template = TEMPLATE
+    messages = [{"role": "system", "content": "ko"}, {"role": "user", "content": "ba stou"}]
+    for flag in (False, True):
+        ids = encode_prompt(tok, messages, chat_template=flag, max_tokens=None)
+        rendered = tok.bos_token + "system ko user ba stou assistant"  # the tiny BPE has no "y": compare ids
+        assert ids == tok(rendered, add_special_tokens=False)["input_ids"] and ids[0] == tok.bos_token_id
+    plain = encode_prompt(tok, "ba stou", chat_template=False, max_tokens=None)
+    assert tok.decode(plain) == "ba stou"  # a text without applyChatTemplate stays plain
+
+
+def test_chat_messages_without_a_chat_template_are_refused_by_name() -> None:
+    bare = build_tokenizer(512)
+    assert not getattr(bare, "chat_template", None)
+    with pytest.raises(
+        ValueError, match=r"data.prompts: a prompt is a list of chat messages .* no chat template"
+    ):
+        encode_prompt(bare, [{"role": "user", "content": "ba"}], chat_template=False, max_tokens=None)

@@ -8,8 +8,10 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from rlhf_trainer.data import PromptBatch, PromptDataset
 from rlhf_trainer.tasks.tiny import reward as tiny_reward
 from rlhf_trainer.transfer import FinishedRequest, PackedRollout
 from rlhf_trainer.workers.reward import RewardScorer, RewardSetupError, load_reward_function
@@ -151,8 +153,11 @@ def test_a_chunk_is_assembled_from_its_requests_scores_in_sample_order(tmp_path:
 class _RewardServer(http.server.BaseHTTPRequestHandler):
     """A remote reward endpoint: rewards = response lengths; 'fail' in a response makes it answer 500."""
 
+    bodies: list[dict[str, Any]] = []  # every request's JSON body, in order
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
         if any("fail" in r for r in body["responses"]):
             self.send_response(500)
             self.end_headers()
@@ -218,3 +223,116 @@ def test_reward_model_input_uses_its_chat_template_and_cuts_the_prompt_from_the_
     text = tok.decode(templated)
     assert text.startswith("<s>") and "user" in text and "assistant" in text, text
     assert templated[-1] == tok.eos_token_id  # the assistant turn closes as in the reward model's training
+
+
+VERL_ROW = {
+    "data_source": "gsm8k",
+    "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+    "reward_model": {"style": "rule", "ground_truth": "4"},
+    "extra_info": {"index": 7},
+}
+
+
+def _verl_batch(tmp_path: Path) -> PromptBatch:
+    path = tmp_path / "verl.jsonl"
+    path.write_text(json.dumps(VERL_ROW) + "\n")
+    return PromptDataset(str(path), "prompt", None, seed=0).next_batch(1)
+
+
+def _function_scorer(tmp_path: Path, source: str) -> RewardScorer:
+    f = tmp_path / "cols.py"
+    f.write_text("SEEN = []\n" + source)
+    return RewardScorer(
+        {"type": "function", "function": f"{f}:reward", "timeout_seconds": 30, "concurrency": 1}
+    )
+
+
+def _seen(scorer: RewardScorer) -> list[Any]:
+    return list(scorer.fn.__globals__["SEEN"])  # type: ignore[union-attr]
+
+
+def test_a_rows_columns_reach_the_reward_function_parameters_named_for_them(tmp_path: Path) -> None:
+    """A verl row through the dataset and the scorer: ground_truth (flattened from reward_model) and
+    data_source arrive as keyword arguments, one value per response."""
+    scorer = _function_scorer(
+        tmp_path,
+        "def reward(prompts, responses, *, ground_truth, data_source, unused=None):\n"
+        "    SEEN.append((prompts, ground_truth, data_source, unused))\n"
+        "    return [float(r == g) for r, g in zip(responses, ground_truth)]\n",
+    )
+    batch = _verl_batch(tmp_path)
+    request = FinishedRequest(0, 0, batch.prompts[0], ["4", "5"], batch.labels[0])
+    got = scorer.score_request(request, batch.columns[0])
+    assert got.scores == [1.0, 0.0] and got.messages == []
+    assert _seen(scorer) == [([VERL_ROW["prompt"]] * 2, ["4", "4"], ["gsm8k", "gsm8k"], None)]
+
+
+def test_a_reward_function_taking_kwargs_gets_every_column(tmp_path: Path) -> None:
+    scorer = _function_scorer(
+        tmp_path,
+        "def reward(prompts, responses, labels, **columns):\n"
+        "    SEEN.append((labels, columns))\n"
+        "    return [1.0] * len(responses)\n",
+    )
+    batch = _verl_batch(tmp_path)
+    scorer.score_request(FinishedRequest(0, 0, batch.prompts[0], ["a"], batch.labels[0]), batch.columns[0])
+    (labels, columns), = _seen(scorer)  # fmt: skip
+    assert labels == [None]
+    assert columns == {
+        "data_source": ["gsm8k"],
+        "reward_model": [VERL_ROW["reward_model"]],
+        "extra_info": [{"index": 7}],
+        "ground_truth": ["4"],
+    }
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("def reward(prompts, responses):\n    return [float(len(r)) for r in responses]\n", [1.0, 2.0]),
+        (
+            "def reward(prompts, responses, labels):\n    return [float(r == l) for r, l in zip(responses, labels)]\n",
+            [0.0, 1.0],
+        ),
+    ],
+)
+def test_the_old_signatures_score_as_before_when_rows_have_columns(
+    tmp_path: Path, source: str, expected: list[float]
+) -> None:
+    scorer = _function_scorer(tmp_path, source)
+    columns = {"answer": "bb", "data_source": "x"}
+    got = scorer.score_request(FinishedRequest(0, 0, "p", ["a", "bb"], label="bb"), columns)
+    assert got.scores == expected and got.messages == []
+
+
+def test_a_column_named_like_a_positional_parameter_is_not_passed_again(tmp_path: Path) -> None:
+    scorer = _function_scorer(
+        tmp_path,
+        "def reward(prompts, responses, labels, **columns):\n"
+        "    SEEN.append(columns)\n"
+        "    return [1.0] * len(responses)\n",
+    )
+    got = scorer.score_request(FinishedRequest(0, 0, "p", ["a"], label="L"), {"labels": "x", "k": 1})
+    assert got.messages == [] and _seen(scorer) == [{"k": [1]}]
+
+
+def test_an_http_reward_gets_the_columns_under_columns() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RewardServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _RewardServer.bodies.clear()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/score"
+        scorer = RewardScorer({"type": "http", "url": url, "timeout_seconds": 5, "concurrency": 1})
+        got = scorer.score_request(FinishedRequest(0, 0, "p", ["ab", "c"], label=1), {"ground_truth": "ab"})
+        scorer.score_request(FinishedRequest(0, 1, "q", ["ab"]))
+    finally:
+        server.shutdown()
+    assert got.scores == [2.0, 1.0]
+    first, second = _RewardServer.bodies
+    assert first == {
+        "prompts": ["p", "p"],
+        "responses": ["ab", "c"],
+        "labels": [1, 1],
+        "columns": {"ground_truth": ["ab", "ab"]},
+    }
+    assert "columns" not in second  # a row with no other columns: the body of before
