@@ -25,6 +25,7 @@ ROLES = ("system", "user", "assistant")
 # Parquet rows are shuffled within windows of this many row groups (the groups' order is shuffled too):
 # each row group is read once per epoch, and the driver decodes at most this many at a time.
 SHUFFLE_WINDOW_ROW_GROUPS = 2
+CHECK_BATCH_ROWS = 1024  # Parquet prompts checked at open this many rows at a time
 
 
 class DatasetError(ValueError):
@@ -200,15 +201,20 @@ class ParquetRows:
         self._check_prompts(input_key)
 
     def _check_prompts(self, input_key: str) -> None:
-        for g in range(len(self.starts) - 1):
-            values = self.file.read_row_group(g, columns=[input_key]).column(0).to_pylist()
-            for j, value in enumerate(values):
+        """Every row's prompt, in record batches of the prompt column alone (a few MiB at a time)."""
+        import pyarrow as pa
+
+        row = 0
+        for batch in self.file.iter_batches(batch_size=CHECK_BATCH_ROWS, columns=[input_key]):
+            for value in batch.column(0).to_pylist():
                 problem = prompt_problem(value)
                 if problem:
                     raise DatasetError(
-                        f"data.prompts {self.path}: row {self.starts[g] + j} (counting from 0): "
+                        f"data.prompts {self.path}: row {row} (counting from 0): "
                         f"column {input_key!r} (data.inputKey) {problem}"
                     )
+                row += 1
+        pa.default_memory_pool().release_unused()  # the pool would keep the pages it decoded
 
     def __len__(self) -> int:
         return self.starts[-1]
