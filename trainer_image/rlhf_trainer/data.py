@@ -201,20 +201,20 @@ class ParquetRows:
         self._check_prompts(input_key)
 
     def _check_prompts(self, input_key: str) -> None:
-        """Every row's prompt, in record batches of the prompt column alone (a few MiB at a time)."""
-        import pyarrow as pa
-
-        row = 0
-        for batch in self.file.iter_batches(batch_size=CHECK_BATCH_ROWS, columns=[input_key]):
-            for value in batch.column(0).to_pylist():
-                problem = prompt_problem(value)
-                if problem:
-                    raise DatasetError(
-                        f"data.prompts {self.path}: row {row} (counting from 0): "
-                        f"column {input_key!r} (data.inputKey) {problem}"
-                    )
-                row += 1
-        pa.default_memory_pool().release_unused()  # the pool would keep the pages it decoded
+        """Every row's prompt: one row group's prompt column at a time, made Python objects in slices
+        (pyarrow's iter_batches would buffer the whole column)."""
+        for g in range(len(self.starts) - 1):
+            column = self.file.read_row_group(g, columns=[input_key]).column(0)
+            for at in range(0, len(column), CHECK_BATCH_ROWS):
+                for j, value in enumerate(column.slice(at, CHECK_BATCH_ROWS).to_pylist(), start=at):
+                    problem = prompt_problem(value)
+                    if problem:
+                        raise DatasetError(
+                            f"data.prompts {self.path}: row {self.starts[g] + j} (counting from 0): "
+                            f"column {input_key!r} (data.inputKey) {problem}"
+                        )
+            del column
+        _release_arrow_memory()
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -249,9 +249,17 @@ class ParquetRows:
             return self._cache[g]
         table = self.file.read_row_group(g)
         self._cache[g] = table
-        while len(self._cache) > SHUFFLE_WINDOW_ROW_GROUPS:
+        if len(self._cache) > SHUFFLE_WINDOW_ROW_GROUPS:
             self._cache.popitem(last=False)
+            _release_arrow_memory()
         return table
+
+
+def _release_arrow_memory() -> None:
+    """Hand the row groups dropped back to the system: pyarrow's pool would keep their pages."""
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
 
 
 def _json_typed(t: Any) -> bool:
