@@ -446,10 +446,17 @@ class DataSpec(_Spec):
 
     prompts: str = Field(
         min_length=1,
-        description="Prompt dataset: a .jsonl file (one JSON object per line) on a mounted volume.",
+        description="Prompt dataset: a local .jsonl file (one JSON object per line) or a .parquet file on "
+        "a mounted volume, chosen by its extension (docs/data.md). The driver streams it (an index, not the "
+        "rows).",
     )
     input_key: str = Field(
-        default="prompt", min_length=1, description="Key of the prompt text in each JSON line."
+        default="prompt",
+        min_length=1,
+        description="Key (column) of the prompt in each row: a string, or a list of chat messages "
+        '({"role": "system"|"user"|"assistant", "content": string}) rendered by the actor tokenizer\'s '
+        "chat template. Every other column reaches a Python reward function as keyword arguments "
+        "(docs/data.md).",
     )
     label_key: str | None = Field(
         default=None,
@@ -458,7 +465,8 @@ class DataSpec(_Spec):
     )
     apply_chat_template: bool = Field(
         default=False,
-        description="Wrap each prompt in the actor tokenizer's chat template before generation.",
+        description="Wrap each string prompt as one user turn in the actor tokenizer's chat template "
+        "before generation. Chat-message prompts always go through the template.",
     )
 
 

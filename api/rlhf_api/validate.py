@@ -131,7 +131,7 @@ def runtime_issues(spec: RLHFJobSpec) -> list[Issue]:
     if issues:
         return issues
     issues += sequence_parallel_issues(spec)
-    if spec.data.apply_chat_template and not _has_chat_template(Path(spec.model.actor)):
+    if spec.data.apply_chat_template and not has_chat_template(Path(spec.model.actor)):
         issues.append(
             Issue(
                 "spec.data.applyChatTemplate",
@@ -141,7 +141,7 @@ def runtime_issues(spec: RLHFJobSpec) -> list[Issue]:
     return issues
 
 
-def _has_chat_template(model: Path) -> bool:
+def has_chat_template(model: Path) -> bool:
     """Whether an HF tokenizer directory carries a chat template: a `chat_template.jinja` (or `.json`)
     file, a template under `additional_chat_templates/`, or `chat_template` in tokenizer_config.json."""
     if (model / "chat_template.jinja").is_file() or (model / "chat_template.json").is_file():

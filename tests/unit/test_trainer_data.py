@@ -97,6 +97,7 @@ def test_a_parquet_file_of_one_row_group_serves_the_jsonl_rows_in_the_same_order
     pqt = PromptDataset(str(write_parquet(tmp_path / "p.parquet", rows)), "prompt", "answer", seed=5)
     for _ in range(5):  # across epochs
         assert drawn(pqt, 4) == drawn(jl, 4)
+    assert (jl.first_chat, pqt.first_chat) == ("line 1", "row 0 (counting from 0)")
 
 
 def test_parquet_row_groups_are_read_on_demand_once_an_epoch_two_at_most_held(
@@ -217,3 +218,26 @@ def test_a_path_that_is_not_a_readable_jsonl_or_parquet_file_is_named(
 def test_an_object_store_url_is_refused_for_now() -> None:
     with pytest.raises(DatasetError, match=r"data.prompts s3://b/p\.parquet: only local files"):
         PromptDataset("s3://b/p.parquet", "prompt", None, seed=0)
+
+
+def test_preflight_refuses_chat_prompts_when_the_actor_has_no_chat_template(tmp_path: Path) -> None:
+    """Chat messages need the actor's chat template: the trainer says so, naming the line, before Ray."""
+    import yaml
+    from rlhf_api.spec import RLHFJobSpec
+    from rlhf_trainer.cli import apply_overrides
+    from rlhf_trainer.config import InputError, preflight
+
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    (actor / "config.json").write_text('{"num_attention_heads": 2, "num_key_value_heads": 2}')
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": CHAT}])
+    example = Path(__file__).resolve().parents[2] / "examples" / "rlhfjob-tiny.yaml"
+    sets = [f"model.actor={actor}", f"data.prompts={prompts}", "algorithm.klCoef=0"]
+    manifest = apply_overrides(yaml.safe_load(example.read_text()), sets)
+    spec = RLHFJobSpec.model_validate(manifest["spec"], by_alias=True, by_name=False)
+    with pytest.raises(
+        InputError, match=rf"spec.data.prompts {re.escape(str(prompts))}: line 2: a chat-message"
+    ):
+        preflight(spec)
+    (actor / "chat_template.jinja").write_text("{{ messages }}")
+    assert preflight(spec).first_chat == "line 2"

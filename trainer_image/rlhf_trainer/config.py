@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from rlhf_api.rules import violated
 from rlhf_api.spec import RLHFJobSpec
-from rlhf_api.validate import runtime_issues, schema_issues, validate_manifest
+from rlhf_api.validate import has_chat_template, runtime_issues, schema_issues, validate_manifest
 
 from rlhf_trainer.data import DatasetError, PromptDataset
 from rlhf_trainer.device import DeviceInfo
@@ -78,6 +78,11 @@ def preflight(spec: RLHFJobSpec) -> PromptDataset:
         data = PromptDataset(spec.data.prompts, spec.data.input_key, spec.data.label_key, spec.algorithm.seed)
     except DatasetError as e:
         raise InputError(f"spec.{e}") from e
+    if data.first_chat and not has_chat_template(Path(spec.model.actor)):
+        raise InputError(
+            f"spec.data.prompts {spec.data.prompts}: {data.first_chat}: a chat-message prompt needs the "
+            f"actor's chat template, and its tokenizer ({spec.model.actor}) has none"
+        )
     if spec.model.reward.type == "function":
         try:
             load_reward_function(str(spec.model.reward.function))

@@ -83,7 +83,10 @@ def reward_columns(row: dict[str, Any], input_key: str) -> Columns:
 
 
 class _Rows(Protocol):
-    """A file's rows by index, and the order an epoch serves them in."""
+    """A file's rows by index, and the order an epoch serves them in. `first_chat`: where the first
+    chat-message prompt is ("line 3", "row 2"), None when every prompt is a string."""
+
+    first_chat: str | None
 
     def __len__(self) -> int: ...
     def order(self, seed: int, epoch: int) -> array[int]: ...
@@ -110,6 +113,7 @@ class JsonlRows:
         self.path = path
         self.offsets = array("q")
         self.lines = array("q")  # each row's line number, for messages
+        self.first_chat: str | None = None
         try:
             with open(path, "rb") as f:
                 self._index(f, input_key)
@@ -122,6 +126,8 @@ class JsonlRows:
             obj = _parse_line(raw, self.path, lineno)
             if obj is not None:
                 _check_row_prompt(obj, input_key, f"data.prompts {self.path}: line {lineno}")
+                if self.first_chat is None and isinstance(obj[input_key], list):
+                    self.first_chat = f"line {lineno}"
                 self.offsets.append(offset)
                 self.lines.append(lineno)
             offset += len(raw)
@@ -198,6 +204,7 @@ class ParquetRows:
         for g in range(meta.num_row_groups):
             self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
         self._cache: OrderedDict[int, Any] = OrderedDict()
+        self.first_chat: str | None = None
         self._check_prompts(input_key)
 
     def _check_prompts(self, input_key: str) -> None:
@@ -207,12 +214,14 @@ class ParquetRows:
             column = self.file.read_row_group(g, columns=[input_key]).column(0)
             for at in range(0, len(column), CHECK_BATCH_ROWS):
                 for j, value in enumerate(column.slice(at, CHECK_BATCH_ROWS).to_pylist(), start=at):
+                    where = f"row {self.starts[g] + j} (counting from 0)"
                     problem = prompt_problem(value)
                     if problem:
                         raise DatasetError(
-                            f"data.prompts {self.path}: row {self.starts[g] + j} (counting from 0): "
-                            f"column {input_key!r} (data.inputKey) {problem}"
+                            f"data.prompts {self.path}: {where}: column {input_key!r} (data.inputKey) {problem}"
                         )
+                    if self.first_chat is None and isinstance(value, list):
+                        self.first_chat = where
             del column
         _release_arrow_memory()
 
@@ -307,6 +316,11 @@ class PromptDataset:
             raise DatasetError(f"data.prompts {path}: no prompts")
         self.position = DataPosition()
         self._order = self.rows.order(seed, 0)
+
+    @property
+    def first_chat(self) -> str | None:
+        """Where the first chat-message prompt is (they need the actor's chat template), or None."""
+        return self.rows.first_chat
 
     def __len__(self) -> int:
         return len(self.rows)
