@@ -97,7 +97,8 @@ class RewardSpec(_Spec):
         default=None,
         pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$",
         description="Python reward function as `module.path:function` (importable in the trainer image) or "
-        "`path/to/file.py:function`. Called as fn(prompts, responses, labels) -> list of floats. "
+        "`path/to/file.py:function`. Called as fn(prompts, responses[, labels], **columns) -> list of floats; "
+        "the dataset's other columns arrive as keyword arguments it names (docs/data.md). "
         "Set only when type is function.",
     )
     model: str | None = Field(
@@ -109,7 +110,8 @@ class RewardSpec(_Spec):
     url: str | None = Field(
         default=None,
         pattern=r"^https?://\S+$",
-        description="Remote reward endpoint (http or https); receives JSON {prompts, responses, labels} and "
+        description="Remote reward endpoint (http or https); receives JSON {prompts, responses, labels, "
+        "columns} (columns: the dataset's other columns, one list each; absent when there are none) and "
         "returns {rewards: [...]}. Set only when type is http.",
     )
     timeout_seconds: float = Field(
