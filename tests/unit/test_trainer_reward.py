@@ -14,7 +14,7 @@ import pytest
 from rlhf_trainer.data import PromptBatch, PromptDataset
 from rlhf_trainer.tasks.tiny import reward as tiny_reward
 from rlhf_trainer.transfer import FinishedRequest, PackedRollout
-from rlhf_trainer.workers.reward import RewardScorer, RewardSetupError, load_reward_function
+from rlhf_trainer.workers.reward import ColumnParameters, RewardScorer, RewardSetupError, load_reward_function
 
 pytestmark = pytest.mark.unit
 
@@ -314,6 +314,14 @@ def test_a_column_named_like_a_positional_parameter_is_not_passed_again(tmp_path
     )
     got = scorer.score_request(FinishedRequest(0, 0, "p", ["a"], label="L"), {"labels": "x", "k": 1})
     assert got.messages == [] and _seen(scorer) == [{"k": [1]}]
+
+
+def test_positional_only_parameters_leave_the_rest_to_the_columns() -> None:
+    def reward(prompts: Any, responses: Any, /, labels: Any, ground_truth: Any = None) -> list[float]:
+        return [1.0] * len(responses)
+
+    cols = ColumnParameters.of(reward)  # called as reward(prompts, responses, labels)
+    assert (cols.names, cols.reserved) == (frozenset({"ground_truth"}), frozenset({"labels"}))
 
 
 def test_an_http_reward_gets_the_columns_under_columns() -> None:

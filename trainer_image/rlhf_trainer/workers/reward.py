@@ -108,8 +108,9 @@ class ColumnParameters:
         except (TypeError, ValueError):
             return ColumnParameters(frozenset(), frozenset())
         named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        positional = [p for p in named if p.kind is p.POSITIONAL_OR_KEYWORD][: positional_arguments(fn)]
-        reserved = frozenset(p.name for p in positional)
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        taken = positional[: positional_arguments(fn)]
+        reserved = frozenset(p.name for p in taken if p.kind is p.POSITIONAL_OR_KEYWORD)
         if any(p.kind is p.VAR_KEYWORD for p in params):
             return ColumnParameters(None, reserved)
         return ColumnParameters(frozenset(p.name for p in named) - reserved, reserved)
@@ -233,7 +234,8 @@ class RewardScorer:
 
     def score(self, chunk: int, rollout: PackedRollout) -> tuple[RewardMeta, RewardResult]:
         """A whole packed rollout at once, in sub-batches like a request (the blocking way, for callers
-        holding every sample: benchmarks/async_reward.py's baselines)."""
+        holding every sample: benchmarks/async_reward.py's baselines). No row columns: a packed rollout does
+        not carry them."""
         labels = list(rollout.labels) or [None] * rollout.num_samples
         batch: Batch = (list(rollout.prompts), list(rollout.responses), labels, [{}] * rollout.num_samples)
         scores = self._score(chunk, 0, batch)
