@@ -148,6 +148,13 @@ def _pod_template(
         # The driver is a child of Ray's job supervisor, not PID 1, so the kubelet's SIGTERM never reaches
         # it: the hook passes it on and waits (within the grace period) for its checkpoint and exit.
         container["lifecycle"] = {"preStop": {"exec": {"command": ["python", "-m", "rlhf_trainer.preempt"]}}}
+    elif role == "rollout":
+        # A rollout pod being deleted (a scale-down, an eviction) tells Ray first: the hook drains its node
+        # until the grace period ends, and the trainer retires the engine on it between phases instead of
+        # losing it at the kill, perhaps mid weight sync (rlhf_trainer.drain).
+        grace = str(spec.run_policy.termination_grace_period_seconds)
+        drain = ["python", "-m", "rlhf_trainer.drain", "--deadline-seconds", grace]
+        container["lifecycle"] = {"preStop": {"exec": {"command": drain}}}
     pod_spec: dict[str, Any] = {
         # No Docker-link variables for every Service of the namespace: nothing here reads them.
         "enableServiceLinks": False,

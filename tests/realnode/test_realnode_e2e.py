@@ -143,6 +143,12 @@ def head_steps(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
     return step_reports(logs)
 
 
+def retired_engines(cluster: Cluster, namespace: str) -> list[str]:
+    """The driver's lines in the head pod's log for engines it retired because their node was draining."""
+    logs = cluster.kubectl("logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]).stdout
+    return re.findall(r"rollout engine \d+ retired: its node \S+ is draining.*", logs)
+
+
 # Enough steps for the whole scenario (the replacement rollout pod's engine is ready about a minute after
 # the loss, a scale-down's pod goes after its 30 s grace; the head was lost at step 16 in the first run),
 # with some left for the restarted attempt: the test fails, saying so, if too few are left.
@@ -239,6 +245,7 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
 
     # 2. Scale-down by the user: KubeRay deletes a rollout pod of its choosing and the trainer goes on
     # with one engine, never restarting (docs/autoscaling.md).
+    retired_before = retired_engines(cluster, namespace)
     cluster.kubectl("scale", "-n", namespace, "rlhfjob/tiny", "--replicas=1")
 
     def settled_on_one() -> list[int] | None:
@@ -247,6 +254,10 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
         return used if used[regained_at:][-2:] == [1, 1] and one else None
 
     wait_for(settled_on_one, 300, "two steps on one engine after the scale-down, status at 1 engine", 2)
+    # The deleted pod's preStop hook drained its Ray node, and the trainer retired the engine on it between
+    # phases, within the grace period: never lost at the kill, so never mid weight sync (rlhf_trainer.drain).
+    retired = retired_engines(cluster, namespace)[len(retired_before) :]
+    assert len(retired) == 1, (retired_before, retired)
     # `kubectl get rlhf` while Running shows the trainer's progress: a step the driver has reported (read
     # from the head's log just after), out of STEPS. (On success the operator writes STEPS/STEPS itself.)
     shown = printed(cluster, namespace, "tiny")

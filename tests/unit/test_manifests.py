@@ -317,3 +317,20 @@ def test_ray_start_gets_each_groups_resources_as_one_json_argument() -> None:
         resources = json.loads(arg.removeprefix("--resources="))
         ((name, amount),) = resources.items()
         assert name == f"rlhf_{group['groupName']}_slot" and amount >= 1
+
+
+def test_each_role_stops_by_its_own_prestop_hook_rollout_pods_drain_their_ray_node() -> None:
+    """The head's hook stops the driver (rlhf_trainer.preempt); a rollout pod's drains its Ray node for
+    the grace period, so the trainer retires its engine between phases (rlhf_trainer.drain); the trainer
+    pods have none (losing one restarts the attempt anyway)."""
+    job = load("rlhfjob-tiny.yaml", **{"spec.runPolicy.terminationGracePeriodSeconds": 45})
+    rc = manifests.build_raycluster(job)
+
+    def hook(template: dict[str, Any]) -> list[str] | None:
+        lifecycle = template["spec"]["containers"][0].get("lifecycle")
+        return lifecycle["preStop"]["exec"]["command"] if lifecycle else None
+
+    assert hook(rc["spec"]["headGroupSpec"]["template"]) == ["python", "-m", "rlhf_trainer.preempt"]
+    drain = ["python", "-m", "rlhf_trainer.drain", "--deadline-seconds", "45"]
+    assert hook(group(rc, "rollout")["template"]) == drain
+    assert hook(group(rc, "trainer")["template"]) is None

@@ -16,11 +16,11 @@ _stream: TextIO | None = None
 _disabled = False
 
 
-def _open(path: str) -> TextIO | None:
+def _open(path: str, roles: tuple[str, ...]) -> TextIO | None:
     global _disabled
     if _disabled:
         return None
-    if os.environ.get("RLHF_ROLE") != "head" or os.getpid() == 1:
+    if os.environ.get("RLHF_ROLE") not in roles or os.getpid() == 1:
         _disabled = True
         return None
     try:
@@ -30,11 +30,12 @@ def _open(path: str) -> TextIO | None:
         return None
 
 
-def echo(line: str, path: str = CONTAINER_STDOUT) -> bool:
-    """Writes one line to the head container's log; True if it was written."""
+def echo(line: str, path: str = CONTAINER_STDOUT, roles: tuple[str, ...] = ("head",)) -> bool:
+    """Writes one line to the container's log in a pod of one of `roles` (the head's by default: a
+    rollout pod's hook names its own); True if it was written."""
     global _stream, _disabled
     if _stream is None:
-        _stream = _open(path)
+        _stream = _open(path, roles)
         if _stream is None:
             return False
     try:

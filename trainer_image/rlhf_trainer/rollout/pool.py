@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,18 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from rlhf_api.constants import ROLLOUT_RESOURCE
 
 from rlhf_trainer.rollout.engine import RolloutEngine
+
+
+def draining_nodes() -> set[str]:
+    """Hex ids of the nodes Ray is draining. Best effort: when the GCS does not answer, none (the next
+    call asks again, and an engine that goes undrained is handled as lost)."""
+    try:
+        from ray._private.state import state
+
+        return set(state.get_draining_nodes())
+    except Exception:
+        return set()
+
 
 # Engine index -> (its Ray .options: bundle and GPU share, the placement group it owns or None when it
 # lives in another's, as under colocateAll). placement.py builds it from the device plan.
@@ -44,13 +56,27 @@ class EnginePool:
         self.membership_version = 0
 
     # ---- size ---------------------------------------------------------------------------------
-    def desired_from_cluster(self, fallback: int) -> int:
-        """Engines the cluster can hold now: total rollout slots of alive nodes, else the spec's count."""
+    def desired_from_cluster(self, fallback: int, draining: Collection[str] = ()) -> int:
+        """Engines the cluster can hold now: total rollout slots of alive nodes that are not draining, else
+        the spec's count."""
         slots = 0.0
         for node in ray.nodes():  # type: ignore[no-untyped-call]
-            if node.get("Alive"):
+            if node.get("Alive") and node.get("NodeID") not in draining:
                 slots += float(node.get("Resources", {}).get(ROLLOUT_RESOURCE, 0.0))
         return int(slots) if slots > 0 else fallback
+
+    def retire_draining(self, draining: Collection[str]) -> list[EngineSlot]:
+        """Stop the engines on nodes Ray is draining (a rollout pod being deleted: rlhf_trainer.drain), while
+        they still answer: retired between phases, never lost in the middle of a weight sync."""
+        retired = [s for s in self.live() if s.info.get("node_id") in draining]
+        for slot in retired:
+            if slot.state == "ready":
+                self.membership_version += 1
+            slot.state = "stopping"
+            with contextlib.suppress(Exception):  # going anyway with its node
+                self._kill(slot)
+            self.slots.remove(slot)
+        return retired
 
     def resize(self, n: int) -> None:
         """Start or stop engines to reach n live ones; never blocks (new engines join when ready).

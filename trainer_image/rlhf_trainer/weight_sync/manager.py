@@ -17,7 +17,7 @@ from rlhf_api.spec import RLHFJobSpec
 from rlhf_trainer.device import DeviceInfo
 from rlhf_trainer.groups import RayGroup
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
-from rlhf_trainer.rollout.pool import EnginePool
+from rlhf_trainer.rollout.pool import EnginePool, draining_nodes
 from rlhf_trainer.weight_sync.channels import Rendezvous
 
 GPU_ONLY = ("nccl", "cuda_ipc")
@@ -105,7 +105,8 @@ class WeightSyncManager:
         Returns the bytes sent.
         """
         sent = 0
-        self.pool.resize(self.pool.desired_from_cluster(self.spec.rollout.engines))
+        draining = self.retire_draining()
+        self.pool.resize(self.pool.desired_from_cluster(self.spec.rollout.engines, draining))
         self.pool.poll()
         if not self.pool.ready():
             self.pool.wait_ready()
@@ -147,8 +148,17 @@ class WeightSyncManager:
         self.channel_version = self.pool.membership_version
         self.syncs_on_channel = 0
 
+    def retire_draining(self) -> set[str]:
+        """Retire the engines whose pods are being deleted (their nodes drain); returns the draining nodes."""
+        draining = draining_nodes()
+        for slot in self.pool.retire_draining(draining):
+            node = str(slot.info.get("node_id", ""))[:12]
+            self.log(f"rollout engine {slot.index} retired: its node {node} is draining (its pod is going)")
+        return draining
+
     def sync(self) -> int:
         """Bucketed gather on every actor rank; rank 0 sends each bucket once to all engines."""
+        self.retire_draining()
         for slot in self.pool.prune_lost():
             self.log(f"rollout engine {slot.index} lost before the weight sync ({slot.info.get('error')})")
         if not self.pool.ready():
