@@ -42,6 +42,7 @@ from rlhf_operator import (
     throttle,
 )
 from rlhf_operator.conditions import parse_time
+from rlhf_operator.job_state import JobState, JobStates
 from rlhf_operator.status import Decision, Observed, cluster_rejected, decide, status_patch
 
 log = logging.getLogger("rlhf_operator")
@@ -87,7 +88,12 @@ _api: k8s.ApiClient | None = None
 # new job is left to the create handler until it has written the first phase; both for at most
 # UNSEEN_WRITE_GRACE seconds, after which the round runs as before (a write that never shows is redone).
 UNSEEN_WRITE_GRACE = max(15.0, 5 * RECONCILE_INTERVAL)
-_unseen_writes: dict[str, tuple[dict[str, Any], float]] = {}  # uid -> (status fields written, when)
+# Everything kept per job (job_state.py), by uid: `_forget` drops a deleted job's in one pop.
+JOBS = JobStates()
+
+
+def _state(body: kopf.Body) -> JobState:
+    return JOBS.get(body.metadata.uid or "")
 
 
 def api() -> k8s.ApiClient:
@@ -157,20 +163,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         metrics.serve(port, os.environ.get("RLHF_OPERATOR_METRICS_ADDR") or "127.0.0.1")
 
 
-# The last parse of each job (uid -> (resourceVersion, result)): a round on an unchanged body, the steady
-# state, reuses it instead of validating the whole spec again.
-_parsed: dict[str, tuple[str, RLHFJob | str]] = {}
-
-
 def _parse(body: kopf.Body) -> RLHFJob | str:
-    """The typed job, or the validation error text (a bad object must never crash the operator)."""
+    """The typed job, or the validation error text (a bad object must never crash the operator); the last
+    parse is reused while the resourceVersion is the same (JobState.parsed)."""
     uid, version = body.metadata.uid or "", str(body.metadata.get("resourceVersion") or "")
-    cached = _parsed.get(uid)
+    state = JOBS.peek(uid)
+    cached = state.parsed if state is not None else None
     if cached is not None and version and cached[0] == version:
         return cached[1]
     result = _validate(body)
     if uid and version:
-        _parsed[uid] = (version, result)
+        JOBS.get(uid).parsed = (version, result)
     return result
 
 
@@ -207,13 +210,6 @@ def _invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
 # RayClusters are read from a kopf index fed by a watch (`rayclusters` below), not by a GET per round.
 # The index is handed to handlers as a keyword argument; they keep it here for the helpers they call.
 _cluster_index: kopf.Index[tuple[str, str], dict[str, Any]] | None = None
-# RayClusters this process created that its watch has not delivered yet (for at most UNSEEN_WRITE_GRACE),
-# so the next round does not take a cluster it just made for a missing one.
-_created: dict[tuple[str, str], tuple[dict[str, Any], float]] = {}
-# The resourceVersion of each RayCluster as it was when this process last patched it: while the index
-# still shows that version, the patch has not come back through the watch, and the round does not send
-# it again.
-_patched_at: dict[tuple[str, str], tuple[str, float]] = {}
 
 
 @kopf.index(RAY_GROUP, RAY_VERSION, RAY_PLURAL, labels={manifests.JOB_LABEL: kopf.PRESENT})
@@ -274,19 +270,21 @@ def _use_index(
         _pod_index = pods
 
 
-def _get_cluster(namespace: str, name: str) -> dict[str, Any] | None:
-    """The RayCluster as the watch last delivered it (or as this process just created it), or None."""
-    key = (namespace, name)
+def _get_cluster(body: kopf.Body, name: str) -> dict[str, Any] | None:
+    """The job's RayCluster as the watch last delivered it (or as this process just created it: for at
+    most UNSEEN_WRITE_GRACE, so the next round does not take a cluster it just made for a missing one)."""
+    namespace = body.metadata.namespace or "default"
     if _cluster_index is None:  # no index handed over yet (a unit test calling a helper): read it
         return _read_cluster(namespace, name)
-    found = next(iter(_cluster_index.get(key, ())), None)
+    state = _state(body)
+    found = next(iter(_cluster_index.get((namespace, name), ())), None)
     if found is not None:
-        _created.pop(key, None)
+        state.created = None
         return found
-    made = _created.get(key)
+    made = state.created
     if made is not None and time.monotonic() - made[1] < UNSEEN_WRITE_GRACE:
         return made[0]
-    _created.pop(key, None)
+    state.created = None
     return None
 
 
@@ -313,7 +311,7 @@ def _ensure_security_objects(body: kopf.Body, job: RLHFJob) -> None:
     # Both at once: one round trip before the RayCluster's POST instead of two.
     for future in [_SECURITY_POOL.submit(_create_security_object, namespace, obj) for obj in objs]:
         future.result()
-    _security_ensured.add(body.metadata.uid or "")
+    _state(body).security_ensured = True
 
 
 def _create_security_object(namespace: str, obj: dict[str, Any]) -> None:
@@ -330,33 +328,23 @@ def _create_security_object(namespace: str, obj: dict[str, Any]) -> None:
 
 
 _SECURITY_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="security-objects")
-# Jobs whose Secret and NetworkPolicy this process has created or found (once per job and process).
-_security_ensured: set[str] = set()
-
-
-# One Jobs API client per (head URL, job token), kept between rounds: its connection stays open, where a
-# client per round paid for a new client and a TCP connection every round of every job.
-_ray_clients: dict[tuple[str, str], rayjobs.RayJobsClient] = {}
 
 
 @contextlib.contextmanager
 def _ray_client(url: str, body: kopf.Body) -> Iterator[rayjobs.RayJobsClient]:
-    key = (url, ray_token(body))
-    client = _ray_clients.get(key)
+    """The job's Jobs API client for this head, kept between rounds (JobState.ray_clients): its connection
+    stays open, where a client per round paid for a new client and a TCP connection every round of every
+    job."""
+    clients = _state(body).ray_clients
+    client = clients.get(url)
     if client is None:
-        client = _ray_clients[key] = rayjobs.RayJobsClient(url, token=key[1])
+        client = clients[url] = rayjobs.RayJobsClient(url, token=ray_token(body))
     try:
         yield client
     except rayjobs.RayJobsError:
-        _ray_clients.pop(key, None)  # a fresh client (and connection) next time
+        clients.pop(url, None)  # a fresh client (and connection) next time
         client.close()
         raise
-
-
-def _drop_ray_clients(body: kopf.Body) -> None:
-    token = ray_token(body)
-    for key in [k for k in _ray_clients if k[1] == token]:
-        _ray_clients.pop(key).close()
 
 
 def ray_token(body: kopf.Body) -> str:
@@ -380,8 +368,9 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
         metrics.CLUSTERS_CREATED.labels(namespace).inc()
         # As the index keeps it: the whole answer (pod templates) for each of a burst of new jobs was
         # the largest thing the operator kept after the watch events (benchmarks.md, Round 3).
-        _created[(namespace, manifest["metadata"]["name"])] = (slim_raycluster(created), time.monotonic())
-        _create_backoff.pop(body.metadata.uid or "", None)
+        state = _state(body)
+        state.created = (slim_raycluster(created), time.monotonic())
+        state.create_backoff = None
         failpoints.hit("after_cluster_create")
         kopf.event(
             body,
@@ -396,10 +385,7 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
         if e.status == 409:  # created by an earlier incarnation of this operator: adopt it
             existing = _read_cluster(namespace, manifest["metadata"]["name"])
             if existing is not None:
-                _created[(namespace, manifest["metadata"]["name"])] = (
-                    slim_raycluster(existing),
-                    time.monotonic(),
-                )
+                _state(body).created = (slim_raycluster(existing), time.monotonic())
                 return existing
         raise ClusterRefused(e.status, _api_message(e)) from e
 
@@ -421,12 +407,9 @@ def _api_message(e: ApiException) -> str:
         return str(e.reason)
 
 
-# Transient refusals by job uid: (refusals in a row, monotonic time before which not to try again).
-_create_backoff: dict[str, tuple[int, float]] = {}
-
-
-def _create_backing_off(uid: str) -> bool:
-    entry = _create_backoff.get(uid)
+def _create_backing_off(body: kopf.Body) -> bool:
+    """Whether a transient refusal's backoff (JobState.create_backoff) still holds the next create."""
+    entry = _state(body).create_backoff
     return entry is not None and time.monotonic() < entry[1]
 
 
@@ -443,26 +426,26 @@ def _refused(body: kopf.Body, patch: kopf.Patch, job: RLHFJob, refusal: ClusterR
         kopf.event(body, type=etype, reason=reason, message=message)
     namespace = body.metadata.namespace or "default"
     metrics.RECONCILE_ERRORS.labels(namespace, "RayClusterRefused").inc()
-    uid = body.metadata.uid or ""
+    state = _state(body)
     if decision.status.get("phase") == "Failed":
-        _create_backoff.pop(uid, None)
+        state.create_backoff = None
         return
-    count = _create_backoff.get(uid, (0, 0.0))[0]
+    count = (state.create_backoff or (0, 0.0))[0]
     delay = min(2.0**count, 60.0)
-    _create_backoff[uid] = (count + 1, time.monotonic() + delay)
+    state.create_backoff = (count + 1, time.monotonic() + delay)
     log.warning("RayCluster for %s/%s refused, retrying in %.0fs: %s", namespace, job.name, delay, refusal)
 
 
 def _remember_write(uid: str, fields: dict[str, Any]) -> None:
     if fields:
-        _unseen_writes[uid] = (dict(fields), time.monotonic())
+        JOBS.get(uid).unseen_write = (dict(fields), time.monotonic())
 
 
 def _awaiting_own_write(body: kopf.Body) -> bool:
     """True while the body still lacks the status fields this operator last wrote, or a new job still
     lacks the create handler's first phase (within the grace)."""
-    uid = body.metadata.uid or ""
-    pending = _unseen_writes.get(uid)
+    state = _state(body)
+    pending = state.unseen_write
     if pending is None:
         created = parse_time(body.metadata.creation_timestamp)
         young = created is not None and (datetime.now(UTC) - created).total_seconds() < UNSEEN_WRITE_GRACE
@@ -470,7 +453,7 @@ def _awaiting_own_write(body: kopf.Body) -> bool:
     fields, at = pending
     current = _clean_status(dict(body.status)) or {}
     if time.monotonic() - at > UNSEEN_WRITE_GRACE or all(current.get(k) == v for k, v in fields.items()):
-        del _unseen_writes[uid]
+        state.unseen_write = None
         return False
     return True
 
@@ -500,12 +483,12 @@ def on_event(
         return
     if body.status.get("phase") in TERMINAL_JOB_PHASES:
         return
-    uid = body.metadata.uid or ""
+    state = _state(body)
     if body.status.get("phase"):
-        if not type and uid not in _security_ensured:  # the initial listing (no type): the operator's start
+        if not type and not state.security_ensured:  # the initial listing (no type): the operator's start
             _resume_security_objects(body)
         return
-    if uid in _first_written:
+    if state.first_written:
         return  # its first status write is on its way through the watch
     ensure_cluster(body, patch)
 
@@ -517,16 +500,12 @@ def _resume_security_objects(body: kopf.Body) -> None:
     if isinstance(job, str):
         return
     namespace = body.metadata.namespace or "default"
-    if _get_cluster(namespace, manifests.raycluster_name(job.name)) is None:
+    if _get_cluster(body, manifests.raycluster_name(job.name)) is None:
         return
     try:
         _ensure_security_objects(body, job)
     except ClusterRefused as e:
         log.warning("%s/%s: security objects not created: %s", namespace, job.name, e)
-
-
-# Jobs whose first status (phase Provisioning) this process has written.
-_first_written: set[str] = set()
 
 
 def ensure_cluster(body: kopf.Body, patch: kopf.Patch) -> None:
@@ -535,8 +514,7 @@ def ensure_cluster(body: kopf.Body, patch: kopf.Patch) -> None:
     if isinstance(job, str):
         _invalid(body, patch, job)
         return
-    namespace = body.metadata.namespace or "default"
-    if _get_cluster(namespace, manifests.raycluster_name(job.name)) is None:
+    if _get_cluster(body, manifests.raycluster_name(job.name)) is None:
         try:
             _create_cluster(body, job)
         except ClusterRefused as refusal:
@@ -553,7 +531,7 @@ def ensure_cluster(body: kopf.Body, patch: kopf.Patch) -> None:
     for key, value in first.items():
         patch.status[key] = value
     _remember_write(body.metadata.uid or "", first)
-    _first_written.add(body.metadata.uid or "")
+    _state(body).first_written = True
 
 
 def dashboard_url(cluster: dict[str, Any] | None) -> str:
@@ -571,7 +549,7 @@ def metrics_url(cluster: dict[str, Any], job: RLHFJob) -> str:
 
 def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
     namespace = body.metadata.namespace or "default"
-    cluster = _get_cluster(namespace, manifests.raycluster_name(job.name))
+    cluster = _get_cluster(body, manifests.raycluster_name(job.name))
     obs: dict[str, Any] = {"now": datetime.now(UTC), "uid": body.metadata.uid or "", "raycluster": cluster}
     queue = kueue.queue_name(job.metadata.get("labels"), cluster)
     if cluster is not None and kueue.suspended_by_kueue(cluster, queue is not None):
@@ -589,7 +567,7 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
         except rayjobs.RayJobsError as e:
             obs["ray_job_error"] = str(e)
         if obs.get("ray_job") is not None and obs["ray_job"].status == rayjobs.RUNNING:
-            obs.update(_scrape(namespace, job, cluster, body.metadata.uid or ""))
+            obs.update(_scrape(body, job, cluster))
         taking = body.status.get("diagnosis") or {}
         if taking.get("state") == "Taking" and obs.get("ray_job_error") is None:
             obs["stacks"] = _snapshot_result(cluster, body, str(taking.get("submissionId")))
@@ -661,15 +639,13 @@ def _workload(namespace: str, cluster: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-# The last scrape of each job (by uid): (monotonic time, {"metrics": ...} or {"metrics_error": ...}).
-# The trainer is read at most once per monitoring.scrapeIntervalSeconds, however often the reconcile
-# timer fires, so the status (patched only when it changes) moves at most once per interval.
-_last_scrape: dict[str, tuple[float, dict[str, Any]]] = {}
-
-
-def _scrape(namespace: str, job: RLHFJob, cluster: dict[str, Any], uid: str) -> dict[str, Any]:
+def _scrape(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's metrics, read at most once per monitoring.scrapeIntervalSeconds however often the
+    reconcile timer fires (JobState.last_scrape), so the status moves at most once per interval."""
+    namespace = body.metadata.namespace or "default"
+    state = _state(body)
     now = time.monotonic()
-    cached = _last_scrape.get(uid)
+    cached = state.last_scrape
     if cached is not None and now - cached[0] < job.spec.monitoring.scrape_interval_seconds:
         return cached[1]
     result: dict[str, Any]
@@ -685,26 +661,22 @@ def _scrape(namespace: str, job: RLHFJob, cluster: dict[str, Any], uid: str) -> 
         log.warning("malformed metrics from %s/%s ignored: %s", namespace, job.name, e)
         result = {"metrics_error": f"malformed metrics: {e}"}
         metrics.SCRAPES.labels("malformed").inc()
-    _last_scrape[uid] = (now, result)
+    state.last_scrape = (now, result)
     return result
 
 
-def _cluster_key(cluster: dict[str, Any]) -> tuple[str, str]:
-    meta = cluster.get("metadata") or {}
-    return meta.get("namespace") or "default", meta.get("name") or ""
-
-
-def _patch_in_flight(cluster: dict[str, Any]) -> bool:
+def _patch_in_flight(body: kopf.Body, cluster: dict[str, Any]) -> bool:
     """True while the cluster seen is the version this process last patched: the patch has not come back
     through the watch yet, and sending it again would be a second write of the same change."""
     version = (cluster.get("metadata") or {}).get("resourceVersion")
-    at = _patched_at.get(_cluster_key(cluster))
+    at = _state(body).patched_at
     return at is not None and at[0] == version and time.monotonic() - at[1] < UNSEEN_WRITE_GRACE
 
 
 def _patch_raycluster(
-    namespace: str, cluster: dict[str, Any], body: Any, content_type: str | None = None
+    job_body: kopf.Body, cluster: dict[str, Any], body: Any, content_type: str | None = None
 ) -> None:
+    namespace = job_body.metadata.namespace or "default"
     custom().patch_namespaced_custom_object(
         RAY_GROUP,
         RAY_VERSION,
@@ -715,7 +687,7 @@ def _patch_raycluster(
         _content_type=content_type,
     )
     version = (cluster.get("metadata") or {}).get("resourceVersion") or ""
-    _patched_at[_cluster_key(cluster)] = (version, time.monotonic())
+    _state(job_body).patched_at = (version, time.monotonic())
 
 
 def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:
@@ -743,10 +715,10 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
             _stop_ray_job(cluster, body, decision.stop_snapshot_id)
         elif action == "record_stacks" and decision.stacks is not None:
             _record_stacks(body, job, decision)
-        elif action == "suspend_cluster" and cluster is not None and not _patch_in_flight(cluster):
-            _patch_raycluster(namespace, cluster, {"spec": {"suspend": job.spec.run_policy.suspend}})
+        elif action == "suspend_cluster" and cluster is not None and not _patch_in_flight(body, cluster):
+            _patch_raycluster(body, cluster, {"spec": {"suspend": job.spec.run_policy.suspend}})
         elif action == "delete_cluster" and cluster is not None:
-            _patched_at.pop(_cluster_key(cluster), None)
+            _state(body).patched_at = None
             try:
                 custom().delete_namespaced_custom_object(
                     RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, cluster["metadata"]["name"]
@@ -867,8 +839,8 @@ def reconcile_engines(body: kopf.Body, job: RLHFJob, observed: Observed, decisio
     if plan.decision is not None and not plan.decision.changed:
         log.debug("%s/%s autoscaler holds: %s", namespace, job.name, plan.decision.message)
     ops = manifests.scale_patch(cluster, manifests.rollout_replicas(job.spec, plan.engines))
-    if ops and not _patch_in_flight(cluster):
-        _patch_raycluster(namespace, cluster, ops, JSON_PATCH)
+    if ops and not _patch_in_flight(body, cluster):
+        _patch_raycluster(body, cluster, ops, JSON_PATCH)
 
 
 def _kueue_holds_replicas(
@@ -967,7 +939,7 @@ def reconcile(
         metrics.record_open_stall(namespace, job.name, decision.status.get("openStall"))
         if decision.status.get("phase") == "Restarting" and body.status.get("phase") != "Restarting":
             failpoints.hit("after_restart_decision")
-        if "create_cluster" in decision.actions and _create_backing_off(body.metadata.uid or ""):
+        if "create_cluster" in decision.actions and _create_backing_off(body):
             return  # a transient refusal's backoff: the status already says why
         try:
             act(body, job, observed, decision)
@@ -988,26 +960,30 @@ def reconcile(
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
-_stopped: set[str] = set()  # submission ids of deleted jobs this process has stopped (dev override)
+# Submission ids of deleted jobs whose Ray job this process has stopped (development override only): the
+# deletion's first and last events both forget the job, and the stop is sent once. A few tombstones, not
+# per-job state: the oldest go first.
+_STOPPED_KEPT = 256
+_stopped: dict[str, None] = {}
 
 
 def _forget(body: kopf.Body) -> None:
-    """A deleted job: drop what this process kept about it, and (development override only) stop its Ray
-    job, best effort (in a cluster the RayCluster's deletion ends the job with it)."""
-    namespace, uid = body.metadata.namespace or "default", body.metadata.uid or ""
-    for by_cluster in (_created, _patched_at):  # its RayCluster is named after it
-        by_cluster.pop((namespace, body.metadata.name or ""), None)
-    metrics.record_job_phase(namespace, body.metadata.name or "", None)
-    metrics.record_open_stall(namespace, body.metadata.name or "", None)
-    for table in (_last_scrape, _unseen_writes, _create_backoff):
-        table.pop(uid, None)
-    _first_written.discard(uid)
-    _security_ensured.discard(uid)
-    _parsed.pop(uid, None)
+    """A deleted job: drop what this process kept about it (one pop: job_state.JobStates.forget) and close
+    its Jobs API connections, and (development override only) stop its Ray job, best effort (in a cluster
+    the RayCluster's deletion ends the job with it)."""
+    namespace, name, uid = (
+        body.metadata.namespace or "default",
+        body.metadata.name or "",
+        body.metadata.uid or "",
+    )
+    metrics.record_job_phase(namespace, name, None)
+    metrics.record_open_stall(namespace, name, None)
     sid = body.status.get("submissionId")
     try:
         if sid and DEV_HEAD_HOST and sid not in _stopped:
-            _stopped.add(sid)
+            _stopped[sid] = None
+            while len(_stopped) > _STOPPED_KEPT:
+                del _stopped[next(iter(_stopped))]
             with (
                 REMOTE.slot(dashboard_url(None)),
                 _ray_client(dashboard_url(None), body) as rj,
@@ -1016,4 +992,6 @@ def _forget(body: kopf.Body) -> None:
     except rayjobs.RayJobsError as e:
         log.warning("could not stop %s: %s", sid, e)
     finally:
-        _drop_ray_clients(body)
+        state = JOBS.forget(uid)
+        for client in state.ray_clients.values() if state is not None else ():
+            client.close()
