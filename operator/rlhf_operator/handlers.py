@@ -81,15 +81,12 @@ API_CONNECTIONS = max(8, int(os.environ.get("RLHF_API_CONNECTIONS") or "64"))
 WORKER_IDLE_SECONDS = float(os.environ.get("RLHF_WORKER_IDLE_SECONDS") or "0.5")
 _api: k8s.ApiClient | None = None
 
-# kopf hands a timer the latest body its watch has delivered, which under load (100 jobs on 2 CPUs) can
-# predate this operator's own last status write by seconds. Deciding on such a body repeats the write and
-# the phase's Event, and two rounds on bodies of different ages rewrite the conditions list back and forth
-# (benchmarks/operator_scale.py). So a round is skipped while the body lacks our last status write, and a
-# new job is left to the create handler until it has written the first phase; both for at most
-# UNSEEN_WRITE_GRACE seconds, after which the round runs as before (a write that never shows is redone).
+# How long a write of ours may stay unseen by the watch (expectations.py): a round is skipped while the
+# body lacks our last status write, and a new job is left to the create handler until it has written the
+# first phase; a RayCluster just created or patched is taken as written; all for at most this long.
 UNSEEN_WRITE_GRACE = max(15.0, 5 * RECONCILE_INTERVAL)
 # Everything kept per job (job_state.py), by uid: `_forget` drops a deleted job's in one pop.
-JOBS = JobStates()
+JOBS = JobStates(UNSEEN_WRITE_GRACE)
 
 
 def _state(body: kopf.Body) -> JobState:
@@ -276,16 +273,7 @@ def _get_cluster(body: kopf.Body, name: str) -> dict[str, Any] | None:
     namespace = body.metadata.namespace or "default"
     if _cluster_index is None:  # no index handed over yet (a unit test calling a helper): read it
         return _read_cluster(namespace, name)
-    state = _state(body)
-    found = next(iter(_cluster_index.get((namespace, name), ())), None)
-    if found is not None:
-        state.created = None
-        return found
-    made = state.created
-    if made is not None and time.monotonic() - made[1] < UNSEEN_WRITE_GRACE:
-        return made[0]
-    state.created = None
-    return None
+    return _state(body).expect.cluster_seen(next(iter(_cluster_index.get((namespace, name), ())), None))
 
 
 def _read_cluster(namespace: str, name: str) -> dict[str, Any] | None:
@@ -369,7 +357,7 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
         # As the index keeps it: the whole answer (pod templates) for each of a burst of new jobs was
         # the largest thing the operator kept after the watch events (benchmarks.md, Round 3).
         state = _state(body)
-        state.created = (slim_raycluster(created), time.monotonic())
+        state.expect.created_cluster(slim_raycluster(created))
         state.create_backoff = None
         failpoints.hit("after_cluster_create")
         kopf.event(
@@ -385,7 +373,7 @@ def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
         if e.status == 409:  # created by an earlier incarnation of this operator: adopt it
             existing = _read_cluster(namespace, manifest["metadata"]["name"])
             if existing is not None:
-                _state(body).created = (slim_raycluster(existing), time.monotonic())
+                _state(body).expect.created_cluster(slim_raycluster(existing))
                 return existing
         raise ClusterRefused(e.status, _api_message(e)) from e
 
@@ -437,25 +425,18 @@ def _refused(body: kopf.Body, patch: kopf.Patch, job: RLHFJob, refusal: ClusterR
 
 
 def _remember_write(uid: str, fields: dict[str, Any]) -> None:
-    if fields:
-        JOBS.get(uid).unseen_write = (dict(fields), time.monotonic())
+    JOBS.get(uid).expect.wrote_status(fields)
 
 
 def _awaiting_own_write(body: kopf.Body) -> bool:
     """True while the body still lacks the status fields this operator last wrote, or a new job still
     lacks the create handler's first phase (within the grace)."""
-    state = _state(body)
-    pending = state.unseen_write
-    if pending is None:
+    expect = _state(body).expect
+    if not expect.expects_status():
         created = parse_time(body.metadata.creation_timestamp)
         young = created is not None and (datetime.now(UTC) - created).total_seconds() < UNSEEN_WRITE_GRACE
         return young and not body.status.get("phase")
-    fields, at = pending
-    current = _clean_status(dict(body.status)) or {}
-    if time.monotonic() - at > UNSEEN_WRITE_GRACE or all(current.get(k) == v for k, v in fields.items()):
-        state.unseen_write = None
-        return False
-    return True
+    return expect.status_unseen(_clean_status(dict(body.status)) or {})
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -668,9 +649,7 @@ def _scrape(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any]) -> dict[str,
 def _patch_in_flight(body: kopf.Body, cluster: dict[str, Any]) -> bool:
     """True while the cluster seen is the version this process last patched: the patch has not come back
     through the watch yet, and sending it again would be a second write of the same change."""
-    version = (cluster.get("metadata") or {}).get("resourceVersion")
-    at = _state(body).patched_at
-    return at is not None and at[0] == version and time.monotonic() - at[1] < UNSEEN_WRITE_GRACE
+    return _state(body).expect.patch_in_flight((cluster.get("metadata") or {}).get("resourceVersion"))
 
 
 def _patch_raycluster(
@@ -687,7 +666,7 @@ def _patch_raycluster(
         _content_type=content_type,
     )
     version = (cluster.get("metadata") or {}).get("resourceVersion") or ""
-    _state(job_body).patched_at = (version, time.monotonic())
+    _state(job_body).expect.patched_cluster(version)
 
 
 def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -> None:
@@ -718,7 +697,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
         elif action == "suspend_cluster" and cluster is not None and not _patch_in_flight(body, cluster):
             _patch_raycluster(body, cluster, {"spec": {"suspend": job.spec.run_policy.suspend}})
         elif action == "delete_cluster" and cluster is not None:
-            _state(body).patched_at = None
+            _state(body).expect.cluster_deleted()
             try:
                 custom().delete_namespaced_custom_object(
                     RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, cluster["metadata"]["name"]

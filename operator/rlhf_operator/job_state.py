@@ -20,6 +20,7 @@ from typing import Any
 from rlhf_api.spec import RLHFJob
 
 from rlhf_operator import rayjobs
+from rlhf_operator.expectations import DEFAULT_GRACE_SECONDS, Expectations
 
 
 @dataclass(slots=True)
@@ -29,12 +30,8 @@ class JobState:
     # The last parse of the job: (resourceVersion, the typed job or the validation error). A round on an
     # unchanged body, the steady state, reuses it instead of validating the whole spec again.
     parsed: tuple[str, RLHFJob | str] | None = None
-    # The status fields this process last wrote and when (monotonic), until the watch shows them.
-    unseen_write: tuple[dict[str, Any], float] | None = None
-    # The job's RayCluster as this process created it (slimmed) and when, until the watch delivers it.
-    created: tuple[dict[str, Any], float] | None = None
-    # The RayCluster's resourceVersion when this process last patched it, and when.
-    patched_at: tuple[str, float] | None = None
+    # Its writes (status, RayCluster create and patch) that the watch has not shown yet.
+    expect: Expectations = field(default_factory=Expectations)
     # Whether its Secret and NetworkPolicy have been created or found (once per job and process).
     security_ensured: bool = False
     # Whether this process has written its first status (phase Provisioning).
@@ -48,9 +45,11 @@ class JobState:
 
 
 class JobStates:
-    """Every job's `JobState`, by uid. Handlers run in kopf's thread pool, so the table takes a lock."""
+    """Every job's `JobState`, by uid, its expectations with `grace` seconds to be seen. Handlers run in
+    kopf's thread pool, so the table takes a lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float = DEFAULT_GRACE_SECONDS) -> None:
+        self.grace = grace
         self._states: dict[str, JobState] = {}
         self._lock = threading.Lock()
 
@@ -59,7 +58,7 @@ class JobStates:
         with self._lock:
             state = self._states.get(uid)
             if state is None:
-                state = self._states[uid] = JobState()
+                state = self._states[uid] = JobState(expect=Expectations(self.grace))
             return state
 
     def peek(self, uid: str) -> JobState | None:

@@ -102,6 +102,9 @@ def test_deleting_a_thousand_jobs_leaves_nothing_per_job() -> None:
     defaults = job_state.JobState()
     unset = [f.name for f in dataclasses.fields(state) if getattr(state, f.name) == getattr(defaults, f.name)]
     assert not unset, f"the test gives a job every part of its state; these stayed empty: {unset}"
+    expected = [f.name for f in dataclasses.fields(state.expect) if f.name not in ("grace", "clock")]
+    unset = [name for name in expected if getattr(state.expect, name) is None]
+    assert not unset, f"the test makes every kind of expectation; these stayed empty: {unset}"
     for i in range(JOBS):
         handlers.on_event(type="DELETED", body=_body(i), patch=kopf.Patch())
     assert len(handlers.JOBS) == 0
