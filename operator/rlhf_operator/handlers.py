@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,10 +24,10 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
-from rlhf_api import constants
 from rlhf_api.spec import GROUP, PLURAL, TERMINAL_JOB_PHASES, VERSION, RLHFJob
 
 from rlhf_operator import (
+    config,
     diagnosis,
     failpoints,
     kueue,
@@ -49,44 +48,17 @@ log = logging.getLogger("rlhf_operator")
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 JSON_PATCH = "application/json-patch+json"
-RECONCILE_INTERVAL = float(os.environ.get("RLHF_RECONCILE_INTERVAL", "2"))
+# The configuration, read once (config.py); the chart sets its environment variables.
+CONFIG = config.from_env()
 # Calls to Ray heads (Jobs API, trainer /metrics): capped in total and per host (throttle.py).
-REMOTE = throttle.from_env()
-# Development override (docs/development.md): reach every RayCluster head at this host instead of its
-# Service DNS name, because pods never run here and the Ray workload runs on a local Ray head.
-DEV_HEAD_HOST = os.environ.get("RLHF_DEV_HEAD_HOST", "")
-# The named CPU stand-in for GPUs advertised but not real (the chart's jobDefaults.gpuStandIn): passed to
-# every job's driver, which then places on Ray's logical GPUs and computes on CPU. Empty: real GPUs.
-GPU_STANDIN = os.environ.get("RLHF_GPU_STANDIN", "").strip()
-# The trainer image of jobs that name none (the chart's jobDefaults.trainerImage).
-DEFAULT_TRAINER_IMAGE = (
-    os.environ.get("RLHF_DEFAULT_TRAINER_IMAGE", "").strip() or constants.DEFAULT_TRAINER_IMAGE
-)
-
-# Who may reach a job's pods besides the job itself (the operator's namespace and labels, the metrics
-# scrapers): the chart sets these; read once.
-POLICY_ACCESS = security.policy_access_from_env(os.environ)
-
-# kopf's thread pool for sync handlers; the API client keeps a connection for each of them, since a
-# smaller pool drops connections under load and every new one costs a TLS handshake on both sides.
-HANDLER_THREADS = int(os.environ.get("RLHF_HANDLER_THREADS") or "20")
-# kopf's connections to the API server (its watches, status patches and Events). kopf's own session has no
-# limit, and a burst of jobs opened one TLS connection per patch in flight, 256 KiB of buffer each: 470 of
-# them at once with 300 jobs (docs/benchmarks.md, operator_scale.py, Round 3). Past the limit a request
-# waits for a free connection; the watches (one per kind) hold one each, hence the floor of 8.
-API_CONNECTIONS = max(8, int(os.environ.get("RLHF_API_CONNECTIONS") or "64"))
-# How long kopf keeps an object's event worker after its last event (kopf's default: 5 s). An idle worker
-# holds the object's last event, a whole object, so in a burst kopf kept about one of every watched job,
-# RayCluster and pod; a new event after it exits starts a new worker (`RLHF_WORKER_IDLE_SECONDS`).
-WORKER_IDLE_SECONDS = float(os.environ.get("RLHF_WORKER_IDLE_SECONDS") or "0.5")
+REMOTE = throttle.RemoteLimiter(CONFIG.remote_concurrency, CONFIG.remote_per_host)
 _api: k8s.ApiClient | None = None
 
-# How long a write of ours may stay unseen by the watch (expectations.py): a round is skipped while the
-# body lacks our last status write, and a new job is left to the create handler until it has written the
-# first phase; a RayCluster just created or patched is taken as written; all for at most this long.
-UNSEEN_WRITE_GRACE = max(15.0, 5 * RECONCILE_INTERVAL)
-# Everything kept per job (job_state.py), by uid: `_forget` drops a deleted job's in one pop.
-JOBS = JobStates(UNSEEN_WRITE_GRACE)
+# Everything kept per job (job_state.py), by uid: `_forget` drops a deleted job's in one pop. A write of
+# ours may stay unseen by the watch for CONFIG.unseen_write_grace (expectations.py): a round is skipped
+# while the body lacks our last status write, and a new job is left to the create handler until it has
+# written the first phase; a RayCluster just created or patched is taken as written.
+JOBS = JobStates(CONFIG.unseen_write_grace)
 
 
 def _state(body: kopf.Body) -> JobState:
@@ -101,7 +73,7 @@ def api() -> k8s.ApiClient:
         except k8s_config.ConfigException:
             k8s_config.load_kube_config()  # type: ignore[no-untyped-call]
         cfg = k8s.Configuration.get_default_copy()
-        cfg.connection_pool_maxsize = HANDLER_THREADS
+        cfg.connection_pool_maxsize = CONFIG.handler_threads
         _api = k8s.ApiClient(cfg)
     return _api
 
@@ -112,9 +84,9 @@ def custom() -> k8s.CustomObjectsApi:
 
 @kopf.on.login()
 async def login(logger: kopf.Logger, settings: kopf.OperatorSettings, **_: Any) -> kopf.AiohttpSession | None:
-    """kopf's own login (in-cluster, else kubeconfig), on a session of at most API_CONNECTIONS connections."""
+    """kopf's own login (in-cluster, else kubeconfig), on a session of at most RLHF_API_CONNECTIONS connections."""
     info = await asyncio.to_thread(kopf.login_via_client, logger=logger, settings=settings)
-    return None if info is None else api_session(info, API_CONNECTIONS)
+    return None if info is None else api_session(info, CONFIG.api_connections)
 
 
 def api_session(info: kopf.ConnectionInfo, connections: int) -> kopf.AiohttpSession:
@@ -146,8 +118,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = 90
     settings.watching.reconnect_backoff = 1.0
     settings.networking.request_timeout = 30
-    settings.execution.max_workers = HANDLER_THREADS
-    settings.queueing.idle_timeout = WORKER_IDLE_SECONDS
+    settings.execution.max_workers = CONFIG.handler_threads
+    settings.queueing.idle_timeout = CONFIG.worker_idle_seconds
     # A deletion waits for a running reconcile timer to exit before the finalizer goes; kopf re-checks
     # every 60 s by default, which held deleted jobs (and TTL deletions) for a minute.
     settings.background.cancellation_polling = 1.0
@@ -155,9 +127,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # of every RayCluster and pod of the cluster filtered here.
     settings.watching.label_selectors["ray.io", "rayclusters"] = manifests.JOB_LABEL
     settings.watching.label_selectors["v1", "pods"] = manifests.JOB_LABEL
-    port = int(os.environ.get("RLHF_OPERATOR_METRICS_PORT", "8000"))
-    if port:
-        metrics.serve(port, os.environ.get("RLHF_OPERATOR_METRICS_ADDR") or "127.0.0.1")
+    if CONFIG.metrics_port:
+        metrics.serve(CONFIG.metrics_port, CONFIG.metrics_addr)
 
 
 def _parse(body: kopf.Body) -> RLHFJob | str:
@@ -269,7 +240,7 @@ def _use_index(
 
 def _get_cluster(body: kopf.Body, name: str) -> dict[str, Any] | None:
     """The job's RayCluster as the watch last delivered it (or as this process just created it: for at
-    most UNSEEN_WRITE_GRACE, so the next round does not take a cluster it just made for a missing one)."""
+    most CONFIG.unseen_write_grace, so the next round does not take a cluster it just made for a missing one)."""
     namespace = body.metadata.namespace or "default"
     if _cluster_index is None:  # no index handed over yet (a unit test calling a helper): read it
         return _read_cluster(namespace, name)
@@ -293,7 +264,7 @@ def _ensure_security_objects(body: kopf.Body, job: RLHFJob) -> None:
     (the token is derived from the job's uid), so an existing one (409) is the one this would make.
     """
     namespace = body.metadata.namespace or "default"
-    objs = manifests.security_objects(job, rayjobs.token_key(), POLICY_ACCESS)
+    objs = manifests.security_objects(job, rayjobs.token_key(), CONFIG.policy_access)
     for obj in objs:
         kopf.adopt(obj, owner=body)
     # Both at once: one round trip before the RayCluster's POST instead of two.
@@ -345,7 +316,7 @@ def ray_token(body: kopf.Body) -> str:
 
 def _create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
     _ensure_security_objects(body, job)
-    manifest = manifests.build_raycluster(job, default_image=DEFAULT_TRAINER_IMAGE)
+    manifest = manifests.build_raycluster(job, default_image=CONFIG.default_trainer_image)
     kopf.adopt(manifest, owner=body)  # owner reference: deleting the job deletes the cluster
     namespace = body.metadata.namespace or "default"
     try:
@@ -434,7 +405,9 @@ def _awaiting_own_write(body: kopf.Body) -> bool:
     expect = _state(body).expect
     if not expect.expects_status():
         created = parse_time(body.metadata.creation_timestamp)
-        young = created is not None and (datetime.now(UTC) - created).total_seconds() < UNSEEN_WRITE_GRACE
+        young = (
+            created is not None and (datetime.now(UTC) - created).total_seconds() < CONFIG.unseen_write_grace
+        )
         return young and not body.status.get("phase")
     return expect.status_unseen(_clean_status(dict(body.status)) or {})
 
@@ -517,15 +490,13 @@ def ensure_cluster(body: kopf.Body, patch: kopf.Patch) -> None:
 
 def dashboard_url(cluster: dict[str, Any] | None) -> str:
     """The Ray dashboard (Jobs API) of a RayCluster's head, or of the development head."""
-    port = manifests.DASHBOARD_PORT
-    if DEV_HEAD_HOST:
-        port = int(os.environ.get("RLHF_DEV_DASHBOARD_PORT") or port)
-    return manifests.head_url(cluster, port, DEV_HEAD_HOST)
+    port = CONFIG.dev_dashboard_port if CONFIG.dev_head_host else manifests.DASHBOARD_PORT
+    return manifests.head_url(cluster, port, CONFIG.dev_head_host)
 
 
 def metrics_url(cluster: dict[str, Any], job: RLHFJob) -> str:
     """The trainer's /metrics, served by the driver on the head."""
-    return manifests.head_url(cluster, job.spec.monitoring.metrics_port, DEV_HEAD_HOST) + "/metrics"
+    return manifests.head_url(cluster, job.spec.monitoring.metrics_port, CONFIG.dev_head_host) + "/metrics"
 
 
 def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
@@ -682,7 +653,7 @@ def act(body: kopf.Body, job: RLHFJob, observed: Observed, decision: Decision) -
                 rj.submit(
                     decision.submission_id,
                     manifests.trainer_entrypoint(job),
-                    runtime_env=manifests.trainer_runtime_env(job, gpu_standin=GPU_STANDIN),
+                    runtime_env=manifests.trainer_runtime_env(job, gpu_standin=CONFIG.gpu_standin),
                     metadata={"rlhfjob": job.name, "namespace": namespace},
                 )
             failpoints.hit("after_submit")
@@ -729,7 +700,7 @@ def _submit_snapshot(cluster: dict[str, Any], body: kopf.Body, job: RLHFJob, dec
             rj.submit(
                 decision.snapshot_submission_id or "",
                 diagnosis.entrypoint(job.spec.monitoring.stack_snapshot_timeout_seconds),
-                runtime_env=manifests.trainer_runtime_env(job, gpu_standin=GPU_STANDIN),
+                runtime_env=manifests.trainer_runtime_env(job, gpu_standin=CONFIG.gpu_standin),
                 metadata={"rlhfjob": job.name, "namespace": namespace, "purpose": "stack-snapshot"},
             )
     except rayjobs.RayJobsError as e:
@@ -884,11 +855,11 @@ def _write_engines(namespace: str, name: str, requested: int, engines: int) -> b
 
 
 def _first_round_delay(**_: Any) -> float:
-    return throttle.first_delay(RECONCILE_INTERVAL)
+    return throttle.first_delay(CONFIG.reconcile_interval)
 
 
 @kopf.timer(
-    GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=_first_round_delay, sharp=False
+    GROUP, VERSION, PLURAL, interval=CONFIG.reconcile_interval, initial_delay=_first_round_delay, sharp=False
 )
 def reconcile(
     body: kopf.Body,
@@ -959,7 +930,7 @@ def _forget(body: kopf.Body) -> None:
     metrics.record_open_stall(namespace, name, None)
     sid = body.status.get("submissionId")
     try:
-        if sid and DEV_HEAD_HOST and sid not in _stopped:
+        if sid and CONFIG.dev_head_host and sid not in _stopped:
             _stopped[sid] = None
             while len(_stopped) > _STOPPED_KEPT:
                 del _stopped[next(iter(_stopped))]
