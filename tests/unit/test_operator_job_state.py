@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 import pytest
 import status_inputs
-from rlhf_operator import handlers, job_state, rayjobs, scrape
+from rlhf_operator import cache, children, handlers, job_state, kube, observe, rayjobs, runtime, scrape
 
 pytestmark = pytest.mark.unit
 
@@ -54,12 +54,12 @@ class _FakeRayJobs:
 @pytest.fixture
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     """The handlers' helpers with the API server, the Ray heads and kopf's event poster faked."""
-    monkeypatch.setattr(handlers, "JOBS", job_state.JobStates())
-    monkeypatch.setattr(handlers, "_cluster_index", {})  # the watch has delivered no RayCluster yet
-    monkeypatch.setattr(handlers, "custom", _FakeCustomObjects)
-    monkeypatch.setattr(handlers, "_create_security_object", lambda namespace, obj: None)
-    monkeypatch.setattr(handlers, "ray_token", lambda body: f"token-{body.metadata.uid}")
-    monkeypatch.setattr(handlers.kopf, "event", lambda *a, **k: None)
+    monkeypatch.setattr(runtime, "JOBS", job_state.JobStates())
+    monkeypatch.setattr(cache, "_cluster_index", {})  # the watch has delivered no RayCluster yet
+    monkeypatch.setattr(kube, "custom", _FakeCustomObjects)
+    monkeypatch.setattr(children, "_create_security_object", lambda namespace, obj: None)
+    monkeypatch.setattr(observe, "ray_token", lambda body: f"token-{body.metadata.uid}")
+    monkeypatch.setattr(kopf, "event", lambda *a, **k: None)
     monkeypatch.setattr(rayjobs, "RayJobsClient", _FakeRayJobs)
     monkeypatch.setattr(scrape, "fetch_metrics", lambda url, name: None)
     monkeypatch.setattr(handlers, "_stopped", {})
@@ -70,12 +70,12 @@ def _give_state(i: int) -> None:
     """Every part of job i's state, each through the function a handler calls."""
     body, job = _body(i), TINY
     handlers.ensure_cluster(body, kopf.Patch())  # parse, security objects, create, first status write
-    handlers._refused(body, kopf.Patch(), job, handlers.ClusterRefused(503, "etcd is busy"))  # backoff
-    cluster = handlers._get_cluster(body, "tiny")
+    children.refused(body, kopf.Patch(), job, children.ClusterRefused(503, "etcd is busy"))  # backoff
+    cluster = cache.get_cluster(body, "tiny")
     assert cluster is not None, "the cluster just created is seen before the watch delivers it"
-    handlers._patch_raycluster(body, cluster, {"spec": {"suspend": False}})
-    handlers._scrape(body, job, cluster)
-    with handlers._ray_client("http://head:8265", body):
+    children.patch_raycluster(body, cluster, {"spec": {"suspend": False}})
+    observe.trainer_metrics(body, job, cluster)
+    with observe.ray_client("http://head:8265", body):
         pass
 
 
@@ -96,8 +96,8 @@ def test_deleting_a_thousand_jobs_leaves_nothing_per_job() -> None:
     before = _module_tables()
     for i in range(JOBS):
         _give_state(i)
-    assert len(handlers.JOBS) == JOBS
-    state = handlers.JOBS.peek("uid-0")
+    assert len(runtime.JOBS) == JOBS
+    state = runtime.JOBS.peek("uid-0")
     assert state is not None
     defaults = job_state.JobState()
     unset = [f.name for f in dataclasses.fields(state) if getattr(state, f.name) == getattr(defaults, f.name)]
@@ -107,7 +107,7 @@ def test_deleting_a_thousand_jobs_leaves_nothing_per_job() -> None:
     assert not unset, f"the test makes every kind of expectation; these stayed empty: {unset}"
     for i in range(JOBS):
         handlers.on_event(type="DELETED", body=_body(i), patch=kopf.Patch())
-    assert len(handlers.JOBS) == 0
+    assert len(runtime.JOBS) == 0
     assert _FakeRayJobs.closed == JOBS, "each job's Ray client connection closed, not just dropped"
     grew = {k: n for k, n in _module_tables().items() if n >= JOBS and n > before.get(k, 0)}
     assert not grew, f"module tables that kept something per job: {grew}"
@@ -123,7 +123,7 @@ def test_the_first_deletion_event_forgets_and_a_later_round_is_forgotten_at_the_
     )
     _give_state(1)
     handlers.on_event(type="MODIFIED", body=deleting, patch=kopf.Patch())
-    assert len(handlers.JOBS) == 0
-    handlers._remember_write("uid-1", {"phase": "Running"})
+    assert len(runtime.JOBS) == 0
+    cache.remember_write("uid-1", {"phase": "Running"})
     handlers.on_event(type="DELETED", body=body, patch=kopf.Patch())
-    assert len(handlers.JOBS) == 0
+    assert len(runtime.JOBS) == 0
