@@ -27,7 +27,7 @@ from kubernetes.client.exceptions import ApiException
 from rlhf_api import read_only_http
 
 from rlhf_operator.election import Lease, can_take, from_spec, released, taken, to_spec
-from rlhf_operator.handlers import api
+from rlhf_operator.kube import api
 
 log = logging.getLogger("rlhf_operator.leader")
 

@@ -8,7 +8,6 @@ most `total` in flight, and at most `per_host` to one host, so one slow head can
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 from collections.abc import Iterator
@@ -45,16 +44,6 @@ class RemoteLimiter:
         host = self._host(url)
         with host, self._all:
             yield
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    return int(raw) if raw else default
-
-
-def from_env() -> RemoteLimiter:
-    """RLHF_REMOTE_CONCURRENCY (default 8) and RLHF_REMOTE_PER_HOST (default 2), set by the chart."""
-    return RemoteLimiter(_env_int("RLHF_REMOTE_CONCURRENCY", 8), _env_int("RLHF_REMOTE_PER_HOST", 2))
 
 
 def first_delay(interval: float, rng: random.Random | None = None) -> float:

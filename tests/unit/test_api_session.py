@@ -7,7 +7,7 @@ import ssl
 
 import kopf
 import pytest
-from rlhf_operator import handlers
+from rlhf_operator import kube
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +18,7 @@ def test_the_session_keeps_kopf_credentials_and_caps_its_connections() -> None:
     )
 
     async def build() -> tuple[kopf.AiohttpSession, int, dict[str, str], ssl.SSLContext | bool]:
-        made = handlers.api_session(info, 7)
+        made = kube.api_session(info, 7)
         session = made.aiohttp_session
         try:
             connector = session.connector

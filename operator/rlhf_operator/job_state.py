@@ -1,0 +1,76 @@
+"""What this operator process keeps in memory about each RLHFJob: one `JobState` per job, in one registry
+(`JobStates`) keyed by the job's uid, so forgetting a deleted job is one `pop` and nothing per job outlives it.
+
+Owns per-job state only; cluster-wide things (the API client, the watch indexes, Kueue's Workload version,
+the configuration) live elsewhere. Must not import kopf or the Kubernetes client.
+
+A registry of our own rather than kopf's per-object `memo`: the deletion path must also close each job's
+Jobs API connections (and, in development, stop its Ray job) at a moment we choose, which kopf's own
+forgetting of a memo does not do; the RayCluster and pod index handlers get the memo of their own objects,
+not the job's; and the helpers and unit tests reach a job's state by uid without a kopf handler call, so a
+test can create and delete 1,000 jobs and count what is left.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf_api.spec import RLHFJob
+
+from rlhf_operator import rayjobs
+from rlhf_operator.expectations import DEFAULT_GRACE_SECONDS, Expectations
+
+
+@dataclass(slots=True)
+class JobState:
+    """One job's state in this process; every field is dropped with the job."""
+
+    # The last parse of the job: (resourceVersion, the typed job or the validation error). A round on an
+    # unchanged body, the steady state, reuses it instead of validating the whole spec again.
+    parsed: tuple[str, RLHFJob | str] | None = None
+    # Its writes (status, RayCluster create and patch) that the watch has not shown yet.
+    expect: Expectations = field(default_factory=Expectations)
+    # Whether its Secret and NetworkPolicy have been created or found (once per job and process).
+    security_ensured: bool = False
+    # Whether this process has written its first status (phase Provisioning).
+    first_written: bool = False
+    # Transient refusals of its RayCluster: (refusals in a row, monotonic time before which not to retry).
+    create_backoff: tuple[int, float] | None = None
+    # The last scrape of its trainer: (monotonic time, {"metrics": ...} or {"metrics_error": ...}).
+    last_scrape: tuple[float, dict[str, Any]] | None = None
+    # Its Jobs API clients by head URL, kept between rounds so their connections stay open.
+    ray_clients: dict[str, rayjobs.RayJobsClient] = field(default_factory=dict)
+
+
+class JobStates:
+    """Every job's `JobState`, by uid, its expectations with `grace` seconds to be seen. Handlers run in
+    kopf's thread pool, so the table takes a lock."""
+
+    def __init__(self, grace: float = DEFAULT_GRACE_SECONDS) -> None:
+        self.grace = grace
+        self._states: dict[str, JobState] = {}
+        self._lock = threading.Lock()
+
+    def get(self, uid: str) -> JobState:
+        """The job's state, made empty on first use."""
+        with self._lock:
+            state = self._states.get(uid)
+            if state is None:
+                state = self._states[uid] = JobState(expect=Expectations(self.grace))
+            return state
+
+    def peek(self, uid: str) -> JobState | None:
+        """The job's state if this process keeps any, without making one."""
+        with self._lock:
+            return self._states.get(uid)
+
+    def forget(self, uid: str) -> JobState | None:
+        """Drop everything kept about the job; the caller closes what the returned state holds open."""
+        with self._lock:
+            return self._states.pop(uid, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._states)

@@ -1,0 +1,192 @@
+"""What a reconcile round observes besides the cache: the job's Ray job through the Jobs API (one client per
+job and head, kept in its state), the trainer's /metrics at most once per scrape interval, the stall's stack
+snapshot, and Kueue's Workload.
+
+Reads only, each remote call in a slot of the limiter (runtime.REMOTE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from rlhf_api.spec import RLHFJob
+
+from rlhf_operator import (
+    cache,
+    diagnosis,
+    kube,
+    kueue,
+    manifests,
+    metrics,
+    rayjobs,
+    runtime,
+    scrape,
+    security,
+)
+from rlhf_operator.status import Observed
+
+log = logging.getLogger("rlhf_operator")
+
+
+def ray_token(body: kopf.Body) -> str:
+    """The job's Ray token, sent on every Jobs API call (a head without token authentication ignores it)."""
+    meta = body.metadata
+    return security.job_token(
+        rayjobs.token_key(), meta.namespace or "default", meta.name or "", meta.uid or ""
+    )
+
+
+@contextlib.contextmanager
+def ray_client(url: str, body: kopf.Body) -> Iterator[rayjobs.RayJobsClient]:
+    """The job's Jobs API client for this head, kept between rounds (JobState.ray_clients): its connection
+    stays open, where a client per round paid for a new client and a TCP connection every round of every
+    job."""
+    clients = runtime.state_of(body).ray_clients
+    client = clients.get(url)
+    if client is None:
+        client = clients[url] = rayjobs.RayJobsClient(url, token=ray_token(body))
+    try:
+        yield client
+    except rayjobs.RayJobsError:
+        clients.pop(url, None)  # a fresh client (and connection) next time
+        client.close()
+        raise
+
+
+def dashboard_url(cluster: dict[str, Any] | None) -> str:
+    """The Ray dashboard (Jobs API) of a RayCluster's head, or of the development head."""
+    port = runtime.CONFIG.dev_dashboard_port if runtime.CONFIG.dev_head_host else manifests.DASHBOARD_PORT
+    return manifests.head_url(cluster, port, runtime.CONFIG.dev_head_host)
+
+
+def metrics_url(cluster: dict[str, Any], job: RLHFJob) -> str:
+    """The trainer's /metrics, served by the driver on the head."""
+    return (
+        manifests.head_url(cluster, job.spec.monitoring.metrics_port, runtime.CONFIG.dev_head_host)
+        + "/metrics"
+    )
+
+
+def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
+    namespace = body.metadata.namespace or "default"
+    cluster = cache.get_cluster(body, manifests.raycluster_name(job.name))
+    obs: dict[str, Any] = {"now": datetime.now(UTC), "uid": body.metadata.uid or "", "raycluster": cluster}
+    queue = kueue.queue_name(job.metadata.get("labels"), cluster)
+    if cluster is not None and kueue.suspended_by_kueue(cluster, queue is not None):
+        obs["workload"] = _workload(namespace, cluster)
+        return Observed(**obs)  # nothing runs: no Jobs API, no scrape, no pods to read
+    if cluster is not None and cluster.get("status", {}).get("state") != "ready":
+        obs["pods"] = cache.cluster_pods(namespace, cluster["metadata"]["name"])
+    if cluster is not None and cluster.get("status", {}).get("state") == "ready":
+        try:
+            url = dashboard_url(cluster)
+            with runtime.REMOTE.slot(url), ray_client(url, body) as rj:
+                obs["ray_job"] = rj.get(body.status.get("submissionId") or submission)
+                if obs["ray_job"] is None:  # about to submit: is the attempt before still stopping?
+                    obs["previous_running"] = _previous_running(rj, body, job)
+        except rayjobs.RayJobsError as e:
+            obs["ray_job_error"] = str(e)
+        if obs.get("ray_job") is not None and obs["ray_job"].status == rayjobs.RUNNING:
+            obs.update(trainer_metrics(body, job, cluster))
+        taking = body.status.get("diagnosis") or {}
+        if taking.get("state") == "Taking" and obs.get("ray_job_error") is None:
+            obs["stacks"] = _snapshot_result(cluster, body, str(taking.get("submissionId")))
+    return Observed(**obs)
+
+
+def _snapshot_result(cluster: dict[str, Any], body: kopf.Body, sid: str) -> diagnosis.SnapshotResult | None:
+    """The stall's snapshot job: running (not done), or ended with the snapshot its log ends with."""
+    url = dashboard_url(cluster)
+    try:
+        with runtime.REMOTE.slot(url), ray_client(url, body) as rj:
+            info = rj.get(sid)
+            if info is None:
+                return diagnosis.SnapshotResult(True, error=f"its Ray job {sid} is gone (a new Ray head?)")
+            if info.status not in rayjobs.TERMINAL:
+                return diagnosis.SnapshotResult(False)
+            log_text = rj.logs(sid)
+    except rayjobs.RayJobsError as e:
+        log.warning("reading the stack snapshot %s: %s", sid, e)
+        return None  # not known this round: the time limit still runs
+    snap = diagnosis.parse_log(log_text)
+    if snap is not None:
+        return diagnosis.SnapshotResult(True, snap)
+    tail = " ".join(log_text.strip().splitlines()[-3:])[-300:] or info.message[-300:]
+    return diagnosis.SnapshotResult(True, error=f"its Ray job {sid} ended {info.status}: {tail}")
+
+
+def _previous_running(rj: rayjobs.RayJobsClient, body: kopf.Body, job: RLHFJob) -> str | None:
+    """The id of the previous attempt if its Ray job has not ended (on a new head it is unknown: ended)."""
+    attempt, preemptions = int(body.status.get("restarts") or 0), int(body.status.get("preemptions") or 0)
+    for sid in manifests.previous_submission_ids(job, body.metadata.uid or "", attempt, preemptions):
+        info = rj.get(sid)
+        if info is not None and info.status not in rayjobs.TERMINAL:
+            return sid
+    return None
+
+
+_workload_version: list[str] = list(kueue.WORKLOAD_VERSIONS)  # the first is the one this API server serves
+
+
+def _workload(namespace: str, cluster: dict[str, Any]) -> dict[str, Any] | None:
+    """Kueue's Workload for a RayCluster it holds (by Kueue's job-uid label), slimmed; None if none yet.
+
+    Read only while the cluster is held suspended, so a queued job costs one LIST per round and a
+    running one none."""
+    uid = (cluster.get("metadata") or {}).get("uid")
+    if not uid:
+        return None
+    while _workload_version:
+        try:
+            found = kube.custom().list_namespaced_custom_object(
+                kueue.WORKLOAD_GROUP,
+                _workload_version[0],
+                namespace,
+                kueue.WORKLOAD_PLURAL,
+                label_selector=f"{kueue.JOB_UID_LABEL}={uid}",
+            )
+        except ApiException as e:
+            if e.status == 404 and len(_workload_version) > 1:
+                _workload_version.pop(0)  # an older Kueue: its API version
+                continue
+            if e.status in (403, 404):
+                log.warning("cannot read Kueue Workloads in %s: %s", namespace, kube.api_message(e))
+                return None
+            raise
+        listed: list[dict[str, Any]] = cast(dict[str, Any], found).get("items") or []
+        items = sorted(listed, key=lambda w: (w.get("metadata") or {}).get("creationTimestamp") or "")
+        return kueue.slim_workload(items[-1]) if items else None
+    return None
+
+
+def trainer_metrics(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's metrics, read at most once per monitoring.scrapeIntervalSeconds however often the
+    reconcile timer fires (JobState.last_scrape), so the status moves at most once per interval."""
+    namespace = body.metadata.namespace or "default"
+    state = runtime.state_of(body)
+    now = time.monotonic()
+    cached = state.last_scrape
+    if cached is not None and now - cached[0] < job.spec.monitoring.scrape_interval_seconds:
+        return cached[1]
+    result: dict[str, Any]
+    try:
+        url = metrics_url(cluster, job)
+        with runtime.REMOTE.slot(url):
+            result = {"metrics": scrape.fetch_metrics(url, job.name)}
+        metrics.SCRAPES.labels("ok").inc()
+    except scrape.MetricsUnavailable as e:
+        result = {"metrics_error": str(e)}
+        metrics.SCRAPES.labels("unavailable").inc()
+    except scrape.MalformedMetrics as e:
+        log.warning("malformed metrics from %s/%s ignored: %s", namespace, job.name, e)
+        result = {"metrics_error": f"malformed metrics: {e}"}
+        metrics.SCRAPES.labels("malformed").inc()
+    state.last_scrape = (now, result)
+    return result
