@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import os
 import random
 import shutil
@@ -79,20 +78,13 @@ class WholeFile:
         return out
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 def child(way: str, batches: int, batch_size: int) -> None:
     """One measurement in this fresh process; prints `CHILD {json}`."""
     import pyarrow.parquet  # noqa: F401  # imports are not the dataset's memory
     from rlhf_trainer.data import PromptDataset
 
     Path("/proc/self/clear_refs").write_text("5")
-    before = _status_kib("VmRSS")
+    before = common.status_kib("VmRSS")
     t0 = time.perf_counter()
     data: Any = PromptDataset(str(FILE), "prompt", None, seed=0) if way == "ours" else WholeFile(FILE, 0)
     opened = time.perf_counter()
@@ -101,20 +93,16 @@ def child(way: str, batches: int, batch_size: int) -> None:
         batch = data.next_batch(batch_size)
         served += len(batch.prompts) if way == "ours" else len(batch)
     done = time.perf_counter()
-    peak = _status_kib("VmHWM")
-    print(
-        "CHILD "
-        + json.dumps(
-            {
-                "before_mib": before / 1024,
-                "peak_mib": peak / 1024,
-                "growth_mib": (peak - before) / 1024,
-                "open_seconds": opened - t0,
-                "batches_per_s": batches / (done - opened),
-                "rows_served": served,
-            }
-        ),
-        flush=True,
+    peak = common.status_kib("VmHWM")
+    common.child_result(
+        {
+            "before_mib": before / 1024,
+            "peak_mib": peak / 1024,
+            "growth_mib": (peak - before) / 1024,
+            "open_seconds": opened - t0,
+            "batches_per_s": batches / (done - opened),
+            "rows_served": served,
+        }
     )
 
 

@@ -12,7 +12,6 @@ are a one-time cost, not experience memory).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,6 @@ from typing import Any
 from lib import common
 
 SCALES = (1, 4)
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def synthetic_rollout(samples: int, per_prompt: int, prompt_len: int, max_response: int, seed: int) -> Any:
@@ -85,28 +77,24 @@ def child(args: argparse.Namespace) -> None:
     rank.old_logprobs({0: []}, args.micro_batch)
     rank.shards, rank.local = {0: rollout}, {0: {}}
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: count only what experience adds
-    before = _status_kib("VmRSS")
+    before = common.status_kib("VmRSS")
     t0 = time.perf_counter()
     ref = rank.ref_logprobs({0: []}, micro)  # same shard keys: uses the shards set above
     rank.old_logprobs({0: []}, micro)
     seconds = time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
+    peak = common.status_kib("VmHWM")
     assert ref[0].numel() == int(rollout.response_lens.sum())
-    print(
-        "CHILD "
-        + json.dumps(
-            {
-                "before_mib": before / 1024,
-                "peak_mib": peak / 1024,
-                "added_mib": (peak - before) / 1024,
-                "seconds": seconds,
-                "samples": samples,
-                "tokens": int(rollout.seq_lens.sum()),
-                "max_len": int(rollout.seq_lens.max()),
-                "micro_batch": micro,
-            }
-        ),
-        flush=True,
+    common.child_result(
+        {
+            "before_mib": before / 1024,
+            "peak_mib": peak / 1024,
+            "added_mib": (peak - before) / 1024,
+            "seconds": seconds,
+            "samples": samples,
+            "tokens": int(rollout.seq_lens.sum()),
+            "max_len": int(rollout.seq_lens.max()),
+            "micro_batch": micro,
+        }
     )
 
 

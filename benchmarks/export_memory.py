@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -96,13 +95,6 @@ def make_models() -> dict[str, Path]:
     return roots
 
 
-def _status_kib(field: str, pid: int | str = "self") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 def _pid() -> int:
     return os.getpid()
 
@@ -135,41 +127,37 @@ def child(way: str, model: str) -> None:
         ray.get(ray.remote(_pid).remote())  # a worker is up: Ray's own start is not the export's
         lines: list[str] = []
         Path("/proc/self/clear_refs").write_text("5")
-        before = _status_kib("VmRSS")
+        before = common.status_kib("VmRSS")
         t0 = time.perf_counter()
         driver._export(spec, lines.append)
         seconds = time.perf_counter() - t0
-        peak = _status_kib("VmHWM")
+        peak = common.status_kib("VmHWM")
         # "exported the actor of step 1 to DIR (N tensors in S shard(s), DTYPE; by pid P on HOST)"
         said = re.search(r"\((\d+) tensors in (\d+) shard\(s\), \w+; by pid (\d+) on ", lines[-1])
         assert said, lines
         tensors, shards, pid = (int(g) for g in said.groups())
         with contextlib.suppress(OSError, RuntimeError):  # the Ray worker, still alive in the pool
-            worker_peak_mib = _status_kib("VmHWM", pid) / 1024
+            worker_peak_mib = common.status_kib("VmHWM", pid) / 1024
         ray.shutdown()
     else:
         Path("/proc/self/clear_refs").write_text("5")
-        before = _status_kib("VmRSS")
+        before = common.status_kib("VmRSS")
         t0 = time.perf_counter()
         info = old_export_actor(root / "ckpt", out)
         seconds = time.perf_counter() - t0
-        peak = _status_kib("VmHWM")
+        peak = common.status_kib("VmHWM")
         pid, tensors, shards = info["pid"], info["tensors"], 1
-    print(
-        "CHILD "
-        + json.dumps(
-            {
-                "before_mib": before / 1024,
-                "peak_mib": peak / 1024,
-                "growth_mib": (peak - before) / 1024,
-                "seconds": seconds,
-                "other_process": pid != os.getpid(),
-                "exporter_peak_mib": worker_peak_mib,
-                "tensors": tensors,
-                "shards": shards,
-            }
-        ),
-        flush=True,
+    common.child_result(
+        {
+            "before_mib": before / 1024,
+            "peak_mib": peak / 1024,
+            "growth_mib": (peak - before) / 1024,
+            "seconds": seconds,
+            "other_process": pid != os.getpid(),
+            "exporter_peak_mib": worker_peak_mib,
+            "tensors": tensors,
+            "shards": shards,
+        }
     )
 
 

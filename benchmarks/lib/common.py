@@ -98,6 +98,19 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def status_kib(field: str, pid: int | str = "self") -> int:
+    """A /proc/PID/status memory field (VmRSS, VmHWM, ...) in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+def child_result(values: dict[str, Any]) -> None:
+    """A child's measurement, the last line run_child reads."""
+    print("CHILD " + json.dumps(values), flush=True)
+
+
 def tiny_model() -> Path:
     """The offline tiny Llama and prompts (built once with `rlhf make-tiny-model`); returns its directory."""
     if not (TINY_DIR / "model" / "config.json").is_file():

@@ -16,18 +16,12 @@ from pathlib import Path
 
 import pytest
 from lib import zero_checkpoint
+from lib.common import status_kib
 from trainer_runs import EXAMPLE, spec_of, tiny_sets
 
 pytestmark = pytest.mark.trainer
 
 GOAL_MIB = 100  # the driver's peak RSS growth during an export, whatever the model's size
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def _checkpoint(tiny: Path, root: Path, *, tied: bool) -> Path:
@@ -127,9 +121,9 @@ def test_driver_exports_in_a_ray_task_beside_held_trainer_slots_with_flat_memory
     ray.get(rank.pid.remote())
     lines: list[str] = []
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: count what the export adds
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     out = driver._export(_spec(tiny, ckpt), lines.append)  # type: ignore[arg-type]
-    growth_mib = (_status_kib("VmHWM") - before) / 1024
+    growth_mib = (status_kib("VmHWM") - before) / 1024
     assert out == str(ckpt / "model")
     assert ray.is_initialized(), "the driver's Ray was shut down by the export"
     pid = int(lines[-1].split("by pid ")[1].split()[0])
