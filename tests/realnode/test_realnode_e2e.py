@@ -258,6 +258,7 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     # phases, within the grace period: never lost at the kill, so never mid weight sync (rlhf_trainer.drain).
     retired = retired_engines(cluster, namespace)[len(retired_before) :]
     assert len(retired) == 1, (retired_before, retired)
+    print(f"after the scale-down: {retired[0]}")
     # `kubectl get rlhf` while Running shows the trainer's progress: a step the driver has reported (read
     # from the head's log just after), out of STEPS. (On success the operator writes STEPS/STEPS itself.)
     shown = printed(cluster, namespace, "tiny")
