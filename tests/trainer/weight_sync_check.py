@@ -73,7 +73,7 @@ def main() -> int:
         # The cluster gains a rollout slot: at the next step boundary the pool starts an engine in the
         # background (step total-1 still generates on one engine); once it is ready, the last step's
         # boundary rebuilds the sync group, and from then on every bucket goes once to both engines.
-        placed.pool.desired_from_cluster = lambda fallback: fallback + 1  # type: ignore[method-assign]
+        placed.pool.desired_from_cluster = lambda fallback, draining=(): fallback + 1  # type: ignore[method-assign]
         reports.append(run_step(ctx, total - 1))
         placed.pool.wait_ready()
         reports.append(run_step(ctx, total))
