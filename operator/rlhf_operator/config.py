@@ -10,7 +10,6 @@ RLHF_FAILPOINTS.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -77,8 +76,6 @@ def from_env(env: Mapping[str, str] | None = None) -> OperatorConfig:
     """The configuration from `env` (the process's environment by default); unset or blank: the default."""
     env = os.environ if env is None else env
     default = OperatorConfig()
-    for name in ("RLHF_OPERATOR_POD_LABELS", "RLHF_METRICS_FROM"):
-        _check_json(env, name)
     try:
         access = security.policy_access_from_env(env)
     except ValueError as e:
@@ -116,12 +113,3 @@ def _number(env: Mapping[str, str], name: str, kind: Callable[[str], T], default
     if value < least:
         raise ConfigError(f"{name}={raw!r} must be at least {least}")
     return value
-
-
-def _check_json(env: Mapping[str, str], name: str) -> None:
-    raw = _text(env, name)
-    if raw:
-        try:
-            json.loads(raw)
-        except ValueError as e:
-            raise ConfigError(f"{name} is not JSON: {e}") from None

@@ -97,8 +97,8 @@ class PolicyAccess:
 def policy_access_from_env(env: Mapping[str, str]) -> PolicyAccess:
     """The operator's own identity and the configured scrapers, from its environment (set by the chart):
     POD_NAMESPACE, RLHF_OPERATOR_POD_LABELS (a JSON object), RLHF_METRICS_FROM (a JSON list of peers)."""
-    labels = json.loads(env.get("RLHF_OPERATOR_POD_LABELS") or "{}")
-    peers = json.loads(env.get("RLHF_METRICS_FROM") or "[]")
+    labels = _json_env(env, "RLHF_OPERATOR_POD_LABELS", "{}")
+    peers = _json_env(env, "RLHF_METRICS_FROM", "[]")
     if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
         raise ValueError("RLHF_OPERATOR_POD_LABELS must be a JSON object of strings")
     if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
@@ -110,6 +110,14 @@ def policy_access_from_env(env: Mapping[str, str]) -> PolicyAccess:
         operator_pod_labels=labels,
         metrics_from=tuple(peers),
     )
+
+
+def _json_env(env: Mapping[str, str], name: str, default: str) -> Any:
+    """A variable holding JSON (unset or blank: `default`); a ValueError naming it when it is not JSON."""
+    try:
+        return json.loads(env.get(name, "").strip() or default)
+    except ValueError as e:
+        raise ValueError(f"{name} is not JSON: {e}") from None
 
 
 def _tcp(*ports: int) -> list[dict[str, Any]]:

@@ -185,9 +185,8 @@ def generate_round(
     """One batch of rolloutBatchSize prompts generated and scored on the critical path."""
     batch = batch or ctx.data.next_batch(ctx.spec.algorithm.rollout_batch_size)
     position = ctx.data.position.to_dict()
-    chunks = plan_chunks(
-        len(batch.prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready())
-    )  # whole groups
+    # whole groups
+    chunks = plan_chunks(len(batch.prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready()))
     t0 = time.monotonic()
     with timer.phase("generation"):  # rewards start as soon as each chunk is generated
         dispatcher = generate(ctx, step, chunks, batch)

@@ -86,12 +86,6 @@ def _accepts_labels(fn: RewardFn) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
-def positional_arguments(fn: RewardFn) -> int:
-    """How many positional arguments `fn` is called with: 3 (prompts, responses, labels) when it takes a
-    third positional parameter or *args, else 2."""
-    return 3 if _accepts_labels(fn) else 2
-
-
 @dataclass(frozen=True)
 class ColumnParameters:
     """Which row columns a reward function takes as keyword arguments: those named by its keyword
@@ -109,7 +103,7 @@ class ColumnParameters:
             return ColumnParameters(frozenset(), frozenset())
         named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        taken = positional[: positional_arguments(fn)]
+        taken = positional[: 3 if _accepts_labels(fn) else 2]  # (prompts, responses[, labels])
         reserved = frozenset(p.name for p in taken if p.kind is p.POSITIONAL_OR_KEYWORD)
         if any(p.kind is p.VAR_KEYWORD for p in params):
             return ColumnParameters(None, reserved)
