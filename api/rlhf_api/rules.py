@@ -29,7 +29,7 @@ class Rule:
     cel: str
     field: str
     message: str
-    check: Callable[[RLHFJobSpec], bool]
+    check: Callable[[Any], bool]  # RLHFJobSpec, or RLHFRuntimeSpec in runtime_spec.RUNTIME_RULES
     reason: Reason = "FieldValueInvalid"
     create_only: bool = False
 

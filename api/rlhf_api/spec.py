@@ -1023,9 +1023,30 @@ class PodsSpec(PodSettings):
     rollout: PodSettings | None = Field(default=None, description="The rollout (vLLM engine) pods.")
 
 
+RuntimeKind = Literal["ClusterRLHFRuntime", "RLHFRuntime"]
+
+
+class RuntimeRef(_Spec):
+    """The platform runtime a job runs on (docs/runtimes.md): its images, pods, fabric, storage and job
+    defaults are merged under the job's own fields, where the runtime lets the job set them."""
+
+    kind: RuntimeKind = Field(
+        default="ClusterRLHFRuntime",
+        description="ClusterRLHFRuntime (cluster-wide, the platform team's) or RLHFRuntime (in the job's "
+        "namespace).",
+    )
+    name: str = Field(min_length=1, max_length=253, description="Name of the runtime.")
+
+
 class RLHFJobSpec(_Spec):
     """Desired state of an RLHF training run."""
 
+    runtime_ref: RuntimeRef | None = Field(
+        default=None,
+        description="The runtime the job runs on (docs/runtimes.md). The operator merges it under the job "
+        "once, when the job starts, and records which generation it used in status.runtime: editing the "
+        "runtime later changes no running job.",
+    )
     image: str | None = Field(
         default=None,
         min_length=1,
@@ -1168,10 +1189,26 @@ class StallDiagnosis(_Status):
     config_map: str | None = Field(default=None, description="The ConfigMap holding the full dump.")
 
 
+class RuntimeBinding(_Status):
+    """The runtime a job was merged with, as it was when the job started (docs/runtimes.md)."""
+
+    kind: RuntimeKind = Field(description="ClusterRLHFRuntime or RLHFRuntime.")
+    name: str = Field(description="Name of the runtime.")
+    generation: int = Field(ge=1, description="metadata.generation of the runtime the job uses.")
+    snapshot: str = Field(description="The job-owned ConfigMap holding that generation's spec.")
+    checkpoint_claim: str | None = Field(
+        default=None,
+        description="The per-job checkpoint PersistentVolumeClaim made from the runtime's template.",
+    )
+
+
 class RLHFJobStatus(_Status):
     """Observed state, written by the operator."""
 
     phase: JobPhase | None = Field(default=None, description="Lifecycle phase of the job.")
+    runtime: RuntimeBinding | None = Field(
+        default=None, description="The runtime (and its generation) the job was merged with."
+    )
     conditions: list[Condition] | None = Field(
         default=None,
         description="Standard conditions, one per type.",

@@ -12,9 +12,11 @@ from typing import Any, cast
 import kopf
 from kubernetes import client as k8s
 from pydantic import ValidationError
+from rlhf_api import runtime_merge
+from rlhf_api.rules import violated
 from rlhf_api.spec import RLHFJob
 
-from rlhf_operator import kube, manifests, pod_problems, runtime
+from rlhf_operator import kube, manifests, pod_problems, runtime, runtimes
 from rlhf_operator.conditions import parse_time
 
 
@@ -33,20 +35,48 @@ def parse(body: kopf.Body) -> RLHFJob | str:
 
 
 def _validate(body: kopf.Body) -> RLHFJob | str:
+    """The typed job; for a job on a runtime, its spec merged with the runtime it was bound to
+    (runtime_merge.merge), checked by the same schema and rules as a job's own spec."""
+    spec: dict[str, Any] = dict(body.spec)
+    on = ""
     try:
-        return RLHFJob.model_validate(
+        bound = runtimes.bound(body)
+        if bound is not None:
+            spec = runtime_merge.merge(
+                spec, bound.spec, bound.ref, body.metadata.name or "", body.metadata.namespace or "default"
+            ).spec
+            on = f" (merged with {bound.ref} generation {bound.generation})"
+    except runtimes.RuntimeUnusable as e:
+        return _runtime_problem(body, e.reason, e.message)
+    except runtime_merge.MergeError as e:
+        return _runtime_problem(body, "FieldNotOverridable", str(e))
+    try:
+        job = RLHFJob.model_validate(
             {
                 "apiVersion": body.get("apiVersion"),
                 "kind": body.get("kind"),
                 "metadata": dict(body.metadata),
-                "spec": dict(body.spec),
+                "spec": spec,
                 "status": clean_status(dict(body.status)),
             }
         )
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
-        return f"{loc}: {first['msg']} ({e.error_count()} error(s))"
+        message = f"{loc}: {first['msg']} ({e.error_count()} error(s)){on}"
+        return _runtime_problem(body, "MergedSpecInvalid", message) if on else message
+    if on:
+        broken = violated(job.spec)
+        if broken:
+            return _runtime_problem(
+                body, "MergedSpecInvalid", f"{broken[0].field_path}: {broken[0].message}{on}"
+            )
+    return job
+
+
+def _runtime_problem(body: kopf.Body, reason: str, message: str) -> str:
+    runtime.state_of(body).runtime_problem = (reason, message)
+    return message
 
 
 def clean_status(status: dict[str, Any]) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -27,8 +28,10 @@ from rlhf_operator import (
     observe,
     rayjobs,
     runtime,
+    runtimes,
     throttle,
 )
+from rlhf_operator.conditions import set_condition
 from rlhf_operator.status import decide, status_patch
 
 log = logging.getLogger("rlhf_operator")
@@ -60,11 +63,38 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
-    if body.status.get("phase") != "Failed" or body.status.get("message") != message:
+    """Fail a job whose spec (or, on a runtime, whose merged spec) is invalid, at once and once: no restart
+    would change it. A runtime problem also sets the RuntimeBound condition, with its reason."""
+    problem = runtime.state_of(body).runtime_problem
+    reason = problem[0] if problem else "InvalidSpec"
+    text = f"invalid spec: {message}"
+    if body.status.get("phase") != "Failed" or body.status.get("message") != text:
         patch.status["phase"] = "Failed"
-        patch.status["message"] = f"invalid spec: {message}"
-        kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
-    metrics.RECONCILE_ERRORS.labels(body.metadata.namespace or "", "InvalidSpec").inc()
+        patch.status["message"] = text
+        if problem:
+            patch.status["conditions"] = set_condition(
+                list(body.status.get("conditions") or []), runtimes.CONDITION, False, reason, message,
+                datetime.now(UTC), body.metadata.get("generation"),
+            )  # fmt: skip
+        kopf.event(body, type="Warning", reason=reason, message=message)
+    metrics.RECONCILE_ERRORS.labels(body.metadata.namespace or "", reason).inc()
+
+
+def _runtime_status(body: kopf.Body, conditions: list[dict[str, Any]]) -> dict[str, Any]:
+    """status.runtime and the RuntimeBound condition (over `conditions`) of a job on a runtime, and its
+    per-job checkpoint claim, made here once; {} when the status has them already or there is no runtime."""
+    bound = runtimes.bound(body)
+    if bound is None:
+        return {}
+    want = bound.status(runtimes.ensure_claim(body, bound))
+    if body.status.get("runtime") == want:
+        return {}
+    message = f"{bound.ref} generation {bound.generation}, copied to ConfigMap {bound.configmap}"
+    now, generation = datetime.now(UTC), body.metadata.get("generation")
+    return {
+        "runtime": want,
+        "conditions": set_condition(conditions, runtimes.CONDITION, True, "Bound", message, now, generation),
+    }
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -130,6 +160,7 @@ def ensure_cluster(body: kopf.Body, patch: kopf.Patch) -> None:
             children.refused(body, patch, job, refusal)
             return  # the reconcile timer retries a transient refusal, after the backoff
     first = {
+        **_runtime_status(body, list(body.status.get("conditions") or [])),
         "phase": "Provisioning",
         "rayClusterName": manifests.raycluster_name(job.name),
         "totalSteps": job.spec.algorithm.total_steps,
@@ -197,6 +228,9 @@ def reconcile(
         raise kopf.TemporaryError(f"reconcile: {e}", delay=2) from e
     current = cache.clean_status(dict(body.status)) or {}
     changes = status_patch(current, decision.status)
+    # A job bound before this operator version wrote status.runtime, or whose first write was lost.
+    base = changes.get("conditions") or decision.status.get("conditions") or current.get("conditions") or []
+    changes.update(_runtime_status(body, list(base)))
     for key, value in changes.items():
         patch.status[key] = value
     cache.remember_write(body.metadata.uid or "", changes)

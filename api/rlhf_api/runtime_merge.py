@@ -1,0 +1,232 @@
+"""A job on a runtime: the runtime's layer (its job defaults, image, Ray version, pods and storage) under
+the fields the job set, where the runtime lets the job set them. Pure: the operator and `rlhf validate
+--runtime` call the same function, so the merged spec is the same on both sides.
+
+"Set" means different from the CRD's default: the API server fills every default in before anyone sees
+the job, so a field equal to its default cannot be told from one left out, and counts as left out (the
+runtime's value holds there). The rules, field by field, are in docs/runtimes.md:
+- a set field outside the runtime's `overridable` paths is an error naming it, unless it equals the
+  runtime's own value;
+- maps merge key by key and the job's scalars and lists replace the runtime's, except under `pods`, which
+  merges by spec.pods' own rules (pod_settings.py);
+- the image is the job's, else the runtime's GPU image for a job whose pods get GPUs, else its CPU image;
+- the runtime's storage becomes volumes mounted in every pod, and `checkpoint.path` defaults to
+  `<mountPath>/<namespace>/<job>` on its checkpoint volume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Final
+
+from rlhf_api import pod_settings, pod_shape
+from rlhf_api.runtime_spec import (
+    CHECKPOINTS_VOLUME,
+    MODEL_CACHE_VOLUME,
+    RLHFRuntimeSpec,
+    RuntimeVolume,
+)
+from rlhf_api.spec import PodSettings, PodsSpec, RLHFJobSpec
+
+Schema = dict[str, Any]
+Path = tuple[str, ...]
+ALWAYS_THE_JOBS: Final = ("runtimeRef",)
+
+
+class MergeError(ValueError):
+    """A job field its runtime does not let it set (or a runtime layer that does not merge)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Merged:
+    """The merged spec (camelCase, before pydantic's defaults) and the per-job claim it needs, if any."""
+
+    spec: dict[str, Any]
+    checkpoint_claim: str | None
+
+
+@cache
+def _spec_schema() -> Schema:
+    from rlhf_api.crd import spec_schema  # the CRD's defaults are what the API server filled in
+
+    return spec_schema()
+
+
+def set_fields(spec: dict[str, Any], schema: Schema | None = None) -> list[tuple[Path, Any]]:
+    """The leaves of `spec` that differ from the CRD's defaults, as (camelCase path, value).
+
+    A leaf is a scalar, a list, or a map without a fixed schema (nodeSelector, jobDefaults' open objects).
+    """
+    return list(_walk(spec, schema if schema is not None else _spec_schema(), ()))
+
+
+def _walk(value: Any, node: Schema, path: Path) -> Iterator[tuple[Path, Any]]:
+    props = node.get("properties")
+    if not (props and isinstance(value, dict)):
+        if path:
+            yield path, value
+        return
+    for key, child in value.items():
+        sub = props.get(key)
+        if sub is None:
+            yield (*path, key), child  # not in the schema: the API server prunes these; kept as a leaf
+        elif "default" in sub and child == sub["default"]:
+            continue
+        else:
+            yield from _walk(child, sub, (*path, key))
+
+
+def _tree(leaves: Sequence[tuple[Path, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in leaves:
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _get(tree: Any, path: Path) -> Any:
+    for part in path:
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def allowed(path: Path, overridable: Sequence[str]) -> bool:
+    """Whether the job may set the field at `path`: it, or a field above it, is in `overridable`."""
+    dotted = ".".join(path)
+    return path[0] in ALWAYS_THE_JOBS or any(dotted == p or dotted.startswith(p + ".") for p in overridable)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on `base`: maps merge key by key, anything else in `over` replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def merge_pods(base: dict[str, Any] | None, over: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`over`'s spec.pods on `base`'s, section by section, by spec.pods' merge rules."""
+    if not over or not base:
+        return over or base or None
+    b, o = PodsSpec.model_validate(base), PodsSpec.model_validate(over)
+    out = _dump(pod_settings.merged(b, o))
+    for section in ("fabric", "head", "trainer", "rollout"):
+        bs, os_ = getattr(b, section), getattr(o, section)
+        if bs is not None or os_ is not None:
+            out[section] = _dump(pod_settings.merged(bs or PodSettings(), os_))
+    return out
+
+
+def _dump(settings: PodSettings) -> dict[str, Any]:
+    values = {name: getattr(settings, name) for name in PodSettings.model_fields}
+    return PodSettings.model_validate(
+        {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in values.items() if v is not None}
+    ).model_dump(by_alias=True, exclude_none=True)
+
+
+def claim_name(job: str, volume: str = CHECKPOINTS_VOLUME) -> str:
+    """The per-job claim made from a runtime's template."""
+    return f"{job}-{volume}"
+
+
+def _volume(name: str, volume: RuntimeVolume, job: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    claim = volume.claim_name or claim_name(job, name)
+    source: dict[str, Any] = {"claimName": claim}
+    mount: dict[str, Any] = {"name": name, "mountPath": volume.mount_path}
+    if volume.read_only:
+        source["readOnly"] = True
+        mount["readOnly"] = True
+    return {"name": name, "persistentVolumeClaim": source}, mount
+
+
+def runtime_layer(runtime: RLHFRuntimeSpec, job: str, namespace: str) -> dict[str, Any]:
+    """What the runtime gives a job before the job's own fields: its job defaults, then its Ray version,
+    pods and storage (the platform's fields win over its own job defaults). No image yet (`merge`)."""
+    layer = dict(runtime.job_defaults or {})
+    if runtime.ray_version:
+        layer["rayVersion"] = runtime.ray_version
+    pods = runtime.pods.model_dump(by_alias=True, exclude_none=True) if runtime.pods else None
+    pods = merge_pods(layer.pop("pods", None), pods)
+    storage = runtime.storage
+    volumes, mounts = [], []
+    for name, volume in (
+        (MODEL_CACHE_VOLUME, storage.model_cache if storage else None),
+        (CHECKPOINTS_VOLUME, storage.checkpoints if storage else None),
+    ):
+        if volume is not None:
+            v, m = _volume(name, volume, job)
+            volumes.append(v)
+            mounts.append(m)
+    if volumes:
+        pods = merge_pods(pods, {"volumes": volumes, "volumeMounts": mounts})
+    if pods:
+        layer["pods"] = pods
+    if storage and storage.checkpoints:
+        path = f"{storage.checkpoints.mount_path.rstrip('/')}/{namespace}/{job}"
+        layer["checkpoint"] = deep_merge(layer.get("checkpoint") or {}, {"path": path})
+    return layer
+
+
+def merge(job_spec: dict[str, Any], runtime: RLHFRuntimeSpec, ref: str, job: str, namespace: str) -> Merged:
+    """The job's spec merged over `runtime` (named `ref`, e.g. `ClusterRLHFRuntime/h100-ib`).
+
+    Raises MergeError naming the first field the job sets that the runtime keeps. The result still has to
+    pass the job's own validation (schema and rules), which the callers run.
+    """
+    layer = runtime_layer(runtime, job, namespace)
+    leaves = set_fields(job_spec)
+    overridable = runtime.allowed()
+    for path, value in leaves:
+        if not allowed(path, overridable) and _get(layer, path) != value:
+            dotted = ".".join(path)
+            raise MergeError(
+                f"spec.{dotted}",
+                f"{ref} does not let jobs set this field (jobs on it may set: {', '.join(overridable)}); "
+                "remove it from the job, or ask the platform team to add it to the runtime's overridable",
+            )
+    mine = _tree(leaves)
+    pods = merge_pods(layer.pop("pods", None), mine.pop("pods", None))
+    merged = deep_merge(layer, mine)
+    if pods:
+        merged["pods"] = pods
+    if "image" not in merged and runtime.images is not None:
+        image = _image(merged, runtime)
+        if image:
+            merged["image"] = image
+    template = (
+        runtime.storage.checkpoints.claim_template
+        if runtime.storage and runtime.storage.checkpoints
+        else None
+    )
+    return Merged(merged, claim_name(job) if template is not None else None)
+
+
+def _image(merged: dict[str, Any], runtime: RLHFRuntimeSpec) -> str | None:
+    images = runtime.images
+    assert images is not None
+    if images.gpu and images.cpu:
+        try:
+            spec = RLHFJobSpec.model_validate(merged)
+        except ValueError:
+            return images.cpu  # the caller's validation reports what is wrong
+        return images.gpu if asks_gpus(spec) else images.cpu
+    return images.gpu or images.cpu
+
+
+def asks_gpus(spec: RLHFJobSpec) -> bool:
+    """Whether any of the job's pods requests a GPU (the GPU image's case)."""
+    return pod_shape.trainer_pods(spec)[1] > 0 or pod_shape.rollout_pods(spec)[1] > 0
