@@ -89,6 +89,8 @@ pytest_stage unit tests -m unit || status=1  # the chart's unit tests run the He
 bg_start lint make -s lint
 pytest_stage cluster tests -m cluster || status=1
 bg_join lint || status=1
+# Jobs on platform runtimes (docs/runtimes.md): the pods they get, generations, failures, per-job claims.
+pytest_stage runtime tests -m "runtime and not unit and not realnode" || status=1
 pytest_stage security tests -m "security and not realnode" || status=1
 pytest_stage reliability tests -m reliability || status=1
 bg_join test-binaries || status=1

@@ -181,24 +181,29 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="session")
 def rlhf_crd(cluster: Cluster) -> str:
-    """Server-side applies the committed RLHFJob CRD (what users get), waits for Established, returns its name."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    # Not `kubectl wait`: it fails at once, instead of waiting, while a new CRD has no conditions yet.
-    wait_for(
-        lambda: (
-            "True"
-            in cluster.kubectl(
-                "get",
-                "crd/rlhfjobs.rlhf.dev",
-                "-o",
-                "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-                check=False,  # kubectl's jsonpath filter errors while there are no conditions at all
-            ).stdout
-            or None
-        ),
-        60,
-        "the RLHFJob CRD Established",
-    )
+    """Server-side applies the committed CRDs (what users get: RLHFJob and the two runtimes), waits for
+    each to be Established, returns the RLHFJob CRD's name."""
+    names = []
+    for path in sorted(CRD_FILE.parent.glob("*.yaml")):
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+        names.append(path.stem)
+    for name in names:
+        # Not `kubectl wait`: it fails at once, instead of waiting, while a new CRD has no conditions yet.
+        wait_for(
+            lambda name=name: (
+                "True"
+                in cluster.kubectl(
+                    "get",
+                    f"crd/{name}",
+                    "-o",
+                    "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                    check=False,  # kubectl's jsonpath filter errors while there are no conditions at all
+                ).stdout
+                or None
+            ),
+            60,
+            f"the CRD {name} Established",
+        )
     return "rlhfjobs.rlhf.dev"
 
 

@@ -75,7 +75,8 @@ def _validate(body: kopf.Body) -> RLHFJob | str:
 
 
 def _runtime_problem(body: kopf.Body, reason: str, message: str) -> str:
-    runtime.state_of(body).runtime_problem = (reason, message)
+    """Keep why the job's runtime failed it (handlers._invalid writes the condition from it)."""
+    runtime.state_of(body).runtime = runtimes.RuntimeUnusable(reason, message)
     return message
 
 

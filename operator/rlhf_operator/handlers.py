@@ -65,8 +65,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 def _invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
     """Fail a job whose spec (or, on a runtime, whose merged spec) is invalid, at once and once: no restart
     would change it. A runtime problem also sets the RuntimeBound condition, with its reason."""
-    problem = runtime.state_of(body).runtime_problem
-    reason = problem[0] if problem else "InvalidSpec"
+    problem = runtime.state_of(body).runtime
+    problem = problem if isinstance(problem, runtimes.RuntimeUnusable) else None
+    reason = problem.reason if problem else "InvalidSpec"
     text = f"invalid spec: {message}"
     if body.status.get("phase") != "Failed" or body.status.get("message") != text:
         patch.status["phase"] = "Failed"

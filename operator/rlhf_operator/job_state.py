@@ -40,11 +40,10 @@ class JobState:
     create_backoff: tuple[int, float] | None = None
     # The last scrape of its trainer: (monotonic time, {"metrics": ...} or {"metrics_error": ...}).
     last_scrape: tuple[float, dict[str, Any]] | None = None
-    # Its runtime as bound (runtimes.Bound), read once; whether its per-job checkpoint claim exists; the
-    # reason and message of a runtime problem that failed it (for its RuntimeBound condition).
+    # Its runtime as bound (runtimes.Bound, read once), or the runtimes.RuntimeUnusable that failed it;
+    # whether its per-job checkpoint claim has been made or found.
     runtime: Any = None
     claim_ensured: bool = False
-    runtime_problem: tuple[str, str] | None = None
     # Its Jobs API clients by head URL, kept between rounds so their connections stay open.
     ray_clients: dict[str, rayjobs.RayJobsClient] = field(default_factory=dict)
 

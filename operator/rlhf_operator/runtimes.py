@@ -85,10 +85,10 @@ def bound(body: kopf.Body) -> Bound | None:
     if not ref:
         return None
     state = runtime.state_of(body)
+    if isinstance(state.runtime, RuntimeUnusable):  # it failed the job: not asked again each round
+        raise state.runtime
     if state.runtime is not None:
         return cast(Bound, state.runtime)
-    if state.runtime_problem is not None:  # it failed the job: not asked again each round
-        raise RuntimeUnusable(*state.runtime_problem)
     namespace, job = body.metadata.namespace or "default", body.metadata.name or ""
     kind, name = str(ref.get("kind") or CLUSTER_KIND), str(ref.get("name") or "")
     result = _read_snapshot(namespace, job, body.metadata.uid or "")
@@ -210,11 +210,18 @@ def ensure_claim(body: kopf.Body, b: Bound) -> str | None:
     }
     if template.when_job_deleted == "Delete":
         kopf.adopt(claim, owner=body)  # the garbage collector deletes it with the job
+    if _create_claim(namespace, claim):
+        kopf.event(body, type="Normal", reason="CheckpointClaimCreated", message=f"created claim {name}")
+    state.claim_ensured = True
+    return name
+
+
+def _create_claim(namespace: str, claim: dict[str, Any]) -> bool:
+    """Create the claim; False when it exists already (an earlier incarnation's, or a retained one)."""
     try:
         k8s.CoreV1Api(kube.api()).create_namespaced_persistent_volume_claim(namespace, claim)  # type: ignore[arg-type]
-        kopf.event(body, type="Normal", reason="CheckpointClaimCreated", message=f"created claim {name}")
     except ApiException as e:
         if e.status != 409:
             raise
-    state.claim_ensured = True
-    return name
+        return False
+    return True

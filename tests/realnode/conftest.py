@@ -71,6 +71,29 @@ def on_real_node() -> dict[str, Any]:
     }
 
 
+RUNTIME = "cpu-dev"
+DATA_CLAIM, CHECKPOINTS = "tiny-data", "/checkpoints"
+
+
+def runtime_spec() -> dict[str, Any]:
+    """The cpu-dev ClusterRLHFRuntime's spec over the chart's (docs/runtimes.md)."""
+    return {
+        "pods": on_real_node(),
+        "storage": {
+            "modelCache": {"mountPath": "/data", "claimName": DATA_CLAIM},
+            "checkpoints": {
+                "mountPath": CHECKPOINTS,
+                "claimTemplate": {
+                    "size": "1Gi",
+                    "storageClassName": STORAGE_CLASS,
+                    "accessModes": ["ReadWriteOnce"],
+                    "whenJobDeleted": "Delete",
+                },
+            },
+        },
+    }
+
+
 @pytest.fixture(scope="module")
 def operator_release(
     cluster: Cluster, images: Images, tmp_path_factory: pytest.TempPathFactory
@@ -87,6 +110,9 @@ def operator_release(
         "image": {"repository": op_repo, "tag": op_tag, "pullPolicy": "Never"},
         # The node's nvidia.com/gpu is advertised, not real: the chart's named CPU stand-in.
         "jobDefaults": {"trainerImage": {"repository": tr_repo, "tag": tr_tag}, "gpuStandIn": "cpu"},
+        # The chart's CPU runtime, with what the platform team of this node would give it: the node's
+        # label and taint, the data claim as the model cache, a checkpoint claim per job (RUNTIME).
+        "runtimes": {"cpuDev": {"enabled": True, "name": RUNTIME, "spec": runtime_spec()}},
         "operator": {"logFormat": "json"},
         **on_real_node(),
     }
@@ -118,14 +144,20 @@ def local_data(
     cluster: Cluster, namespace: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """A PVC bound to a local PersistentVolume on the real node, holding the tiny model and prompts
-    (/data/model, /data/prompts.jsonl); checkpoints go to /data/ckpt. Returns the claim's name."""
+    (/data/model, /data/prompts.jsonl), and a second volume kept for the job's own checkpoint claim.
+    Returns the data claim's name."""
     root = tmp_path_factory.mktemp("pv")
     root.chmod(0o755)
     data = root / "data"
     shutil.copytree(tiny_model, data)
     for path in [data, *data.rglob("*")]:
         shutil.chown(path, DATA_UID, DATA_UID)
-    pv = f"rlhf-data-{uuid.uuid4().hex[:8]}"
+    # The per-job checkpoint claim the runtime's template makes (tiny-checkpoints) binds to a second
+    # volume: this machine has no provisioner, so the test stands in for one by making its volume first.
+    checkpoints = root / "checkpoints"
+    checkpoints.mkdir()
+    shutil.chown(checkpoints, DATA_UID, DATA_UID)
+    pvs = [f"rlhf-data-{uuid.uuid4().hex[:8]}", f"rlhf-ckpt-{uuid.uuid4().hex[:8]}"]
     cluster.apply(
         {
             "apiVersion": "storage.k8s.io/v1",
@@ -135,36 +167,8 @@ def local_data(
             "volumeBindingMode": "WaitForFirstConsumer",
         }
     )
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv},
-            "spec": {
-                "capacity": {"storage": "2Gi"},
-                "accessModes": ["ReadWriteOnce"],
-                "persistentVolumeReclaimPolicy": "Retain",
-                "storageClassName": STORAGE_CLASS,
-                "local": {"path": str(data)},
-                "claimRef": {"namespace": namespace, "name": "tiny-data"},
-                "nodeAffinity": {
-                    "required": {
-                        "nodeSelectorTerms": [
-                            {
-                                "matchExpressions": [
-                                    {
-                                        "key": "kubernetes.io/hostname",
-                                        "operator": "In",
-                                        "values": [node.NODE_NAME],
-                                    }
-                                ]
-                            }
-                        ]
-                    }
-                },
-            },
-        }
-    )
+    for pv, path, claim in zip(pvs, (data, checkpoints), (DATA_CLAIM, "tiny-checkpoints"), strict=True):
+        cluster.apply(local_volume(pv, path, namespace, claim))
     cluster.apply(
         {
             "apiVersion": "v1",
@@ -178,28 +182,47 @@ def local_data(
         },
         namespace,
     )
-    yield "tiny-data"
-    cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
+    yield DATA_CLAIM
+    for pv in pvs:
+        cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
+
+
+def local_volume(name: str, path: Path, namespace: str, claim: str) -> dict[str, Any]:
+    """A local PersistentVolume on the real node at `path`, kept for the claim `namespace/claim`."""
+    host = {"key": "kubernetes.io/hostname", "operator": "In", "values": [node.NODE_NAME]}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": "2Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": STORAGE_CLASS,
+            "local": {"path": str(path)},
+            "claimRef": {"namespace": namespace, "name": claim},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [host]}]}},
+        },
+    }
 
 
 def realnode_job(name: str, claim: str, steps: int, interval: int, **spec: Any) -> dict[str, Any]:
-    """examples/rlhfjob-tiny.yaml as a real job: no image (the chart's default trainer image), every
-    pod on the real node with the data claim at /data."""
+    """examples/rlhfjob-tiny.yaml as a real job on the chart's cpu-dev runtime: the experiment only. The
+    runtime gives the image, the node's selector and toleration, the data claim (`claim`) at /data and a
+    checkpoint claim of the job's own (checkpoints under /checkpoints/<namespace>/<job>)."""
     from support import tiny_job
 
-    doc = tiny_job(name, Path("/data"), Path("/data/ckpt"), steps)
+    assert claim == DATA_CLAIM, claim
+    doc = tiny_job(name, Path("/data"), Path("/unused"), steps)
     s = doc["spec"]
+    s["runtimeRef"] = {"kind": "ClusterRLHFRuntime", "name": RUNTIME}
+    s["checkpoint"].pop("path")
     s["checkpoint"].update(intervalSteps=interval, keepLast=2)
     # 600 s, not the example's 300: an attempt restarted after the head pod's loss waits for the worker
     # containers to come back into the new head, which once took over 300 s on the loaded 2-core machine
     # (the operator then stalled and restarted it once more). These runs are not about stalls
     # (tests/cluster/test_stall_diagnosis.py is).
     s["monitoring"].update(metricsPort=9400, scrapeIntervalSeconds=2, stallTimeoutSeconds=600)
-    s["pods"] = {
-        **on_real_node(),
-        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-    }
     for key, value in spec.items():
         s[key] = {**s.get(key, {}), **value}
     return doc

@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Images, job_pods, on_real_node, realnode_job, wait_no_pods
+from conftest import (
+    CHECKPOINTS,
+    DATA_CLAIM,
+    RUNTIME,
+    Images,
+    job_pods,
+    on_real_node,
+    realnode_job,
+    wait_no_pods,
+)
 from support import VENV_BIN, Cluster, PhaseWatch, device_map_rows, device_map_shape, step_reports, wait_for
 from support import job_status as status
 
@@ -189,6 +198,26 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     print(cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
     nodes = {p["spec"]["nodeName"] for pods in roles.values() for p in pods}
     assert nodes == {real_node}, nodes
+    # The job names only the experiment and the chart's cpu-dev runtime: every pod has the runtime's
+    # image, node selector, toleration and volumes, read back from the pods (docs/runtimes.md).
+    for pod in (p for pods in roles.values() for p in pods):
+        spec = pod["spec"]
+        assert {c["image"] for c in spec["containers"]} == {images.trainer}, pod["metadata"]["name"]
+        assert on_real_node()["nodeSelector"].items() <= spec["nodeSelector"].items(), spec["nodeSelector"]
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in spec["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        assert claims == {"model-cache": DATA_CLAIM, "checkpoints": "tiny-checkpoints"}, claims
+    bound = status(cluster, namespace, "tiny")["runtime"]
+    assert bound == {
+        "kind": "ClusterRLHFRuntime",
+        "name": RUNTIME,
+        "generation": 1,
+        "snapshot": "tiny-runtime",
+        "checkpointClaim": "tiny-checkpoints",
+    }, bound
     # The operator in its pod scraped the trainer through the head Service's DNS name: the status has
     # the trainer's timings.
     st = wait_step(cluster, namespace, "tiny", 2, 900)
@@ -331,10 +360,10 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     assert {len(r["engines"]) for r in reports} == {1}, reports
 
     assert st["completionTime"], st
-    # The last step's checkpoint is on the volume, complete; a finished job releases its pods.
-    assert (
-        data_dir(cluster, namespace, local_data) / "ckpt" / f"step-{STEPS:08d}" / "trainer_state.json"
-    ).exists()
+    # The last step's checkpoint is on the job's own claim, in its directory, complete; a finished job
+    # releases its pods.
+    own = data_dir(cluster, namespace, "tiny-checkpoints") / namespace / "tiny"
+    assert (own / f"step-{STEPS:08d}" / "trainer_state.json").exists(), sorted(own.parent.rglob("*"))[:20]
     wait_for(
         lambda: cluster.get("raycluster", "tiny", namespace) is None or None, 120, "the RayCluster deleted"
     )
@@ -344,3 +373,7 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
 
     cluster.kubectl("delete", "rlhfjob", "tiny", "-n", namespace)
     wait_no_pods(cluster, namespace, 180)
+    # The runtime's whenJobDeleted: Delete: the job's checkpoint claim went with it.
+    wait_for(
+        lambda: cluster.get("pvc", "tiny-checkpoints", namespace) is None or None, 120, "the claim released"
+    )

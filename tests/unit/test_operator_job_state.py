@@ -14,7 +14,18 @@ from typing import Any
 import kopf
 import pytest
 import status_inputs
-from rlhf_operator import cache, children, handlers, job_state, kube, observe, rayjobs, runtime, scrape
+from rlhf_operator import (
+    cache,
+    children,
+    handlers,
+    job_state,
+    kube,
+    observe,
+    rayjobs,
+    runtime,
+    runtimes,
+    scrape,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +38,18 @@ def _body(i: int) -> kopf.Body:
     doc = copy.deepcopy(TINY_DOC)
     doc.pop("status", None)
     doc["metadata"].update(name=f"job-{i}", namespace=f"ns{i % 7}", uid=f"uid-{i}", resourceVersion="1")
+    doc["spec"]["runtimeRef"] = {"kind": "ClusterRLHFRuntime", "name": "dev"}  # bound once: JobState.runtime
     return kopf.Body(doc)
+
+
+# A runtime that lets the job keep every field and gives it a per-job checkpoint claim.
+RUNTIME = {
+    "metadata": {"name": "dev", "generation": 2},
+    "spec": {
+        "overridable": [*TINY_DOC["spec"]],
+        "storage": {"checkpoints": {"mountPath": "/ckpt", "claimTemplate": {"size": "1Gi"}}},
+    },
+}
 
 
 class _FakeCustomObjects:
@@ -63,6 +85,10 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rayjobs, "RayJobsClient", _FakeRayJobs)
     monkeypatch.setattr(scrape, "fetch_metrics", lambda url, name: None)
     monkeypatch.setattr(handlers, "_stopped", {})
+    monkeypatch.setattr(runtimes, "_read_snapshot", lambda namespace, job, uid: None)
+    monkeypatch.setattr(runtimes, "_read_runtime", lambda namespace, kind, name: RUNTIME)
+    monkeypatch.setattr(runtimes, "_write_snapshot", lambda body, namespace, job, bound: None)
+    monkeypatch.setattr(runtimes, "_create_claim", lambda namespace, claim: True)
     _FakeRayJobs.closed = 0
 
 
