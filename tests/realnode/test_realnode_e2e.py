@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 from conftest import (
-    CHECKPOINTS,
     DATA_CLAIM,
     RUNTIME,
     Images,
