@@ -84,7 +84,7 @@ def merged(defaults: PodSettings, role: PodSettings | None) -> PodSettings:
     values: dict[str, Any] = {}
     for name in PodSettings.model_fields:
         base, over = getattr(defaults, name), getattr(role, name)
-        if name == "resources":
+        if name in ("resources", "resources_per_gpu"):
             values[name] = _resources(base, over)
         else:
             values[name] = _MERGE.get(name, _replace)(base, over)

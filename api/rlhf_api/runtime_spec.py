@@ -32,6 +32,7 @@ DEFAULT_OVERRIDABLE: Final[tuple[str, ...]] = (
     "runPolicy",
 )
 ABSOLUTE_PATH = r"^/.*"
+AccessMode = Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]
 # The volume names a runtime's storage takes in every pod (a job's own volumes must not reuse them).
 MODEL_CACHE_VOLUME: Final = "model-cache"
 CHECKPOINTS_VOLUME: Final = "checkpoints"
@@ -56,8 +57,8 @@ class ClaimTemplate(_Spec):
         default=None, min_length=1, description="StorageClass of the claim (unset: the cluster's default)."
     )
     size: Quantity = Field(description="Requested size, e.g. 500Gi.")
-    access_modes: list[Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]] = Field(
-        default_factory=lambda: ["ReadWriteMany"],
+    access_modes: list[AccessMode] = Field(
+        default_factory=lambda: list[AccessMode](["ReadWriteMany"]),
         min_length=1,
         description="Access modes (ReadWriteMany: pods on several nodes write checkpoints to it).",
     )

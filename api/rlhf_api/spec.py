@@ -7,6 +7,7 @@ Cross-field rules live in `rules.py`; the CRD is generated from this file by `cr
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, get_args
 
@@ -898,6 +899,18 @@ class ResourceRequirements(_Spec):
     )
 
 
+# A quantity the operator can multiply by a GPU count: a plain decimal with an optional suffix (no exponent).
+SCALABLE_QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([numkMGTPE]|[KMGTPE]i)?$"
+ScalableQuantity = int | Annotated[str, StringConstraints(pattern=SCALABLE_QUANTITY_PATTERN)]
+
+
+class PerGpuResources(_Spec):
+    """Resources per GPU, multiplied by the pod's GPU count (plain decimals with a suffix: 12, 120Gi, 500m)."""
+
+    requests: dict[str, ScalableQuantity] | None = Field(default=None, description="Requests per GPU.")
+    limits: dict[str, ScalableQuantity] | None = Field(default=None, description="Limits per GPU.")
+
+
 class LocalObjectReference(_Spec):
     """A reference to an object in the job's namespace."""
 
@@ -908,6 +921,20 @@ K8S_TYPE_KEY: Final = "x-rlhf-k8s-type"
 DEFAULT_GPU_RESOURCE: Final = "nvidia.com/gpu"
 # An extended resource name as the API server accepts it: a domain prefix, then a name (MIG profiles too).
 RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
+
+
+def scaled_quantity(quantity: Quantity, factor: int) -> str:
+    """`quantity` times `factor`, in the same suffix: 12 -> 96, 120Gi -> 960Gi, 500m -> 4000m, 1.5 -> 12."""
+    match = _QUANTITY.match(str(quantity))
+    if match is None:
+        raise ValueError(f"cannot scale the quantity {quantity!r}: write it as a number with a suffix")
+    number, suffix = match.groups()
+    value = float(number) * factor
+    text = str(int(value)) if value.is_integer() else f"{value:g}"
+    return text + suffix
 
 
 def _k8s(kind: str, description: str) -> Any:
@@ -930,6 +957,12 @@ class PodSettings(_Spec):
         default=None,
         description="CPU, memory and extended resources such as RDMA devices of the Ray container (GPUs "
         "are set from the placements).",
+    )
+    resources_per_gpu: PerGpuResources | None = Field(
+        default=None,
+        description="Resources per GPU of the pod (e.g. {cpu: 12, memory: 120Gi} per GPU), multiplied by "
+        "the pod's GPU count; a key also in `resources` keeps `resources`' value. For a runtime, which cannot "
+        "know how many GPUs each job's pods get. Ignored on pods without GPUs (the head).",
     )
     gpu_resource_name: str | None = Field(
         default=None,

@@ -24,7 +24,7 @@ from rlhf_api.constants import (
 )
 from rlhf_api.pod_settings import PodRole
 from rlhf_api.pod_shape import trainer_pods
-from rlhf_api.spec import GROUP, PodSettings, RLHFJob, RLHFJobSpec
+from rlhf_api.spec import GROUP, PodSettings, RLHFJob, RLHFJobSpec, scaled_quantity
 
 from rlhf_operator import kueue, security
 from rlhf_operator.scaling import clamp_request
@@ -98,9 +98,14 @@ def rollout_replicas(spec: RLHFJobSpec, engines: int | None = None) -> int:
 
 
 def _resources(settings: PodSettings, gpus: int) -> dict[str, Any]:
-    base = settings.resources
+    """The container's resources: `resourcesPerGpu` times the pod's GPUs, under `resources`, and the GPUs."""
+    base, per_gpu = settings.resources, settings.resources_per_gpu
     requests = dict((base.requests if base else None) or {})
     limits = dict((base.limits if base else None) or {})
+    if gpus and per_gpu is not None:
+        for scaled, given in ((requests, per_gpu.requests), (limits, per_gpu.limits)):
+            for key, value in (given or {}).items():
+                scaled.setdefault(key, scaled_quantity(value, gpus))
     if gpus:
         requests[pod_settings.gpu_resource(settings)] = str(gpus)
         limits[pod_settings.gpu_resource(settings)] = str(gpus)

@@ -105,7 +105,7 @@ def _read_snapshot(namespace: str, job: str, uid: str) -> Bound | None:
         if e.status == 404:
             return None
         raise
-    owners = [o.uid for o in (cm.metadata.owner_references or [])]
+    owners = [o.uid for o in ((cm.metadata.owner_references if cm.metadata else None) or [])]
     if uid not in owners:  # a leftover of an earlier job of the same name: not this job's
         raise RuntimeUnusable(
             "RuntimeSnapshotConflict",

@@ -334,3 +334,25 @@ def test_each_role_stops_by_its_own_prestop_hook_rollout_pods_drain_their_ray_no
     drain = ["python", "-m", "rlhf_trainer.drain", "--deadline-seconds", "45"]
     assert hook(group(rc, "rollout")["template"]) == drain
     assert hook(group(rc, "trainer")["template"]) is None
+
+
+def test_resources_per_gpu_scale_with_each_pods_gpus_under_the_pods_own_resources() -> None:
+    """A runtime's per-GPU resources (it cannot know each job's GPU count) become each pod's: the tiny
+    example's trainer pods have 2 GPUs (its actor's), its rollout pod 1, the head none; `resources`
+    keeps its own keys."""
+    per_gpu = {"requests": {"cpu": 12, "memory": "120Gi"}, "limits": {"memory": "120Gi"}}
+    job = load(
+        "rlhfjob-tiny.yaml",
+        **{
+            "spec.pods.resourcesPerGpu": per_gpu,
+            "spec.pods.rollout": {"resources": {"requests": {"cpu": 4}}},
+        },
+    )
+    rc = manifests.build_raycluster(job)
+    trainer = group(rc, "trainer")["template"]["spec"]["containers"][0]["resources"]
+    assert trainer["requests"]["cpu"] == "24" and trainer["requests"]["memory"] == "240Gi", trainer
+    assert trainer["limits"]["memory"] == "240Gi" and trainer["limits"]["nvidia.com/gpu"] == "2", trainer
+    rollout = group(rc, "rollout")["template"]["spec"]["containers"][0]["resources"]
+    assert rollout["requests"]["cpu"] == 4 and rollout["requests"]["memory"] == "120Gi", rollout
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].get("resources", {})
+    assert "cpu" not in head.get("requests", {}) and "memory" not in head.get("limits", {}), head
