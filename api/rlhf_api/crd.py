@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from rlhf_api import k8s_schemas
+from rlhf_api import admission, k8s_schemas
 from rlhf_api.rules import RULES
 from rlhf_api.runtime_spec import (
     CLUSTER_KIND,
@@ -404,6 +404,9 @@ def all_crds() -> dict[str, str]:
 def write(root: Path) -> list[Path]:
     """Writes every CRD into each directory of OUTPUT_PATHS under `root`; returns the paths written."""
     written = []
+    policy = root / admission.OUTPUT
+    policy.write_text(admission.chart_template(spec_schema()), encoding="utf-8")
+    written.append(policy)
     for relative in OUTPUT_PATHS:
         for name, text in all_crds().items():
             path = root / relative.parent / name

@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rlhf_api.runtime_spec import RLHFRuntimeSpec, runtime_violations
+from rlhf_api import admission, crd
+from rlhf_api.runtime_spec import (
+    CLUSTER_KIND,
+    DEFAULT_OVERRIDABLE,
+    NAMESPACED_KIND,
+    RLHFRuntimeSpec,
+    runtime_violations,
+)
 from support import Cluster, OperatorProcess, example_job, phase_is, wait_for
 
 pytestmark = pytest.mark.runtime
@@ -222,23 +229,82 @@ def test_a_missing_runtime_or_a_field_the_runtime_keeps_fails_the_job_at_once(
     assert cond["status"] == "False" and cond["reason"] == "RuntimeNotFound", cond
     assert "ClusterRLHFRuntime/no-such-runtime does not exist" in cond["message"], cond
 
-    # A namespaced runtime that keeps the pods: a job setting a node selector is refused, naming it.
-    team = runtime("team", team="a", overridable=["model", "data", "algorithm", "checkpoint", "trainer"])
-    team["kind"] = "RLHFRuntime"
-    cluster.apply(team, namespace)
+    # A namespaced runtime keeps `security` (the default overridable): a job turning its NetworkPolicy off
+    # fails at once, naming the field. (A field with a CRD default: only the operator can tell it was set,
+    # so admission lets it through; test_admission_refuses_... covers what admission decides.)
+    cluster.apply({**runtime("team", team="a"), "kind": "RLHFRuntime"}, namespace)
     cluster.apply(
-        job_on("pinned", "team", kind="RLHFRuntime", **{"spec.pods.nodeSelector": {"pool": "mine"}}),
-        namespace,
+        job_on("open", "team", kind="RLHFRuntime", **{"spec.security.networkPolicy": "Disabled"}), namespace
     )
-    cond = failed_on_runtime(cluster, namespace, "pinned")
+    cond = failed_on_runtime(cluster, namespace, "open")
     assert cond["reason"] == "FieldNotOverridable", cond
-    assert cond["message"].startswith("spec.pods.nodeSelector: RLHFRuntime/team does not let jobs set"), cond
-    st = (cluster.get("rlhfjob", "pinned", namespace) or {}).get("status", {})
-    assert "spec.pods.nodeSelector" in st.get("message", ""), st
+    assert cond["message"].startswith(
+        "spec.security.networkPolicy: RLHFRuntime/team does not let jobs set"
+    ), cond
+    st = (cluster.get("rlhfjob", "open", namespace) or {}).get("status", {})
+    assert "spec.security.networkPolicy" in st.get("message", ""), st
 
     # The same job without the field runs on it.
-    cluster.apply(job_on("unpinned", "team", kind="RLHFRuntime"), namespace)
-    wait_for(lambda: cluster.get("raycluster", "unpinned", namespace), 60, "unpinned's RayCluster")
+    cluster.apply(job_on("closed", "team", kind="RLHFRuntime"), namespace)
+    wait_for(lambda: cluster.get("raycluster", "closed", namespace), 60, "closed's RayCluster")
+
+
+@pytest.fixture
+def admission_policies(cluster: Cluster, rlhf_crd: str) -> Iterator[list[str]]:
+    """The chart's two ValidatingAdmissionPolicies and bindings (rlhf_api.admission, the generator of the
+    chart's template), under names of this test's own; deleted afterwards."""
+    prefix = f"test-{uuid.uuid4().hex[:6]}"
+    docs = [
+        d for k in (CLUSTER_KIND, NAMESPACED_KIND) for d in admission.policy(k, crd.spec_schema(), prefix)
+    ]
+    names = []
+    for doc in docs:
+        cluster.apply(doc)
+        names.append(f"{doc['kind'].lower()}/{doc['metadata']['name']}")
+    yield names
+    for name in reversed(names):
+        cluster.kubectl("delete", name, "--wait=false", check=False)
+
+
+def test_admission_refuses_a_job_setting_a_pod_field_its_runtime_keeps(
+    cluster: Cluster, namespace: str, admission_policies: list[str], runtime_name: str
+) -> None:
+    cluster.apply(runtime(runtime_name, team="a"))
+    # Each policy type-checks against the CRDs' schemas with no warning: every expression is sound.
+    for name in admission_policies:
+        if name.startswith("validatingadmissionpolicy/"):
+            checked = wait_for(
+                lambda name=name: (cluster.get(*name.split("/")) or {}).get("status", {}).get("typeChecking"),
+                30,
+                f"{name} type-checked",
+            )
+            assert not checked.get("expressionWarnings"), checked
+    pinned = job_on("pinned", runtime_name, **{"spec.pods.nodeSelector": {"pool": "mine"}})
+
+    def refused() -> str | None:
+        proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pinned), check=False)
+        if proc.returncode == 0:  # the policy not in force yet: try again
+            cluster.kubectl("delete", "rlhfjob", "pinned", "-n", namespace, "--wait=false", check=False)
+            return None
+        return proc.stderr
+
+    message = wait_for(refused, 30, "the job refused at admission")
+    assert (
+        f"spec.pods.nodeSelector: ClusterRLHFRuntime/{runtime_name} does not let jobs set this field"
+        in message
+    )
+    # The same job without it is admitted; a runtime that lets jobs choose nodes admits it with it.
+    cluster.apply(job_on("free", runtime_name), namespace)
+    allowing = [*DEFAULT_OVERRIDABLE, "pods.nodeSelector"]
+    cluster.apply({**runtime("team", team="a", overridable=allowing), "kind": "RLHFRuntime"}, namespace)
+    cluster.apply(
+        job_on("chosen", "team", kind="RLHFRuntime", **{"spec.pods.nodeSelector": {"a": "b"}}), namespace
+    )
+    # ...and a namespaced runtime keeping the field refuses it the same way.
+    cluster.apply({**runtime("strict", team="a"), "kind": "RLHFRuntime"}, namespace)
+    strict = job_on("pinned2", "strict", kind="RLHFRuntime", **{"spec.pods.nodeSelector": {"a": "b"}})
+    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(strict), check=False)
+    assert proc.returncode != 0 and "spec.pods.nodeSelector: RLHFRuntime/strict" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(
