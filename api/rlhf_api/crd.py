@@ -316,6 +316,13 @@ def _printer_columns() -> list[dict[str, Any]]:
             "priority": 1,
         },
         {
+            "name": "Runtime",
+            "type": "string",
+            "jsonPath": ".status.runtime.name",
+            "description": "The runtime the job runs on (spec.runtimeRef), as bound when it started.",
+            "priority": 1,
+        },
+        {
             "name": "Message",
             "type": "string",
             "jsonPath": ".status.message",
@@ -405,6 +412,7 @@ def write(root: Path) -> list[Path]:
     """Writes every CRD into each directory of OUTPUT_PATHS under `root`; returns the paths written."""
     written = []
     policy = root / admission.OUTPUT
+    policy.parent.mkdir(parents=True, exist_ok=True)
     policy.write_text(admission.chart_template(spec_schema()), encoding="utf-8")
     written.append(policy)
     for relative in OUTPUT_PATHS:

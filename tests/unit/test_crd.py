@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic.alias_generators import to_camel
-from rlhf_api import crd, k8s_schemas
+from rlhf_api import admission, crd, k8s_schemas
 from rlhf_api.rules import RULES
 from rlhf_api.spec import JOB_PHASES, K8S_TYPE_KEY, PodSettings, RLHFJobSpec
 from rlhf_cli.main import main as cli_main
@@ -79,6 +79,29 @@ def test_write_puts_both_copies_under_root(tmp_path: Path) -> None:
     assert crd.main(["--write", "--root", str(tmp_path)]) == 0
     for relative in ("crds/rlhfjobs.rlhf.dev.yaml", "charts/rlhf-operator/crds/rlhfjobs.rlhf.dev.yaml"):
         assert (tmp_path / relative).read_text(encoding="utf-8") == crd.crd_yaml()
+    for name, text in crd.all_crds().items():
+        assert (tmp_path / "crds" / name).read_text(encoding="utf-8") == text
+        assert (tmp_path / "charts/rlhf-operator/crds" / name).read_text(encoding="utf-8") == text
+    assert (tmp_path / admission.OUTPUT).read_text(encoding="utf-8") == admission.chart_template(
+        crd.spec_schema()
+    )
+
+
+def test_the_committed_runtime_crds_and_admission_policy_are_the_generated_ones() -> None:
+    root = Path(__file__).resolve().parents[2]
+    for name, text in crd.all_crds().items():
+        assert (root / "crds" / name).read_text(encoding="utf-8") == text, f"run `make crd`: {name}"
+    committed = (root / admission.OUTPUT).read_text(encoding="utf-8")
+    assert committed == admission.chart_template(crd.spec_schema()), "run `make crd`: the admission policy"
+
+
+def test_admission_checks_only_fields_whose_presence_means_the_job_set_them() -> None:
+    """A field with a CRD default is always present after defaulting: checking it would refuse every job."""
+    schema = crd.spec_schema()
+    paths = {".".join(p) for p, _ in admission.decidable_paths(schema)}
+    assert {"image", "pods.nodeSelector", "pods.rollout", "checkpoint.path", "trainer.critic"} <= paths, paths
+    assert not {"rayVersion", "algorithm.klCoef", "rollout.engines", "security.networkPolicy"} & paths, paths
+    assert "runtimeRef" not in paths and not any(p.startswith("runtimeRef.") for p in paths)
 
 
 # ---- identity and subresources -----------------------------------------------------------------
