@@ -461,3 +461,37 @@ RULES: tuple[Rule, ...] = (
 def violated(spec: RLHFJobSpec, *, creating: bool = True) -> list[Rule]:
     """The rules `spec` breaks. With `creating=False` (an update), create-only rules are skipped."""
     return [rule for rule in RULES if (creating or not rule.create_only) and not rule.check(spec)]
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """A rule on how a field may change (a CEL transition rule, on `oldSelf`). Only the API server sees the
+    old object, so there is no Python twin: `rlhf validate` checks one manifest, and the operator never
+    sees a refused update."""
+
+    name: str
+    scope: str
+    cel: str
+    field: str
+    message: str
+
+    def validation(self) -> dict[str, Any]:
+        return {
+            "rule": self.cel,
+            "message": self.message,
+            "fieldPath": "." + self.field[len(self.scope) + 1 :] if self.scope else "." + self.field,
+            "reason": "FieldValueForbidden",
+        }
+
+
+UPDATE_RULES: tuple[UpdateRule, ...] = (
+    UpdateRule(
+        name="runtime-ref-fixed",
+        scope="",
+        cel="has(self.runtimeRef) == has(oldSelf.runtimeRef) && "
+        "(!has(self.runtimeRef) || self.runtimeRef == oldSelf.runtimeRef)",
+        field="runtimeRef",
+        message="runtimeRef cannot be added, removed or changed once the job exists (the job was bound to "
+        "its runtime when it started): create a new job",
+    ),
+)

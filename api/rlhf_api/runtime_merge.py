@@ -32,7 +32,9 @@ from rlhf_api.spec import PodSettings, PodsSpec, RLHFJobSpec
 
 Schema = dict[str, Any]
 Path = tuple[str, ...]
-ALWAYS_THE_JOBS: Final = ("runtimeRef",)
+# Always the job's: its runtime reference, and the engine count the scale subresource writes (kubectl
+# scale, an HPA, the operator's own autoscaler), which no runtime can keep.
+ALWAYS_THE_JOBS: Final = ("runtimeRef", "rollout.engines")
 
 
 class MergeError(ValueError):
@@ -104,7 +106,7 @@ def _get(tree: Any, path: Path) -> Any:
 def allowed(path: Path, overridable: Sequence[str]) -> bool:
     """Whether the job may set the field at `path`: it, or a field above it, is in `overridable`."""
     dotted = ".".join(path)
-    return path[0] in ALWAYS_THE_JOBS or any(dotted == p or dotted.startswith(p + ".") for p in overridable)
+    return any(dotted == p or dotted.startswith(p + ".") for p in (*ALWAYS_THE_JOBS, *overridable))
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

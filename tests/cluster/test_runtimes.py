@@ -228,6 +228,15 @@ def test_a_missing_runtime_or_a_field_the_runtime_keeps_fails_the_job_at_once(
     cond = failed_on_runtime(cluster, namespace, "orphan")
     assert cond["status"] == "False" and cond["reason"] == "RuntimeNotFound", cond
     assert "ClusterRLHFRuntime/no-such-runtime does not exist" in cond["message"], cond
+    # A job's runtime is fixed when it is created (the API server's transition rule): naming another, or
+    # none, is refused; a new job is the way.
+    for patch in ('{"spec":{"runtimeRef":{"name":"other"}}}', '{"spec":{"runtimeRef":null}}'):
+        proc = cluster.kubectl(
+            "patch", "rlhfjob", "orphan", "-n", namespace, "--type=merge", "-p", patch, check=False
+        )
+        assert proc.returncode != 0 and "runtimeRef cannot be added, removed or changed" in proc.stderr, (
+            proc.stderr
+        )
 
     # A namespaced runtime keeps `security` (the default overridable): a job turning its NetworkPolicy off
     # fails at once, naming the field. (A field with a CRD default: only the operator can tell it was set,

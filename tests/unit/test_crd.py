@@ -15,7 +15,7 @@ import pytest
 import yaml
 from pydantic.alias_generators import to_camel
 from rlhf_api import admission, crd, k8s_schemas
-from rlhf_api.rules import RULES
+from rlhf_api.rules import RULES, UPDATE_RULES
 from rlhf_api.spec import JOB_PHASES, K8S_TYPE_KEY, PodSettings, RLHFJobSpec
 from rlhf_cli.main import main as cli_main
 
@@ -363,7 +363,10 @@ _CEL_KEYWORDS = {
 def test_every_rule_is_attached_once_at_its_scope(root_schema: dict[str, Any]) -> None:
     spec = node_at(root_schema, "spec")
     attached = [(path, v) for path, node in walk(spec) for v in node.get("x-kubernetes-validations", [])]
-    assert len(attached) == len(RULES)
+    assert len(attached) == len(RULES) + len(UPDATE_RULES)
+    for update in UPDATE_RULES:  # transition rules: on oldSelf, with no Python twin
+        [validation] = [v for _, v in attached if v["message"] == update.message]
+        assert "oldSelf" in validation["rule"] and validation["reason"] == "FieldValueForbidden"
     for rule in RULES:
         [(path, validation)] = [(p, v) for p, v in attached if v["message"] == rule.message]
         assert path == ("." + rule.scope if rule.scope else "")
