@@ -23,6 +23,7 @@ from rlhf_api.runtime_spec import (
     DEFAULT_OVERRIDABLE,
     NAMESPACED_KIND,
     NAMESPACED_PLURAL,
+    NOT_IN_JOB_DEFAULTS,
 )
 from rlhf_api.spec import GROUP, PLURAL, VERSION
 
@@ -52,8 +53,7 @@ def _has(root: str, path: Path) -> str:
 
 def _runtime_may_have(path: Path) -> str:
     """CEL: the runtime's layer may hold a value at `path` (then only the operator can compare them)."""
-    defaults = f"(has(params.spec.jobDefaults) && '{path[0]}' in params.spec.jobDefaults)"
-    options = [defaults]
+    options = [] if path[0] in NOT_IN_JOB_DEFAULTS else [_has("params.spec", ("jobDefaults", *path))]
     if path == ("image",):
         options += [_has("params.spec", ("images", "cpu")), _has("params.spec", ("images", "gpu"))]
     if path[0] == "pods":

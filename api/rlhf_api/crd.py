@@ -20,6 +20,7 @@ from rlhf_api.runtime_spec import (
     CLUSTER_PLURAL,
     NAMESPACED_KIND,
     NAMESPACED_PLURAL,
+    NOT_IN_JOB_DEFAULTS,
     RUNTIME_RULES,
     RLHFRuntimeSpec,
 )
@@ -333,9 +334,27 @@ def _printer_columns() -> list[dict[str, Any]]:
     ]
 
 
+def partial(node: Schema) -> Schema:
+    """`node` with nothing required and nothing defaulted, rules left out, recursively: the shape of
+    runtime jobDefaults (any job field, none needed). List items keep their own schema (an env entry
+    still needs its name)."""
+    out: Schema = {
+        k: v for k, v in node.items() if k not in ("required", "default", "x-kubernetes-validations")
+    }
+    if "properties" in out:
+        out["properties"] = {k: partial(v) for k, v in out["properties"].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = partial(out["additionalProperties"])
+    return out
+
+
 def runtime_spec_schema() -> Schema:
-    """The runtime spec schema with the runtime rules attached at their scopes."""
+    """The runtime spec schema: jobDefaults typed as a partial job spec, the runtime rules attached."""
     schema = model_schema(RLHFRuntimeSpec)
+    described = schema["properties"]["jobDefaults"]["description"]
+    job = partial(model_schema(RLHFJobSpec))
+    job["properties"] = {k: v for k, v in job["properties"].items() if k not in NOT_IN_JOB_DEFAULTS}
+    schema["properties"]["jobDefaults"] = {**job, "description": described}
     for rule in RUNTIME_RULES:
         _node_at(schema, rule.scope).setdefault("x-kubernetes-validations", []).append(rule.validation())
     return schema

@@ -162,7 +162,6 @@ def runtime_layer(runtime: RLHFRuntimeSpec, job: str, namespace: str) -> dict[st
     if runtime.ray_version:
         layer["rayVersion"] = runtime.ray_version
     pods = runtime.pods.model_dump(by_alias=True, exclude_none=True) if runtime.pods else None
-    pods = merge_pods(layer.pop("pods", None), pods)
     storage = runtime.storage
     volumes, mounts = [], []
     for name, volume in (

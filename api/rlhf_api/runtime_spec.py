@@ -33,6 +33,9 @@ DEFAULT_OVERRIDABLE: Final[tuple[str, ...]] = (
 )
 ABSOLUTE_PATH = r"^/.*"
 AccessMode = Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]
+# Job fields a runtime gives by fields of its own (images, rayVersion, pods), not by jobDefaults; and the
+# job's own reference to it.
+NOT_IN_JOB_DEFAULTS: Final = ("image", "rayVersion", "pods", "runtimeRef")
 # The volume names a runtime's storage takes in every pod (a job's own volumes must not reuse them).
 MODEL_CACHE_VOLUME: Final = "model-cache"
 CHECKPOINTS_VOLUME: Final = "checkpoints"
@@ -135,9 +138,15 @@ class RLHFRuntimeSpec(_Spec):
 
     @field_validator("job_defaults")
     @classmethod
-    def _no_runtime_ref(cls, value: KubeObject | None) -> KubeObject | None:
-        if value and "runtimeRef" in value:
-            raise ValueError("runtimeRef is the job's own: a runtime cannot default it")
+    def _job_fields(cls, value: KubeObject | None) -> KubeObject | None:
+        """The same shape the CRD gives jobDefaults: job spec fields, less those the runtime has its own."""
+        for key in value or {}:
+            if key in NOT_IN_JOB_DEFAULTS:
+                raise ValueError(
+                    f"{key} is not a job default: use the runtime's own images, rayVersion or pods"
+                )
+            if not spec_path_exists(key):
+                raise ValueError(f"{key!r} is not a field of the RLHFJob spec")
         return value
 
     def allowed(self) -> tuple[str, ...]:

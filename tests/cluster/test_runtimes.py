@@ -283,11 +283,15 @@ def test_admission_refuses_a_job_setting_a_pod_field_its_runtime_keeps(
     for name in admission_policies:
         if name.startswith("validatingadmissionpolicy/"):
             checked = wait_for(
-                lambda name=name: (cluster.get(*name.split("/")) or {}).get("status", {}).get("typeChecking"),
+                lambda name=name: (
+                    ((cluster.get(*name.split("/")) or {}).get("status") or {}).get("typeChecking")
+                    is not None
+                    and (cluster.get(*name.split("/")) or {})["status"]
+                ),
                 30,
                 f"{name} type-checked",
             )
-            assert not checked.get("expressionWarnings"), checked
+            assert not checked["typeChecking"].get("expressionWarnings"), checked
     pinned = job_on("pinned", runtime_name, **{"spec.pods.nodeSelector": {"pool": "mine"}})
 
     def refused() -> str | None:
