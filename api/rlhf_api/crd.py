@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel
 
 from rlhf_api import admission, k8s_schemas
-from rlhf_api.rules import RULES, UPDATE_RULES
+from rlhf_api.rules import RULES, UPDATE_RULES, Rule, UpdateRule
 from rlhf_api.runtime_spec import (
     CLUSTER_KIND,
     CLUSTER_PLURAL,
@@ -196,7 +196,8 @@ def _node_at(schema: Schema, scope: str) -> Schema:
 def spec_schema() -> Schema:
     """The spec schema with every cross-field rule attached at its scope."""
     schema = model_schema(RLHFJobSpec)
-    for rule in (*RULES, *UPDATE_RULES):
+    rules: list[Rule | UpdateRule] = [*RULES, *UPDATE_RULES]
+    for rule in rules:
         _node_at(schema, rule.scope).setdefault("x-kubernetes-validations", []).append(rule.validation())
     return schema
 
