@@ -49,6 +49,13 @@ class RuntimeImages(_Spec):
     gpu: str | None = Field(default=None, min_length=1, description="Image of jobs whose pods get GPUs.")
 
 
+AccessMode = Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]
+
+
+def _read_write_many() -> list[AccessMode]:
+    return ["ReadWriteMany"]
+
+
 class ClaimTemplate(_Spec):
     """A PersistentVolumeClaim made for each job (named `<job>-<volume>`), so that no two jobs share it."""
 
@@ -56,8 +63,8 @@ class ClaimTemplate(_Spec):
         default=None, min_length=1, description="StorageClass of the claim (unset: the cluster's default)."
     )
     size: Quantity = Field(description="Requested size, e.g. 500Gi.")
-    access_modes: list[Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]] = Field(
-        default_factory=lambda: ["ReadWriteMany"],
+    access_modes: list[AccessMode] = Field(
+        default_factory=_read_write_many,
         min_length=1,
         description="Access modes (ReadWriteMany: pods on several nodes write checkpoints to it).",
     )
