@@ -16,6 +16,7 @@ runtime's value holds there). The rules, field by field, are in docs/runtimes.md
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -57,6 +58,34 @@ def _spec_schema() -> Schema:
     from rlhf_api.crd import spec_schema  # the CRD's defaults are what the API server filled in
 
     return spec_schema()
+
+
+def with_crd_defaults(spec: dict[str, Any], schema: Schema | None = None) -> dict[str, Any]:
+    """`spec` as the API server stores it, for `rlhf validate --runtime` and the tests to merge what the
+    operator will see: a null is dropped (no field is nullable), then every missing field with a default in
+    the CRD's schema gets it, recursively, into the defaults it fills in too."""
+    out = _defaulted(spec, schema if schema is not None else _spec_schema())
+    assert isinstance(out, dict)
+    return out
+
+
+def _defaulted(value: Any, node: Schema) -> Any:
+    if isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [_defaulted(item, node["items"]) for item in value]
+    if not isinstance(value, dict):
+        return value
+    props: Schema = node.get("properties") or {}
+    extra = node.get("additionalProperties")
+    out = {}
+    for key, child in value.items():
+        if child is None and key in props:
+            continue
+        sub = props.get(key, extra if isinstance(extra, dict) else None)
+        out[key] = _defaulted(child, sub) if sub is not None else child
+    for key, sub in props.items():
+        if key not in out and "default" in sub:
+            out[key] = _defaulted(copy.deepcopy(sub["default"]), sub)
+    return out
 
 
 def set_fields(spec: dict[str, Any], schema: Schema | None = None) -> list[tuple[Path, Any]]:
