@@ -25,6 +25,10 @@ pytestmark = [pytest.mark.unit, pytest.mark.runtime]
 
 REF = "ClusterRLHFRuntime/rt"
 JOB, NAMESPACE = "ppo", "team-a"
+STORAGE = {
+    "modelCache": {"mountPath": "/models", "claimName": "rlhf-models", "readOnly": True},
+    "checkpoints": {"mountPath": "/checkpoints", "claimTemplate": {"size": "10Gi"}},
+}
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
@@ -215,7 +219,7 @@ def test_pods_merge_by_the_rules_of_spec_pods() -> None:
 
 def test_the_fabric_reaches_trainer_and_rollout_pods_never_the_head() -> None:
     nccl = {"name": "NCCL_IB_HCA", "value": "mlx5"}
-    rt = runtime(pods={"fabric": {"env": [nccl], "resources": {"limits": {"rdma/ib": 1}}}})
+    rt = runtime(pods={"fabric": {"env": [nccl], "resources": {"limits": {"rdma/ib": 1}}}}, storage=STORAGE)
     pods = merged(job(), rt).pods
     for role in ("trainer", "rollout"):
         settings = pod_settings.for_role(pods, role)
@@ -250,12 +254,6 @@ def test_no_images_leave_the_operators_default() -> None:
 
 
 # ---- storage ------------------------------------------------------------------------------------------
-
-
-STORAGE = {
-    "modelCache": {"mountPath": "/models", "claimName": "rlhf-models", "readOnly": True},
-    "checkpoints": {"mountPath": "/checkpoints", "claimTemplate": {"size": "10Gi"}},
-}
 
 
 def test_storage_is_mounted_in_every_pod_and_the_model_cache_read_only() -> None:
