@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
 from rlhf_api.rules import Rule
@@ -144,6 +144,14 @@ class RLHFRuntimeSpec(_Spec):
     def _no_runtime_ref(cls, value: KubeObject | None) -> KubeObject | None:
         if value and "runtimeRef" in value:
             raise ValueError("runtimeRef is the job's own: a runtime cannot default it")
+        if value and "pods" in value:
+            # The merge parses them (spec.pods' rules) before the merged spec is checked: check them here.
+            try:
+                PodsSpec.model_validate(value["pods"])
+            except ValidationError as error:
+                first = error.errors()[0]
+                where = ".".join(str(part) for part in ("pods", *first["loc"]))
+                raise ValueError(f"{where}: {first['msg']}") from None
         return value
 
     def allowed(self) -> tuple[str, ...]:
