@@ -5,8 +5,9 @@ the fields the job set, where the runtime lets the job set them. Pure: the opera
 "Set" means different from the CRD's default: the API server fills every default in before anyone sees
 the job, so a field equal to its default cannot be told from one left out, and counts as left out (the
 runtime's value holds there). The rules, field by field, are in docs/runtimes.md:
-- a set field outside the runtime's `overridable` paths is an error naming it, unless it equals the
-  runtime's own value; an object the CRD gives no default (trainer.critic) is set by being there;
+- a set field outside the runtime's `overridable` paths (and ALWAYS_THE_JOBS) is an error naming it,
+  unless it equals the runtime's own value; an object the CRD gives no default (trainer.critic) is set
+  by being there;
 - maps merge key by key and the job's scalars and lists replace the runtime's, except under `pods`, which
   merges by spec.pods' own rules (pod_settings.py);
 - the image is the job's, else the runtime's GPU image for a job whose pods get GPUs, else its CPU image
@@ -35,7 +36,9 @@ from rlhf_api.spec import PodSettings, PodsSpec, RLHFJobSpec
 
 Schema = dict[str, Any]
 Path = tuple[str, ...]
-ALWAYS_THE_JOBS: Final = ("runtimeRef",)
+# The fields no runtime keeps: the job's runtimeRef, and rollout.engines, the scale subresource's replica
+# count, which `kubectl scale`, an HPA and the operator's autoscaler write after the job starts.
+ALWAYS_THE_JOBS: Final = ("runtimeRef", "rollout.engines")
 
 
 class MergeError(ValueError):
@@ -141,9 +144,10 @@ def _get(tree: Any, path: Path) -> Any:
 
 
 def allowed(path: Path, overridable: Sequence[str]) -> bool:
-    """Whether the job may set the field at `path`: it, or a field above it, is in `overridable`."""
+    """Whether the job may set the field at `path`: it, or a field above it, is in `overridable` (or in
+    ALWAYS_THE_JOBS)."""
     dotted = ".".join(path)
-    return path[0] in ALWAYS_THE_JOBS or any(dotted == p or dotted.startswith(p + ".") for p in overridable)
+    return any(dotted == p or dotted.startswith(p + ".") for p in (*ALWAYS_THE_JOBS, *overridable))
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

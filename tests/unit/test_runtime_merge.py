@@ -146,16 +146,18 @@ def test_a_kept_field_equal_to_the_runtimes_own_value_is_accepted() -> None:
 
 
 def test_a_sub_path_entry_allows_that_field_and_not_its_siblings() -> None:
-    rt = runtime(overridable=["model", "data", "rollout.engines"])
-    assert merged(job(rollout={"engines": 4}), rt).rollout.engines == 4
-    assert refused(job(rollout={"engines": 4, "temperature": 0.7}), rt).path == "spec.rollout.temperature"
-    assert not allowed(("rollout", "enginesMax"), ["rollout.engines"])  # a path, not a string prefix
+    rt = runtime(overridable=["model", "data", "rollout.temperature"])
+    assert merged(job(rollout={"temperature": 0.7}), rt).rollout.temperature == 0.7
+    assert refused(job(rollout={"temperature": 0.7, "topP": 0.9}), rt).path == "spec.rollout.topP"
+    assert not allowed(("rollout", "temperatureMax"), ["rollout.temperature"])  # a path, not a prefix
 
 
-def test_runtime_ref_is_always_the_jobs() -> None:
+def test_runtime_ref_and_the_engine_count_are_always_the_jobs() -> None:
+    """rollout.engines is the scale subresource's: kubectl scale and the autoscaler write it later."""
     rt = runtime(overridable=["model", "data"])
-    spec = merged(job(runtimeRef={"kind": "RLHFRuntime", "name": "rt"}), rt)
+    spec = merged(job(runtimeRef={"kind": "RLHFRuntime", "name": "rt"}, rollout={"engines": 4}), rt)
     assert spec.runtime_ref is not None and spec.runtime_ref.kind == "RLHFRuntime"
+    assert spec.rollout.engines == 4
 
 
 # ---- how fields merge ---------------------------------------------------------------------------------
