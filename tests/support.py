@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
@@ -608,6 +609,14 @@ def ray_submissions(prefix: str) -> list[str]:
 
 INVALID_MANIFESTS = sorted((ROOT / "tests" / "data" / "invalid").glob("*.yaml"))
 EXAMPLE_JOBS = sorted((ROOT / "examples").glob("rlhfjob-*.yaml"))  # RLHFJobs (not the volume example)
+# ClusterRLHFRuntimes and RLHFRuntimes, apart: they are not jobs. A job example names one in runtimeRef.
+EXAMPLE_RUNTIMES = sorted((ROOT / "examples" / "runtimes").glob("*.yaml"))
+
+
+def example_runtime(job: Path) -> Path | None:
+    """The runtime example (examples/runtimes/<name>.yaml) a job example names in spec.runtimeRef."""
+    ref = (yaml.safe_load(job.read_text()).get("spec") or {}).get("runtimeRef")
+    return ROOT / "examples" / "runtimes" / f"{ref['name']}.yaml" if ref else None
 
 
 def manifest_header(path: Path) -> dict[str, str]:

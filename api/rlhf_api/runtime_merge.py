@@ -5,17 +5,21 @@ the fields the job set, where the runtime lets the job set them. Pure: the opera
 "Set" means different from the CRD's default: the API server fills every default in before anyone sees
 the job, so a field equal to its default cannot be told from one left out, and counts as left out (the
 runtime's value holds there). The rules, field by field, are in docs/runtimes.md:
-- a set field outside the runtime's `overridable` paths is an error naming it, unless it equals the
-  runtime's own value;
+- a set field outside the runtime's `overridable` paths (and ALWAYS_THE_JOBS) is an error naming it,
+  unless it equals the runtime's own value; an object the CRD gives no default (trainer.critic) is set
+  by being there;
 - maps merge key by key and the job's scalars and lists replace the runtime's, except under `pods`, which
   merges by spec.pods' own rules (pod_settings.py);
-- the image is the job's, else the runtime's GPU image for a job whose pods get GPUs, else its CPU image;
-- the runtime's storage becomes volumes mounted in every pod, and `checkpoint.path` defaults to
-  `<mountPath>/<namespace>/<job>` on its checkpoint volume.
+- the image is the job's, else the runtime's GPU image for a job whose pods get GPUs, else its CPU image
+  (the runtime's images, like its Ray version and pods, win over its own `jobDefaults`);
+- the runtime's storage becomes volumes mounted in every pod (a job's volume or mount of the same name
+  or path is an error), and `checkpoint.path` defaults to `<mountPath>/<namespace>/<job>` on its
+  checkpoint volume.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -32,8 +36,8 @@ from rlhf_api.spec import PodSettings, PodsSpec, RLHFJobSpec
 
 Schema = dict[str, Any]
 Path = tuple[str, ...]
-# Always the job's: its runtime reference, and the engine count the scale subresource writes (kubectl
-# scale, an HPA, the operator's own autoscaler), which no runtime can keep.
+# The fields no runtime keeps: the job's runtimeRef, and rollout.engines, the scale subresource's replica
+# count, which `kubectl scale`, an HPA and the operator's autoscaler write after the job starts.
 ALWAYS_THE_JOBS: Final = ("runtimeRef", "rollout.engines")
 
 
@@ -61,10 +65,40 @@ def _spec_schema() -> Schema:
     return spec_schema()
 
 
+def with_crd_defaults(spec: dict[str, Any], schema: Schema | None = None) -> dict[str, Any]:
+    """`spec` as the API server stores it, for `rlhf validate --runtime` and the tests to merge what the
+    operator will see: a null is dropped (no field is nullable), then every missing field with a default in
+    the CRD's schema gets it, recursively, into the defaults it fills in too."""
+    out = _defaulted(spec, schema if schema is not None else _spec_schema())
+    assert isinstance(out, dict)
+    return out
+
+
+def _defaulted(value: Any, node: Schema) -> Any:
+    if isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [_defaulted(item, node["items"]) for item in value]
+    if not isinstance(value, dict):
+        return value
+    props: Schema = node.get("properties") or {}
+    extra = node.get("additionalProperties")
+    out = {}
+    for key, child in value.items():
+        if child is None and key in props:
+            continue
+        sub = props.get(key, extra if isinstance(extra, dict) else None)
+        out[key] = _defaulted(child, sub) if sub is not None else child
+    for key, sub in props.items():
+        if key not in out and "default" in sub:
+            out[key] = _defaulted(copy.deepcopy(sub["default"]), sub)
+    return out
+
+
 def set_fields(spec: dict[str, Any], schema: Schema | None = None) -> list[tuple[Path, Any]]:
     """The leaves of `spec` that differ from the CRD's defaults, as (camelCase path, value).
 
     A leaf is a scalar, a list, or a map without a fixed schema (nodeSelector, jobDefaults' open objects).
+    An object the CRD gives no default (trainer.critic, pods.trainer) is there only because the job wrote
+    it, so it is set even when each of its fields equals its default: it is a leaf then, as written.
     """
     return list(_walk(spec, schema if schema is not None else _spec_schema(), ()))
 
@@ -75,14 +109,20 @@ def _walk(value: Any, node: Schema, path: Path) -> Iterator[tuple[Path, Any]]:
         if path:
             yield path, value
         return
+    found = False
     for key, child in value.items():
         sub = props.get(key)
         if sub is None:
+            found = True
             yield (*path, key), child  # not in the schema: the API server prunes these; kept as a leaf
         elif "default" in sub and child == sub["default"]:
             continue
         else:
-            yield from _walk(child, sub, (*path, key))
+            for leaf in _walk(child, sub, (*path, key)):
+                found = True
+                yield leaf
+    if path and not found and "default" not in node:
+        yield path, value
 
 
 def _tree(leaves: Sequence[tuple[Path, Any]]) -> dict[str, Any]:
@@ -104,7 +144,8 @@ def _get(tree: Any, path: Path) -> Any:
 
 
 def allowed(path: Path, overridable: Sequence[str]) -> bool:
-    """Whether the job may set the field at `path`: it, or a field above it, is in `overridable`."""
+    """Whether the job may set the field at `path`: it, or a field above it, is in `overridable` (or in
+    ALWAYS_THE_JOBS)."""
     dotted = ".".join(path)
     return any(dotted == p or dotted.startswith(p + ".") for p in (*ALWAYS_THE_JOBS, *overridable))
 
@@ -182,14 +223,28 @@ def runtime_layer(runtime: RLHFRuntimeSpec, job: str, namespace: str) -> dict[st
     return layer
 
 
-def merge(job_spec: dict[str, Any], runtime: RLHFRuntimeSpec, ref: str, job: str, namespace: str) -> Merged:
-    """The job's spec merged over `runtime` (named `ref`, e.g. `ClusterRLHFRuntime/h100-ib`).
+def merge(
+    job_spec: dict[str, Any],
+    runtime: RLHFRuntimeSpec,
+    ref: str,
+    job: str,
+    namespace: str,
+    gpu_standin: bool = False,
+) -> Merged:
+    """The job's spec merged over `runtime` (named `ref`, e.g. `ClusterRLHFRuntime/h100-ib`). With
+    `gpu_standin` (the operator's named CPU stand-in for advertised GPUs) the runtime's CPU image is used.
 
     Raises MergeError naming the first field the job sets that the runtime keeps. The result still has to
     pass the job's own validation (schema and rules), which the callers run.
     """
     layer = runtime_layer(runtime, job, namespace)
     leaves = set_fields(job_spec)
+    # The platform's image over its own job defaults, picked for the job as it will run (not its image).
+    image = _image(
+        _over(layer, {k: v for k, v in _tree(leaves).items() if k != "image"}), runtime, gpu_standin
+    )
+    if image:
+        layer["image"] = image
     overridable = runtime.allowed()
     for path, value in leaves:
         if not allowed(path, overridable) and _get(layer, path) != value:
@@ -199,26 +254,62 @@ def merge(job_spec: dict[str, Any], runtime: RLHFRuntimeSpec, ref: str, job: str
                 f"{ref} does not let jobs set this field (jobs on it may set: {', '.join(overridable)}); "
                 "remove it from the job, or ask the platform team to add it to the runtime's overridable",
             )
-    mine = _tree(leaves)
-    pods = merge_pods(layer.pop("pods", None), mine.pop("pods", None))
-    merged = deep_merge(layer, mine)
-    if pods:
-        merged["pods"] = pods
-    if "image" not in merged and runtime.images is not None:
-        image = _image(merged, runtime)
-        if image:
-            merged["image"] = image
+    # A value the runtime already has adds nothing (and would add a toleration twice).
+    mine = _tree([(path, value) for path, value in leaves if _get(layer, path) != value])
+    _check_storage_names(mine.get("pods"), runtime, ref)
     template = (
         runtime.storage.checkpoints.claim_template
         if runtime.storage and runtime.storage.checkpoints
         else None
     )
-    return Merged(merged, claim_name(job) if template is not None else None)
+    return Merged(_over(layer, mine), claim_name(job) if template is not None else None)
 
 
-def _image(merged: dict[str, Any], runtime: RLHFRuntimeSpec) -> str | None:
+def _over(layer: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+    """`mine` over `layer`: pods by spec.pods' rules, everything else by `deep_merge`."""
+    merged = deep_merge(
+        {k: v for k, v in layer.items() if k != "pods"}, {k: v for k, v in mine.items() if k != "pods"}
+    )
+    pods = merge_pods(layer.get("pods"), mine.get("pods"))
+    if pods:
+        merged["pods"] = pods
+    return merged
+
+
+def _check_storage_names(pods: dict[str, Any] | None, runtime: RLHFRuntimeSpec, ref: str) -> None:
+    """A job's own volume or mount would replace the runtime's storage in the merge (volumes merge by name,
+    mounts by path): refused, naming it, rather than losing the model cache or the checkpoints silently."""
+    storage = runtime.storage
+    volumes = [
+        (name, volume)
+        for name, volume in (
+            (MODEL_CACHE_VOLUME, storage.model_cache if storage else None),
+            (CHECKPOINTS_VOLUME, storage.checkpoints if storage else None),
+        )
+        if volume is not None
+    ]
+    taken = {
+        "volumes": ("name", {n for n, _ in volumes}),
+        "volumeMounts": ("mountPath", {v.mount_path for _, v in volumes}),
+    }
+    for section in ("", "fabric", "head", "trainer", "rollout"):
+        settings = (pods or {}).get(section) or {} if section else pods or {}
+        for field, (key, values) in taken.items():
+            for index, item in enumerate(settings.get(field) or []):
+                if isinstance(item, dict) and item.get(key) in values:
+                    where = ".".join(["spec.pods", *([section] if section else []), f"{field}[{index}]"])
+                    raise MergeError(
+                        f"{where}.{key}",
+                        f"{item[key]} is {ref}'s storage (spec.storage), mounted in every pod: use another",
+                    )
+
+
+def _image(merged: dict[str, Any], runtime: RLHFRuntimeSpec, gpu_standin: bool) -> str | None:
     images = runtime.images
-    assert images is not None
+    if images is None:
+        return None
+    if gpu_standin:  # the cluster's GPUs are advertised, not real (RLHF_GPU_STANDIN): the CPU image runs
+        return images.cpu or images.gpu
     if images.gpu and images.cpu:
         try:
             spec = RLHFJobSpec.model_validate(merged)

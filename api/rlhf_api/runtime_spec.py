@@ -53,6 +53,13 @@ class RuntimeImages(_Spec):
     gpu: str | None = Field(default=None, min_length=1, description="Image of jobs whose pods get GPUs.")
 
 
+AccessMode = Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]
+
+
+def _read_write_many() -> list[AccessMode]:
+    return ["ReadWriteMany"]
+
+
 class ClaimTemplate(_Spec):
     """A PersistentVolumeClaim made for each job (named `<job>-<volume>`), so that no two jobs share it."""
 
@@ -61,7 +68,7 @@ class ClaimTemplate(_Spec):
     )
     size: Quantity = Field(description="Requested size, e.g. 500Gi.")
     access_modes: list[AccessMode] = Field(
-        default_factory=lambda: list[AccessMode](["ReadWriteMany"]),
+        default_factory=_read_write_many,
         min_length=1,
         description="Access modes (ReadWriteMany: pods on several nodes write checkpoints to it).",
     )
@@ -145,8 +152,9 @@ class RLHFRuntimeSpec(_Spec):
                 raise ValueError(
                     f"{key} is not a job default: use the runtime's own images, rayVersion or pods"
                 )
-            if not spec_path_exists(key):
-                raise ValueError(f"{key!r} is not a field of the RLHFJob spec")
+        for path in _paths(value or {}):
+            if not spec_path_exists(path):
+                raise ValueError(f"{path!r} is not a field of the RLHFJob spec")
         return value
 
     def allowed(self) -> tuple[str, ...]:
@@ -164,6 +172,15 @@ def spec_path_exists(path: str) -> bool:
             return False
         model = _model_of(fields[part].annotation)
     return True
+
+
+def _paths(tree: KubeObject, prefix: str = "") -> list[str]:
+    """The dotted paths of `tree`'s leaves (a leaf: anything but a non-empty mapping)."""
+    out = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out.extend(_paths(value, path + ".") if isinstance(value, dict) and value else [path])
+    return out
 
 
 def _model_of(annotation: object) -> type[BaseModel] | None:

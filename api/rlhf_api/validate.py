@@ -1,7 +1,8 @@
 """Validation of RLHFJob manifests in one place: schema errors from the pydantic model and the cross-field
-rules of `rules.py` (what the API server checks, same field paths and messages), plus `runtime_issues`,
-the checks that need the files a spec names. Pure apart from reading files; never imports kopf, the
-Kubernetes client, torch or Ray.
+rules of `rules.py` (what the API server checks, same field paths and messages); a runtime manifest and a
+job merged over it (`rlhf validate --runtime`, what the operator checks when it binds the job); plus
+`runtime_issues`, the checks that need the files a spec names. Pure apart from reading files; never
+imports kopf, the Kubernetes client, torch or Ray.
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlhf_api.rules import violated
+from rlhf_api.runtime_merge import MergeError, merge, with_crd_defaults
+from rlhf_api.runtime_spec import (
+    CLUSTER_KIND,
+    NAMESPACED_KIND,
+    AnyRuntime,
+    ClusterRLHFRuntime,
+    RLHFRuntime,
+    RLHFRuntimeSpec,
+    runtime_violations,
+)
 from rlhf_api.spec import API_VERSION, KIND, RLHFJobSpec
 
 # metadata.name of a namespaced custom resource: a DNS-1123 subdomain.
@@ -55,17 +66,20 @@ def _path(loc: tuple[int | str, ...], data: Any, error_type: str) -> str:
     return "".join(parts)
 
 
-def _message(error: Any) -> str:
+def _message(error: Any, kind: str) -> str:
     """The pydantic message, in the API server's words where they differ."""
     if error["type"] == "extra_forbidden":
-        return "unknown field (not in the RLHFJob schema)"
+        return f"unknown field (not in the {kind} schema)"
     if error["type"] == "missing":
         return "Required value"
     return str(error["msg"])
 
 
-def schema_issues(model: type[BaseModel], data: Any, prefix: tuple[str, ...] = ()) -> list[Issue]:
-    """Schema errors of `data` against `model`, by camelCase field path (aliases only, strict types)."""
+def schema_issues(
+    model: type[BaseModel], data: Any, prefix: tuple[str, ...] = (), kind: str = KIND
+) -> list[Issue]:
+    """Schema errors of `data` against `model` (the spec of a `kind`), by camelCase field path (aliases
+    only, strict types)."""
     try:
         model.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as error:
@@ -76,8 +90,8 @@ def schema_issues(model: type[BaseModel], data: Any, prefix: tuple[str, ...] = (
         for detail in error.errors():
             path = _path((*prefix, *detail["loc"]), root, detail["type"])
             messages = by_path.setdefault(path, [])
-            if _message(detail) not in messages:
-                messages.append(_message(detail))
+            if _message(detail, kind) not in messages:
+                messages.append(_message(detail, kind))
         return [Issue(path, " or ".join(messages)) for path, messages in by_path.items()]
     return []
 
@@ -89,22 +103,95 @@ def validate_manifest(obj: Any) -> list[Issue]:
     """
     if not isinstance(obj, dict):
         return [Issue("", f"an RLHFJob manifest must be a mapping, not {type(obj).__name__}")]
+    issues = _object_issues(obj, (KIND,))
+    if "spec" not in obj:
+        return [*issues, Issue("spec", "Required value")]
+    return issues + job_spec_issues(obj["spec"])
+
+
+def job_spec_issues(spec: Any) -> list[Issue]:
+    """A job spec's schema errors, else its broken rules, else its sequence-parallel problems."""
+    spec_issues = schema_issues(RLHFJobSpec, spec, ("spec",))
+    if spec_issues:
+        return spec_issues
+    typed = RLHFJobSpec.model_validate(spec, by_alias=True, by_name=False)
+    rule_issues = [Issue(rule.field_path, rule.message) for rule in violated(typed)]
+    return rule_issues or sequence_parallel_issues(typed)
+
+
+def _object_issues(obj: dict[str, Any], kinds: tuple[str, ...]) -> list[Issue]:
+    """apiVersion, kind (one of `kinds`), metadata and unknown top-level fields."""
     issues: list[Issue] = []
     if obj.get("apiVersion") != API_VERSION:
         issues.append(Issue("apiVersion", f"must be {API_VERSION}, not {obj.get('apiVersion')!r}"))
-    if obj.get("kind") != KIND:
-        issues.append(Issue("kind", f"must be {KIND}, not {obj.get('kind')!r}"))
+    if obj.get("kind") not in kinds:
+        issues.append(Issue("kind", f"must be {' or '.join(kinds)}, not {obj.get('kind')!r}"))
     issues += _metadata_issues(obj.get("metadata"))
+    kind = str(obj["kind"]) if obj.get("kind") in kinds else kinds[0]
     for key in sorted(set(obj) - {"apiVersion", "kind", "metadata", "spec", "status"}):
-        issues.append(Issue(key, "unknown field (not in the RLHFJob schema)"))
-    if "spec" not in obj:
-        return [*issues, Issue("spec", "Required value")]
-    spec_issues = schema_issues(RLHFJobSpec, obj["spec"], ("spec",))
+        issues.append(Issue(key, f"unknown field (not in the {kind} schema)"))
+    return issues
+
+
+def validate_runtime_manifest(obj: Any) -> list[Issue]:
+    """Every problem of a ClusterRLHFRuntime or RLHFRuntime manifest: its schema and RUNTIME_RULES, as the
+    API server checks them (what it cannot check, the job on it, is `validate_on_runtime`'s)."""
+    kinds = (CLUSTER_KIND, NAMESPACED_KIND)
+    if not isinstance(obj, dict):
+        return [Issue("", f"a runtime manifest must be a mapping, not {type(obj).__name__}")]
+    issues = _object_issues(obj, kinds)
+    kind = str(obj["kind"]) if obj.get("kind") in kinds else CLUSTER_KIND
+    spec_issues = schema_issues(RLHFRuntimeSpec, obj.get("spec", {}), ("spec",), kind)
     if spec_issues:
         return issues + spec_issues
+    spec = RLHFRuntimeSpec.model_validate(obj.get("spec", {}), by_alias=True, by_name=False)
+    return issues + [Issue(f"spec.{rule.field}", rule.message) for rule in runtime_violations(spec)]
+
+
+def load_runtime(path: str | Path) -> tuple[AnyRuntime | None, list[Issue]]:
+    """The one runtime of a YAML file, typed, or None and the file's issues."""
+    try:
+        documents, parse_error = _documents(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        return None, [Issue("", f"cannot read: {error.strerror or error}")]
+    if parse_error:
+        return None, [parse_error]
+    if len(documents) != 1:
+        return None, [Issue("", f"a runtime file holds one runtime, not {len(documents)} documents")]
+    (document,) = documents
+    issues = validate_runtime_manifest(document)
+    if issues:
+        return None, issues
+    model = ClusterRLHFRuntime if document["kind"] == CLUSTER_KIND else RLHFRuntime
+    return model.model_validate(document, by_alias=True, by_name=False), []
+
+
+def validate_on_runtime(obj: Any, runtime: AnyRuntime) -> list[Issue]:
+    """An RLHFJob manifest's problems on `runtime`: its own (validate_manifest), then those of the merge
+    the operator makes when it binds the job (a field the runtime keeps, a runtimeRef naming another
+    runtime), then those of the merged spec, each naming the field. The job is merged as the API server
+    stores it, its defaults filled in (`with_crd_defaults`), as the operator sees it."""
+    issues = validate_manifest(obj)
+    if issues:
+        return issues
+    ref = f"{runtime.kind}/{runtime.name}"
     spec = RLHFJobSpec.model_validate(obj["spec"], by_alias=True, by_name=False)
-    rule_issues = [Issue(rule.field_path, rule.message) for rule in violated(spec)]
-    return issues + (rule_issues or sequence_parallel_issues(spec))
+    metadata = obj["metadata"]
+    namespace = str(metadata.get("namespace") or "default")
+    named = f"{spec.runtime_ref.kind}/{spec.runtime_ref.name}" if spec.runtime_ref else "no runtime"
+    if named != ref:
+        return [
+            Issue("spec.runtimeRef", f"must name {ref}, the runtime it is validated on (it names {named})")
+        ]
+    home = runtime.metadata.get("namespace")
+    if runtime.kind == NAMESPACED_KIND and home and home != namespace:
+        return [Issue("spec.runtimeRef", f"{ref} is in namespace {home}; a job in {namespace} cannot use it")]
+    name = str(metadata.get("name") or metadata.get("generateName") or "")
+    try:
+        merged = merge(with_crd_defaults(obj["spec"]), runtime.spec, ref, name, namespace).spec
+    except MergeError as error:
+        return [Issue(error.path, error.message)]
+    return [Issue(i.path, f"{i.message} (merged with {ref})") for i in job_spec_issues(merged)]
 
 
 def runtime_issues(spec: RLHFJobSpec) -> list[Issue]:
@@ -220,9 +307,9 @@ def _documents(text: str) -> tuple[list[Any], Issue | None]:
         return [], Issue(where, f"malformed YAML: {problem}")
 
 
-def validate_text(text: str) -> list[Issue]:
-    """Issues of every RLHFJob document in a YAML text; a document's issues are prefixed
-    `[doc N]` when there is more than one."""
+def validate_text(text: str, runtime: AnyRuntime | None = None) -> list[Issue]:
+    """Issues of every RLHFJob document in a YAML text (each merged over `runtime` when given); a
+    document's issues are prefixed `[doc N]` when there is more than one."""
     documents, parse_error = _documents(text)
     if parse_error:
         return [parse_error]
@@ -230,22 +317,22 @@ def validate_text(text: str) -> list[Issue]:
         return [Issue("", "no YAML document found")]
     issues: list[Issue] = []
     for number, document in enumerate(documents, start=1):
-        found = validate_manifest(document)
+        found = validate_manifest(document) if runtime is None else validate_on_runtime(document, runtime)
         if len(documents) > 1:
             found = [Issue(f"[doc {number}] {issue.path}".rstrip(), issue.message) for issue in found]
         issues += found
     return issues
 
 
-def validate_file(path: str | Path) -> list[Issue]:
-    """Issues of the RLHFJob manifests in a YAML file (`-` reads standard input)."""
+def validate_file(path: str | Path, runtime: AnyRuntime | None = None) -> list[Issue]:
+    """Issues of the RLHFJob manifests in a YAML file (`-` reads standard input), on `runtime` if given."""
     if str(path) == "-":
-        return validate_text(sys.stdin.read())
+        return validate_text(sys.stdin.read(), runtime)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
         return [Issue("", f"cannot read: {error.strerror or error}")]
-    return validate_text(text)
+    return validate_text(text, runtime)
 
 
 def format_issues(source: str, issues: Iterable[Issue]) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from rlhf_api.crd import crd_yaml
-from rlhf_api.validate import format_issues, validate_file
+from rlhf_api.validate import format_issues, load_runtime, validate_file
 
 Command = Callable[[argparse.Namespace], int]
 DISTRIBUTION = "rlhf-operator"
@@ -27,10 +27,19 @@ def _crd(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    """Validate manifests offline: one `FILE: path: message` line per problem; exit 1 on any."""
+    """Validate manifests offline: one `FILE: path: message` line per problem; exit 1 on any. With
+    `--runtime`, the runtime file first, then each job merged over it as the operator will merge it."""
+    runtime = None
+    if args.runtime:
+        runtime, issues = load_runtime(args.runtime)
+        for line in format_issues(args.runtime, issues) if issues else [f"{args.runtime}: valid"]:
+            print(line)
+        if runtime is None:
+            print(f"rlhf validate: {args.runtime} is invalid; no job was checked on it", file=sys.stderr)
+            return 1
     failed = False
     for name in args.files:
-        issues = validate_file(name)
+        issues = validate_file(name, runtime)
         failed = failed or bool(issues)
         lines = format_issues(name, issues) if issues else [f"{name}: valid"]
         for line in lines:
@@ -114,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="validate RLHFJob manifests offline, as the API server would"
     )
     validate.add_argument("files", nargs="+", metavar="FILE", help="YAML manifests ('-' for standard input)")
+    validate.add_argument(
+        "--runtime",
+        metavar="FILE",
+        help="a ClusterRLHFRuntime or RLHFRuntime manifest: validate it, then each job merged over it "
+        "(the fields it keeps, its runtimeRef, the merged spec), as the operator will (docs/runtimes.md)",
+    )
     validate.set_defaults(func=_validate)
 
     for name, forwarded in FORWARDED.items():

@@ -43,13 +43,20 @@ def _validate(body: kopf.Body) -> RLHFJob | str:
         bound = runtimes.bound(body)
         if bound is not None:
             spec = runtime_merge.merge(
-                spec, bound.spec, bound.ref, body.metadata.name or "", body.metadata.namespace or "default"
+                spec,
+                bound.spec,
+                bound.ref,
+                body.metadata.name or "",
+                body.metadata.namespace or "default",
+                gpu_standin=bool(runtime.CONFIG.gpu_standin),
             ).spec
             on = f" (merged with {bound.ref} generation {bound.generation})"
     except runtimes.RuntimeUnusable as e:
         return _runtime_problem(body, e.reason, e.message)
     except runtime_merge.MergeError as e:
         return _runtime_problem(body, "FieldNotOverridable", str(e))
+    except ValueError as e:  # a runtime layer that does not parse (its model should have refused it)
+        return _runtime_problem(body, "RuntimeInvalid", str(e))
     try:
         job = RLHFJob.model_validate(
             {

@@ -241,7 +241,7 @@ def test_spec_module_imports_only_pydantic_and_stdlib() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module if node.module == "rlhf_api" else node.module.split(".")[0])
     # rlhf_api.k8s_schemas (`from rlhf_api import k8s_schemas`) is itself standard library only.
-    assert imported <= {"__future__", "math", "datetime", "typing", "pydantic", "rlhf_api"}, imported
+    assert imported <= {"__future__", "math", "re", "datetime", "typing", "pydantic", "rlhf_api"}, imported
     k8s_tree = ast.parse((Path(spec_module.__file__).parent / "k8s_schemas.py").read_text())
     k8s_imported = {
         (n.module or "").split(".")[0] if isinstance(n, ast.ImportFrom) else a.name.split(".")[0]

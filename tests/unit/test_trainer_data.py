@@ -232,7 +232,9 @@ def test_preflight_refuses_chat_prompts_when_the_actor_has_no_chat_template(tmp_
     (actor / "config.json").write_text('{"num_attention_heads": 2, "num_key_value_heads": 2}')
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": CHAT}])
     example = Path(__file__).resolve().parents[2] / "examples" / "rlhfjob-tiny.yaml"
-    sets = [f"model.actor={actor}", f"data.prompts={prompts}", "algorithm.klCoef=0"]
+    # The example's critic is the tiny model under /tmp, made by other tests: the actor's directory stands
+    # in for it, so that this test needs nothing it does not make.
+    sets = [f"model.actor={actor}", f"model.critic={actor}", f"data.prompts={prompts}", "algorithm.klCoef=0"]
     manifest = apply_overrides(yaml.safe_load(example.read_text()), sets)
     spec = RLHFJobSpec.model_validate(manifest["spec"], by_alias=True, by_name=False)
     with pytest.raises(

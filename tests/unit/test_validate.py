@@ -11,23 +11,27 @@ from typing import Any
 
 import pytest
 import yaml
+from rlhf_api import pod_settings
 from rlhf_api.rules import RULES
+from rlhf_api.runtime_merge import merge, with_crd_defaults
 from rlhf_api.spec import RLHFJob, RLHFJobSpec
 from rlhf_api.validate import (
     Issue,
+    load_runtime,
     runtime_issues,
     validate_file,
     validate_manifest,
     validate_text,
 )
 from rlhf_cli.main import main as cli_main
-from support import EXAMPLE_JOBS, INVALID_MANIFESTS
+from support import EXAMPLE_JOBS, EXAMPLE_RUNTIMES, INVALID_MANIFESTS, example_runtime
 from support import manifest_header as header
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 INVALID, EXAMPLES = INVALID_MANIFESTS, EXAMPLE_JOBS
+ON_RUNTIME = [path for path in EXAMPLES if example_runtime(path)]
 RULES_BY_NAME = {rule.name: rule for rule in RULES}
 
 
@@ -90,6 +94,74 @@ def test_examples_are_valid(path: Path) -> None:
 
 def test_expected_examples_exist() -> None:
     assert {p.name for p in EXAMPLES} >= {"rlhfjob-tiny.yaml", "rlhfjob-grpo.yaml", "rlhfjob-llama-8b.yaml"}
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("path", EXAMPLE_RUNTIMES, ids=[p.stem for p in EXAMPLE_RUNTIMES])
+def test_runtime_examples_are_valid_and_run_a_job_example(path: Path) -> None:
+    runtime, issues = load_runtime(path)
+    assert issues == [] and runtime is not None and f"{runtime.name}.yaml" == path.name
+    assert path in map(example_runtime, EXAMPLES), f"no job example names {path.stem}"
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("path", ON_RUNTIME, ids=[p.stem for p in ON_RUNTIME])
+def test_examples_on_a_runtime_are_valid_on_it(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through `rlhf validate --runtime`, as a user checks them."""
+    runtime = example_runtime(path)
+    assert cli_main(["validate", "--runtime", str(runtime), str(path)]) == 0, capsys.readouterr().out
+
+
+def test_expected_runtime_examples_exist() -> None:
+    assert {p.name for p in EXAMPLE_RUNTIMES} >= {"cpu-dev.yaml", "h100-ib.yaml"}
+    assert {p.name for p in ON_RUNTIME} >= {
+        "rlhfjob-tiny-on-runtime.yaml",
+        "rlhfjob-llama-8b-on-runtime.yaml",
+    }
+
+
+def on_its_runtime(path: Path) -> RLHFJobSpec:
+    """A job example merged over the runtime example it names, as the operator merges it."""
+    runtime, _ = load_runtime(example_runtime(path) or "")
+    assert runtime is not None
+    doc = yaml.safe_load(path.read_text())
+    stored = with_crd_defaults(doc["spec"])
+    return RLHFJobSpec.model_validate(
+        merge(stored, runtime.spec, "runtime", doc["metadata"]["name"], "team-a").spec
+    )
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize(
+    ("on_runtime", "alone"),
+    [
+        ("rlhfjob-tiny-on-runtime.yaml", "rlhfjob-tiny.yaml"),
+        ("rlhfjob-llama-8b-on-runtime.yaml", "rlhfjob-llama-8b.yaml"),
+    ],
+)
+def test_an_example_on_a_runtime_runs_its_twins_experiment(on_runtime: str, alone: str) -> None:
+    merged = on_its_runtime(ROOT / "examples" / on_runtime)
+    spec = load_job(ROOT / "examples" / alone).spec
+    for section in ("algorithm", "trainer", "rollout", "weight_sync", "monitoring"):
+        assert getattr(merged, section) == getattr(spec, section), section
+    name = yaml.safe_load((ROOT / "examples" / on_runtime).read_text())["metadata"]["name"]
+    assert merged.checkpoint.path == f"/checkpoints/team-a/{name}"  # on the runtime's checkpoint claim
+
+
+@pytest.mark.runtime
+def test_the_8b_example_on_h100_ib_gets_the_8b_examples_pods() -> None:
+    merged = on_its_runtime(ROOT / "examples" / "rlhfjob-llama-8b-on-runtime.yaml")
+    spec = load_job(ROOT / "examples" / "rlhfjob-llama-8b.yaml").spec
+    assert merged.image and merged.image.endswith("rlhf-trainer:0.1.0")  # the GPU flavour
+    for role in pod_settings.POD_ROLES:
+        mine, theirs = pod_settings.for_role(merged.pods, role), pod_settings.for_role(spec.pods, role)
+        for field in ("node_selector", "tolerations", "priority_class_name", "annotations", "env_from"):
+            assert getattr(mine, field) == getattr(theirs, field), (role, field)
+        assert (mine.resources and mine.resources.requests) == (
+            theirs.resources and theirs.resources.requests
+        )
+        mounts = {m["mountPath"] for m in mine.volume_mounts or []}
+        assert mounts == {m["mountPath"] for m in theirs.volume_mounts or []}, role
 
 
 def test_tiny_example_is_a_small_cpu_gae_run() -> None:
