@@ -40,6 +40,7 @@ MONITORING_KINDS = {"PrometheusRule", "ServiceMonitor", "PodMonitor"}
 RBAC_KINDS = {"ClusterRole", "Role"}
 WATCHED = ["team-a", "team-b"]
 WATCH_ARGS = ["--set-json", f"watchNamespaces={json.dumps(WATCHED)}"]
+GPU_IB = ["--set", "runtimes.gpuIB.enabled=true"]  # the example GPU runtime, off by default
 
 # What the operator's ServiceAccount may do in each namespace it watches (cluster-wide: everywhere).
 # Any change here is a change of the operator's privileges: docs/chart.md explains each rule.
@@ -132,8 +133,8 @@ def container(dep: dict[str, Any]) -> dict[str, Any]:
 # those are rendered and checked below (and by promtool in tests/alert_rules).
 @pytest.mark.parametrize(
     "values",
-    [[], monitoring_args(api=False), [*WATCH_ARGS, *monitoring_args(api=False)]],
-    ids=["defaults", "monitoring", "watch-namespaces+monitoring"],
+    [[], monitoring_args(api=False), [*WATCH_ARGS, *monitoring_args(api=False)], GPU_IB],
+    ids=["defaults", "monitoring", "watch-namespaces+monitoring", "gpu-runtime"],
 )
 @pytest.mark.parametrize("strict", [False, True], ids=["lint", "lint-strict"])
 def test_helm_lint(values: list[str], strict: bool) -> None:
@@ -163,12 +164,13 @@ def test_default_render() -> None:
         "Service",
         "Deployment",
         "Secret",  # the key of the jobs' Ray tokens (templates/ray-token-key.yaml)
+        "ClusterRLHFRuntime",  # runtimes.cpuDev (templates/runtimes.yaml)
     }
     for obj in objects:
         labels = obj["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE, obj["metadata"]["name"]
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
-        if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding"}:
+        if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding", "ClusterRLHFRuntime"}:
             assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
 
 
@@ -219,6 +221,11 @@ def test_monitoring_is_off_by_default() -> None:
             "/metrics/prometheusRule/alerts/RLHFJobFailed/severity",
         ),
         (["--set", "metrics.prometheusRule.alerts.RLHFJobFailled.enabled=false"], "RLHFJobFailled"),
+        (["--set", "runtimes.cpuDev.name=CPU_Dev"], "/runtimes/cpuDev/name"),
+        (["--set", "runtimes.gpuIB.enabled=yes"], "/runtimes/gpuIB/enabled"),
+        (["--set", "runtimes.cpuDev.spec.image=x"], "/runtimes/cpuDev/spec"),
+        (["--set-json", 'runtimes.extra=[{"spec":{}}]'], "/runtimes/extra/0"),
+        (["--set", "runtimes.readableByAll=sometimes"], "/runtimes/readableByAll"),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v),
 )
@@ -237,6 +244,11 @@ def test_schema_accepts_the_documented_examples() -> None:
         "replicaCount=0",
         "--set",
         "image.digest=sha256:" + "ab" * 32,
+        *GPU_IB,
+        "--set-json",
+        'runtimes.extra=[{"name":"team-x","spec":{"rayVersion":"2.60.0"}}]',
+        "--set",
+        "runtimes.readableByAll=false",
     )
 
 
@@ -341,12 +353,39 @@ def test_user_roles_aggregate_into_the_default_roles() -> None:
     assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     assert rule_table(view) == {
-        ("rlhf.dev", r): {"get", "list", "watch"} for r in ("rlhfjobs", "rlhfjobs/status", "rlhfjobs/scale")
+        ("rlhf.dev", r): {"get", "list", "watch"}
+        for r in ("rlhfjobs", "rlhfjobs/status", "rlhfjobs/scale", "rlhfruntimes")
     }
     assert "create" in rule_table(edit)[("rlhf.dev", "rlhfjobs")]
+    assert {"create", "update", "delete"} <= rule_table(edit)[("rlhf.dev", "rlhfruntimes")]
+    # A namespaced role cannot grant a cluster-scoped resource: ClusterRLHFRuntimes are not in them.
+    for role in (edit, view):
+        assert ("rlhf.dev", "clusterrlhfruntimes") not in rule_table(role)
     # Nothing binds them: they only extend the built-in roles that people are given.
     for binding in by_kind(render(), "ClusterRoleBinding"):
         assert binding["roleRef"]["name"] not in {edit["metadata"]["name"], view["metadata"]["name"]}
+
+
+def test_every_user_may_read_cluster_runtimes_unless_switched_off() -> None:
+    name = f"{NAMESPACE}-{RELEASE}-runtime-reader"
+    objects = render()
+    (reader,) = [r for r in by_kind(objects, "ClusterRole") if r["metadata"]["name"] == name]
+    assert rule_table(reader) == {("rlhf.dev", "clusterrlhfruntimes"): {"get", "list", "watch"}}
+    (binding,) = [b for b in by_kind(objects, "ClusterRoleBinding") if b["metadata"]["name"] == name]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": name,
+    }
+    assert binding["subjects"] == [
+        {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "system:authenticated"}
+    ]
+    # The only grant to a group: every other binding names the operator's ServiceAccount.
+    assert [
+        b for b in by_kind(objects, "ClusterRoleBinding") if b["subjects"][0]["kind"] != "ServiceAccount"
+    ] == [binding]
+    off = render("--set", "runtimes.readableByAll=false")
+    assert name not in {o["metadata"]["name"] for o in off if o["kind"].startswith("ClusterRole")}
 
 
 def test_rbac_matches_the_crd() -> None:
@@ -445,9 +484,121 @@ def test_rbac_objects_can_be_left_out() -> None:
 
 
 def test_two_releases_in_two_namespaces_do_not_share_cluster_objects() -> None:
-    names_a = {o["metadata"]["name"] for o in render(namespace="ns-a") if o["kind"].startswith("Cluster")}
-    names_b = {o["metadata"]["name"] for o in render(namespace="ns-b") if o["kind"].startswith("Cluster")}
+    def cluster_rbac(namespace: str) -> set[str]:
+        return {
+            o["metadata"]["name"] for o in render(namespace=namespace) if o["kind"].startswith("ClusterRole")
+        }
+
+    names_a, names_b = cluster_rbac("ns-a"), cluster_rbac("ns-b")
     assert names_a and not names_a & names_b
+    # Except the runtimes: their names are what jobs write, so a second release names its own or makes
+    # none (runtimes.cpuDev.enabled=false); Helm refuses an object another release owns.
+    (runtime,) = by_kind(render(namespace="ns-b"), "ClusterRLHFRuntime")
+    assert runtime["metadata"]["name"] == "cpu-dev"
+
+
+# ---- runtimes ------------------------------------------------------------------------------------
+
+
+def chart_runtimes(*args: str) -> dict[str, dict[str, Any]]:
+    """The rendered ClusterRLHFRuntimes by name, each checked as the operator checks a runtime it binds:
+    the model (the CRD's schema comes from it) and the runtime rules (the CRD's CEL)."""
+    from rlhf_api.runtime_spec import ClusterRLHFRuntime, runtime_violations
+
+    found = {}
+    for obj in by_kind(render(*args), "ClusterRLHFRuntime"):
+        assert "namespace" not in obj["metadata"], "ClusterRLHFRuntime is cluster-scoped"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+        runtime = ClusterRLHFRuntime.model_validate(obj)
+        assert not runtime_violations(runtime.spec), [r.message for r in runtime_violations(runtime.spec)]
+        found[runtime.name] = obj
+    return found
+
+
+def trainer_image() -> str:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    return f"ghcr.io/rlhf-operator/trainer:{chart['appVersion']}"
+
+
+def test_the_default_runtime_is_cpu_dev_on_the_trainer_image() -> None:
+    runtimes = chart_runtimes()
+    assert list(runtimes) == ["cpu-dev"]
+    assert runtimes["cpu-dev"]["spec"] == {"images": {"cpu": trainer_image()}}
+    tagged = chart_runtimes("--set", "jobDefaults.trainerImage.tag=cpu-1")
+    assert tagged["cpu-dev"]["spec"]["images"]["cpu"] == "ghcr.io/rlhf-operator/trainer:cpu-1"
+    assert chart_runtimes("--set", "runtimes.cpuDev.enabled=false") == {}
+
+
+def test_the_gpu_example_runtime() -> None:
+    runtimes = chart_runtimes(*GPU_IB)
+    assert sorted(runtimes) == ["cpu-dev", "h100-ib"]
+    spec = runtimes["h100-ib"]["spec"]
+    assert spec["images"] == {"cpu": trainer_image(), "gpu": f"{trainer_image()}-gpu"}
+    fabric = spec["pods"]["fabric"]
+    assert fabric["resources"]["limits"] == {"rdma/ib": 1}
+    assert {e["name"] for e in fabric["env"]} == {"NCCL_IB_HCA", "NCCL_SOCKET_IFNAME"}
+    assert "k8s.v1.cni.cncf.io/networks" in fabric["annotations"]
+    assert fabric["containerSecurityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert fabric["nodeSelector"] and fabric["tolerations"]
+    assert "head" not in spec["pods"], "the head needs no GPU node"
+    assert set(spec["storage"]["checkpoints"]["claimTemplate"]) >= {"size", "accessModes"}
+
+
+def test_a_runtime_spec_value_merges_over_the_charts() -> None:
+    runtimes = chart_runtimes(
+        *GPU_IB,
+        "--set-json",
+        'runtimes.cpuDev.spec={"pods":{"nodeSelector":{"a":"b"}}}',
+        "--set-json",
+        'runtimes.gpuIB.spec={"images":{"gpu":"registry.example/t:gpu-1"},'
+        '"pods":{"fabric":{"nodeSelector":{"pool":"h100"},"env":[{"name":"NCCL_DEBUG","value":"INFO"}]}}}',
+        "--set",
+        "runtimes.gpuIB.name=h100",
+    )
+    assert runtimes["cpu-dev"]["spec"] == {
+        "images": {"cpu": trainer_image()},
+        "pods": {"nodeSelector": {"a": "b"}},
+    }
+    gpu = runtimes["h100"]["spec"]
+    assert gpu["images"] == {"cpu": trainer_image(), "gpu": "registry.example/t:gpu-1"}
+    fabric = gpu["pods"]["fabric"]
+    # Maps merge key by key; a list replaces the chart's.
+    assert fabric["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "h100"}
+    assert fabric["env"] == [{"name": "NCCL_DEBUG", "value": "INFO"}]
+    assert fabric["resources"]["limits"] == {"rdma/ib": 1}
+    # The merge left the chart's own spec alone: a later render has it whole.
+    assert chart_runtimes(*GPU_IB)["h100-ib"]["spec"]["pods"]["fabric"]["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"
+    }
+
+
+def test_extra_runtimes_are_taken_as_they_are() -> None:
+    extra = [
+        {"name": "team-x", "spec": {"images": {"cpu": "registry.example/t:1"}, "overridable": ["model"]}}
+    ]
+    runtimes = chart_runtimes("--set-json", f"runtimes.extra={json.dumps(extra)}")
+    assert sorted(runtimes) == ["cpu-dev", "team-x"]
+    assert runtimes["team-x"]["spec"] == extra[0]["spec"]
+
+
+def test_a_runtime_named_twice_fails_the_render() -> None:
+    proc = helm_template(*GPU_IB, "--set", "runtimes.gpuIB.name=cpu-dev")
+    assert proc.returncode != 0 and '"cpu-dev" is named twice' in proc.stderr, proc.stderr
+
+
+def test_a_runtime_the_crd_refuses_is_caught_here() -> None:
+    """The check in chart_runtimes can fail: a runtime breaking a CEL rule (a model cache per job)."""
+    spec = {"storage": {"modelCache": {"mountPath": "/models", "claimTemplate": {"size": "1Ti"}}}}
+    with pytest.raises(AssertionError, match="claimName"):
+        chart_runtimes("--set-json", f"runtimes.cpuDev.spec={json.dumps(spec)}")
+
+
+def test_the_values_schema_knows_the_runtime_fields() -> None:
+    """values.schema.json lists a runtime spec's top-level fields (a typo fails at install): the CRD's."""
+    from rlhf_api.crd import runtime_spec_schema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["definitions"]["runtimeSpec"]["properties"]) == set(runtime_spec_schema()["properties"])
 
 
 # ---- the Deployment ------------------------------------------------------------------------------
