@@ -5,6 +5,8 @@ Runs helm (and promtool for the dashboard's queries); a missing tool fails the t
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import re
 import shutil
@@ -38,6 +40,7 @@ MONITORING_KINDS = {"PrometheusRule", "ServiceMonitor", "PodMonitor"}
 RBAC_KINDS = {"ClusterRole", "Role"}
 WATCHED = ["team-a", "team-b"]
 WATCH_ARGS = ["--set-json", f"watchNamespaces={json.dumps(WATCHED)}"]
+GPU_IB = ["--set", "runtimes.gpuIB.enabled=true"]  # the example GPU runtime, off by default
 
 # What the operator's ServiceAccount may do in each namespace it watches (cluster-wide: everywhere).
 # Any change here is a change of the operator's privileges: docs/chart.md explains each rule.
@@ -52,13 +55,38 @@ OPERATOR_NAMESPACED_RULES = {
     ("", "services"): {"get", "list", "watch"},
     ("", "secrets"): {"create"},  # each job's Ray token (docs/security.md; tests/security/test_rbac.py)
     ("networking.k8s.io", "networkpolicies"): {"create"},
-    ("", "configmaps"): {"create", "update"},  # a stall's stack snapshot, <job>-stacks (docs/monitoring.md)
+    # <job>-stacks, a stall's stack snapshot (docs/monitoring.md); <job>-runtime, a job's runtime copy
+    ("", "configmaps"): {"get", "create", "update"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
+    ("rlhf.dev", "rlhfruntimes"): {"get"},  # a job's namespaced runtime, read when it is bound
+    ("", "persistentvolumeclaims"): {"create"},  # a runtime's per-job checkpoint claim
 }
 CRD_READ = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
+# Cluster-scoped, so granted by a ClusterRole in both modes: the CRD watch and a job's ClusterRLHFRuntime.
+OPERATOR_CLUSTER_RULES = CRD_READ | {("rlhf.dev", "clusterrlhfruntimes"): {"get"}}
 # kopf with a namespace list also lists and watches namespaces (test_chart_cluster.py runs it).
 NAMESPACE_READ = {("", "namespaces"): {"list", "watch"}}
+# The leader election's Lease, in the release namespace (test_replicas_elect_a_leader... checks the Role).
+LEADER_RULES = {("coordination.k8s.io", "leases"): {"create", "get", "update"}}
+
+# The operator's own Kubernetes client calls, read from its source (client_calls); kopf's watches, patches
+# and Events are not among them and are in the tables above by hand.
+OPERATOR_SOURCE = ROOT / "operator" / "rlhf_operator"
+NOT_THE_OPERATOR = {"diagnose_cli.py"}  # `rlhf diagnose` runs with its user's kubeconfig
+CLIENT_VERBS = {"read": "get", "get": "get", "list": "list", "create": "create", "replace": "update"}
+CLIENT_VERBS |= {"patch": "patch", "delete": "delete"}
+CUSTOM_CALL = re.compile(r"^(get|list|create|replace|patch|delete)_(namespaced|cluster)_custom_object$")
+TYPED_CALL = re.compile(r"^(read|list|create|replace|patch|delete)_namespaced_([a-z_]+)$")
+TYPED_RESOURCES = {
+    "config_map": ("", "configmaps"),
+    "secret": ("", "secrets"),
+    "pod": ("", "pods"),
+    "service": ("", "services"),
+    "persistent_volume_claim": ("", "persistentvolumeclaims"),
+    "network_policy": ("networking.k8s.io", "networkpolicies"),
+    "lease": ("coordination.k8s.io", "leases"),
+}
 
 
 def kinds(objects: list[dict[str, Any]]) -> set[str]:
@@ -79,6 +107,14 @@ def leader_rbac(obj: dict[str, Any]) -> bool:
     return str(obj["metadata"]["name"]).endswith("-leader-election")
 
 
+def operator_cluster_roles(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ClusterRoles bound to the operator's ServiceAccount (not the roles for people)."""
+    sa = one(objects, "ServiceAccount")["metadata"]["name"]
+    subject = {"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}
+    bound = {b["roleRef"]["name"] for b in by_kind(objects, "ClusterRoleBinding") if subject in b["subjects"]}
+    return [r for r in by_kind(objects, "ClusterRole") if r["metadata"]["name"] in bound]
+
+
 def deployment(*args: str) -> dict[str, Any]:
     return one(render(*args), "Deployment")
 
@@ -97,8 +133,8 @@ def container(dep: dict[str, Any]) -> dict[str, Any]:
 # those are rendered and checked below (and by promtool in tests/alert_rules).
 @pytest.mark.parametrize(
     "values",
-    [[], monitoring_args(api=False), [*WATCH_ARGS, *monitoring_args(api=False)]],
-    ids=["defaults", "monitoring", "watch-namespaces+monitoring"],
+    [[], monitoring_args(api=False), [*WATCH_ARGS, *monitoring_args(api=False)], GPU_IB],
+    ids=["defaults", "monitoring", "watch-namespaces+monitoring", "gpu-runtime"],
 )
 @pytest.mark.parametrize("strict", [False, True], ids=["lint", "lint-strict"])
 def test_helm_lint(values: list[str], strict: bool) -> None:
@@ -128,12 +164,13 @@ def test_default_render() -> None:
         "Service",
         "Deployment",
         "Secret",  # the key of the jobs' Ray tokens (templates/ray-token-key.yaml)
+        "ClusterRLHFRuntime",  # runtimes.cpuDev (templates/runtimes.yaml)
     }
     for obj in objects:
         labels = obj["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE, obj["metadata"]["name"]
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
-        if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding"}:
+        if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding", "ClusterRLHFRuntime"}:
             assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
 
 
@@ -184,6 +221,11 @@ def test_monitoring_is_off_by_default() -> None:
             "/metrics/prometheusRule/alerts/RLHFJobFailed/severity",
         ),
         (["--set", "metrics.prometheusRule.alerts.RLHFJobFailled.enabled=false"], "RLHFJobFailled"),
+        (["--set", "runtimes.cpuDev.name=CPU_Dev"], "/runtimes/cpuDev/name"),
+        (["--set", "runtimes.gpuIB.enabled=yes"], "/runtimes/gpuIB/enabled"),
+        (["--set", "runtimes.cpuDev.spec.image=x"], "/runtimes/cpuDev/spec"),
+        (["--set-json", 'runtimes.extra=[{"spec":{}}]'], "/runtimes/extra/0"),
+        (["--set", "runtimes.readableByAll=sometimes"], "/runtimes/readableByAll"),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v),
 )
@@ -202,6 +244,11 @@ def test_schema_accepts_the_documented_examples() -> None:
         "replicaCount=0",
         "--set",
         "image.digest=sha256:" + "ab" * 32,
+        *GPU_IB,
+        "--set-json",
+        'runtimes.extra=[{"name":"team-x","spec":{"rayVersion":"2.60.0"}}]',
+        "--set",
+        "runtimes.readableByAll=false",
     )
 
 
@@ -219,8 +266,8 @@ def test_rbac_has_no_wildcards_and_reads_no_secrets(mode: list[str]) -> None:
             assert "serviceaccounts/token" not in rule.get("resources", []), (
                 f"{role['metadata']['name']}: {rule}"
             )
-            if "configmaps" in rule.get("resources", []):  # a stall's snapshot is written, none is ever read
-                assert rule["verbs"] == ["create", "update"], f"{role['metadata']['name']}: {rule}"
+            if "configmaps" in rule.get("resources", []):  # the operator's own, read by name: never listed
+                assert rule["verbs"] == ["get", "create", "update"], f"{role['metadata']['name']}: {rule}"
             if "secrets" in rule.get("resources", []):
                 assert rule["verbs"] == ["create"], f"{role['metadata']['name']}: {rule}"
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
@@ -259,9 +306,11 @@ def test_the_ray_token_key_is_made_once_or_named() -> None:
 
 def test_cluster_wide_rbac_is_exactly_what_the_operator_uses() -> None:
     objects = render("--set", "rbac.aggregateToDefaultRoles=false")
-    role = one(objects, "ClusterRole")
-    assert rule_table(role) == OPERATOR_NAMESPACED_RULES | CRD_READ
-    binding = one(objects, "ClusterRoleBinding")
+    (role,) = operator_cluster_roles(objects)
+    assert rule_table(role) == OPERATOR_NAMESPACED_RULES | OPERATOR_CLUSTER_RULES
+    (binding,) = [
+        b for b in by_kind(objects, "ClusterRoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]
+    ]
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
         "kind": "ClusterRole",
@@ -288,10 +337,10 @@ def test_watch_namespaces_rbac_is_per_namespace() -> None:
         assert bindings[ns]["subjects"] == [
             {"kind": "ServiceAccount", "name": sa_name, "namespace": NAMESPACE}
         ]
-    # Cluster-wide, only the CRD and namespace reads that kopf makes in this mode.
-    cluster_role = one(objects, "ClusterRole")
-    assert rule_table(cluster_role) == CRD_READ | NAMESPACE_READ
-    assert one(objects, "ClusterRoleBinding")["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    # Cluster-wide, only the CRD and namespace reads that kopf makes in this mode, and the jobs'
+    # ClusterRLHFRuntimes (cluster-scoped: no Role can grant them).
+    (cluster_role,) = operator_cluster_roles(objects)
+    assert rule_table(cluster_role) == OPERATOR_CLUSTER_RULES | NAMESPACE_READ
     args = container(one(objects, "Deployment"))["args"]
     assert "--all-namespaces" not in args
     assert [args[i + 1] for i, a in enumerate(args) if a == "--namespace"] == WATCHED
@@ -304,23 +353,121 @@ def test_user_roles_aggregate_into_the_default_roles() -> None:
     assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     assert rule_table(view) == {
-        ("rlhf.dev", r): {"get", "list", "watch"} for r in ("rlhfjobs", "rlhfjobs/status", "rlhfjobs/scale")
+        ("rlhf.dev", r): {"get", "list", "watch"}
+        for r in ("rlhfjobs", "rlhfjobs/status", "rlhfjobs/scale", "rlhfruntimes")
     }
     assert "create" in rule_table(edit)[("rlhf.dev", "rlhfjobs")]
+    assert {"create", "update", "delete"} <= rule_table(edit)[("rlhf.dev", "rlhfruntimes")]
+    # A namespaced role cannot grant a cluster-scoped resource: ClusterRLHFRuntimes are not in them.
+    for role in (edit, view):
+        assert ("rlhf.dev", "clusterrlhfruntimes") not in rule_table(role)
     # Nothing binds them: they only extend the built-in roles that people are given.
     for binding in by_kind(render(), "ClusterRoleBinding"):
         assert binding["roleRef"]["name"] not in {edit["metadata"]["name"], view["metadata"]["name"]}
 
 
+def test_every_user_may_read_cluster_runtimes_unless_switched_off() -> None:
+    name = f"{NAMESPACE}-{RELEASE}-runtime-reader"
+    objects = render()
+    (reader,) = [r for r in by_kind(objects, "ClusterRole") if r["metadata"]["name"] == name]
+    assert rule_table(reader) == {("rlhf.dev", "clusterrlhfruntimes"): {"get", "list", "watch"}}
+    (binding,) = [b for b in by_kind(objects, "ClusterRoleBinding") if b["metadata"]["name"] == name]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": name,
+    }
+    assert binding["subjects"] == [
+        {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "system:authenticated"}
+    ]
+    # The only grant to a group: every other binding names the operator's ServiceAccount.
+    assert [
+        b for b in by_kind(objects, "ClusterRoleBinding") if b["subjects"][0]["kind"] != "ServiceAccount"
+    ] == [binding]
+    off = render("--set", "runtimes.readableByAll=false")
+    assert name not in {o["metadata"]["name"] for o in off if o["kind"].startswith("ClusterRole")}
+
+
 def test_rbac_matches_the_crd() -> None:
-    """The RBAC names the CRD's group and plural, and the subresources the CRD serves."""
-    crd = yaml.safe_load((CHART / "crds" / "rlhfjobs.rlhf.dev.yaml").read_text())
-    assert crd["kind"] == "CustomResourceDefinition" and crd["metadata"]["name"] == "rlhfjobs.rlhf.dev"
-    group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
-    served = [v for v in crd["spec"]["versions"] if v.get("served")]
+    """The RBAC names the CRDs' group and plurals, the subresources the job CRD serves, and grants each
+    runtime where its scope says: namespaced in the per-namespace rules, cluster-scoped in a ClusterRole."""
+
+    def crd(name: str) -> dict[str, Any]:
+        found: dict[str, Any] = yaml.safe_load((CHART / "crds" / f"{name}.yaml").read_text())
+        assert found["kind"] == "CustomResourceDefinition" and found["metadata"]["name"] == name
+        return found
+
+    job = crd("rlhfjobs.rlhf.dev")
+    group, plural = job["spec"]["group"], job["spec"]["names"]["plural"]
+    served = [v for v in job["spec"]["versions"] if v.get("served")]
     assert served and all({"status", "scale"} <= v.get("subresources", {}).keys() for v in served)
+    namespaced, cluster = crd("rlhfruntimes.rlhf.dev"), crd("clusterrlhfruntimes.rlhf.dev")
+    assert namespaced["spec"]["scope"] == "Namespaced" and cluster["spec"]["scope"] == "Cluster"
     granted = {key for key in OPERATOR_NAMESPACED_RULES if key[0] == group}
-    assert granted == {(group, plural), (group, f"{plural}/status"), (group, f"{plural}/finalizers")}
+    assert granted == {
+        (group, plural),
+        (group, f"{plural}/status"),
+        (group, f"{plural}/finalizers"),
+        (group, namespaced["spec"]["names"]["plural"]),
+    }
+    assert {key for key in OPERATOR_CLUSTER_RULES if key[0] == group} == {
+        (group, cluster["spec"]["names"]["plural"])
+    }
+
+
+def _constant(node: ast.expr, module: Any, where: str) -> str:
+    """The value of a call argument that names a constant: `PLURAL` or `kube.RAY_PLURAL`."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return str(getattr(module, node.id))
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return str(getattr(getattr(module, node.value.id), node.attr))
+    raise AssertionError(f"{where}: cannot tell the API group or plural from {ast.unparse(node)}")
+
+
+def client_calls() -> dict[str, dict[tuple[str, str], set[str]]]:
+    """{"namespaced" | "cluster": {(API group, resource): verbs}} of the Kubernetes client calls in the
+    operator's source: the typed core calls by their name, the custom-object calls by their arguments."""
+    found: dict[str, dict[tuple[str, str], set[str]]] = {"namespaced": {}, "cluster": {}}
+    for path in sorted(OPERATOR_SOURCE.glob("*.py")):
+        if path.name in NOT_THE_OPERATOR:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            where = f"{path.name}:{node.lineno} {node.func.attr}"
+            if custom := CUSTOM_CALL.match(node.func.attr):
+                module = importlib.import_module(f"rlhf_operator.{path.stem}")
+                scope, plural_at = ("cluster", 2) if custom[2] == "cluster" else ("namespaced", 3)
+                assert len(node.args) > plural_at, f"{where}: pass the group and plural by position"
+                key = (_constant(node.args[0], module, where), _constant(node.args[plural_at], module, where))
+                verb = custom[1]
+            elif typed := TYPED_CALL.match(node.func.attr):
+                assert typed[2] in TYPED_RESOURCES, f"{where}: add its resource to TYPED_RESOURCES"
+                scope, key, verb = "namespaced", TYPED_RESOURCES[typed[2]], typed[1]
+            else:
+                continue
+            found[scope].setdefault(key, set()).add(CLIENT_VERBS[verb])
+    return found
+
+
+def test_every_client_call_of_the_operator_is_granted() -> None:
+    """A call added to the operator without its rule in the tables (which the tests above hold the chart
+    to) fails here, naming the resource and verb."""
+    calls = client_calls()
+    # The scan sees the calls it must: one that found nothing would pass anything.
+    assert "get" in calls["cluster"][("rlhf.dev", "clusterrlhfruntimes")]
+    assert "get" in calls["namespaced"][("", "configmaps")]
+    assert "create" in calls["namespaced"][("ray.io", "rayclusters")]
+    granted = {"namespaced": OPERATOR_NAMESPACED_RULES | LEADER_RULES, "cluster": OPERATOR_CLUSTER_RULES}
+    missing = {
+        (scope, key): sorted(verbs - granted[scope].get(key, set()))
+        for scope, table in calls.items()
+        for key, verbs in table.items()
+        if verbs - granted[scope].get(key, set())
+    }
+    assert not missing, f"the operator calls these without RBAC: {missing}"
 
 
 def test_rbac_objects_can_be_left_out() -> None:
@@ -337,9 +484,121 @@ def test_rbac_objects_can_be_left_out() -> None:
 
 
 def test_two_releases_in_two_namespaces_do_not_share_cluster_objects() -> None:
-    names_a = {o["metadata"]["name"] for o in render(namespace="ns-a") if o["kind"].startswith("Cluster")}
-    names_b = {o["metadata"]["name"] for o in render(namespace="ns-b") if o["kind"].startswith("Cluster")}
+    def cluster_rbac(namespace: str) -> set[str]:
+        return {
+            o["metadata"]["name"] for o in render(namespace=namespace) if o["kind"].startswith("ClusterRole")
+        }
+
+    names_a, names_b = cluster_rbac("ns-a"), cluster_rbac("ns-b")
     assert names_a and not names_a & names_b
+    # Except the runtimes: their names are what jobs write, so a second release names its own or makes
+    # none (runtimes.cpuDev.enabled=false); Helm refuses an object another release owns.
+    (runtime,) = by_kind(render(namespace="ns-b"), "ClusterRLHFRuntime")
+    assert runtime["metadata"]["name"] == "cpu-dev"
+
+
+# ---- runtimes ------------------------------------------------------------------------------------
+
+
+def chart_runtimes(*args: str) -> dict[str, dict[str, Any]]:
+    """The rendered ClusterRLHFRuntimes by name, each checked as the operator checks a runtime it binds:
+    the model (the CRD's schema comes from it) and the runtime rules (the CRD's CEL)."""
+    from rlhf_api.runtime_spec import ClusterRLHFRuntime, runtime_violations
+
+    found = {}
+    for obj in by_kind(render(*args), "ClusterRLHFRuntime"):
+        assert "namespace" not in obj["metadata"], "ClusterRLHFRuntime is cluster-scoped"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+        runtime = ClusterRLHFRuntime.model_validate(obj)
+        assert not runtime_violations(runtime.spec), [r.message for r in runtime_violations(runtime.spec)]
+        found[runtime.name] = obj
+    return found
+
+
+def trainer_image() -> str:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    return f"ghcr.io/rlhf-operator/trainer:{chart['appVersion']}"
+
+
+def test_the_default_runtime_is_cpu_dev_on_the_trainer_image() -> None:
+    runtimes = chart_runtimes()
+    assert list(runtimes) == ["cpu-dev"]
+    assert runtimes["cpu-dev"]["spec"] == {"images": {"cpu": trainer_image()}}
+    tagged = chart_runtimes("--set", "jobDefaults.trainerImage.tag=cpu-1")
+    assert tagged["cpu-dev"]["spec"]["images"]["cpu"] == "ghcr.io/rlhf-operator/trainer:cpu-1"
+    assert chart_runtimes("--set", "runtimes.cpuDev.enabled=false") == {}
+
+
+def test_the_gpu_example_runtime() -> None:
+    runtimes = chart_runtimes(*GPU_IB)
+    assert sorted(runtimes) == ["cpu-dev", "h100-ib"]
+    spec = runtimes["h100-ib"]["spec"]
+    assert spec["images"] == {"cpu": trainer_image(), "gpu": f"{trainer_image()}-gpu"}
+    fabric = spec["pods"]["fabric"]
+    assert fabric["resources"]["limits"] == {"rdma/ib": 1}
+    assert {e["name"] for e in fabric["env"]} == {"NCCL_IB_HCA", "NCCL_SOCKET_IFNAME"}
+    assert "k8s.v1.cni.cncf.io/networks" in fabric["annotations"]
+    assert fabric["containerSecurityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert fabric["nodeSelector"] and fabric["tolerations"]
+    assert "head" not in spec["pods"], "the head needs no GPU node"
+    assert set(spec["storage"]["checkpoints"]["claimTemplate"]) >= {"size", "accessModes"}
+
+
+def test_a_runtime_spec_value_merges_over_the_charts() -> None:
+    runtimes = chart_runtimes(
+        *GPU_IB,
+        "--set-json",
+        'runtimes.cpuDev.spec={"pods":{"nodeSelector":{"a":"b"}}}',
+        "--set-json",
+        'runtimes.gpuIB.spec={"images":{"gpu":"registry.example/t:gpu-1"},'
+        '"pods":{"fabric":{"nodeSelector":{"pool":"h100"},"env":[{"name":"NCCL_DEBUG","value":"INFO"}]}}}',
+        "--set",
+        "runtimes.gpuIB.name=h100",
+    )
+    assert runtimes["cpu-dev"]["spec"] == {
+        "images": {"cpu": trainer_image()},
+        "pods": {"nodeSelector": {"a": "b"}},
+    }
+    gpu = runtimes["h100"]["spec"]
+    assert gpu["images"] == {"cpu": trainer_image(), "gpu": "registry.example/t:gpu-1"}
+    fabric = gpu["pods"]["fabric"]
+    # Maps merge key by key; a list replaces the chart's.
+    assert fabric["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "h100"}
+    assert fabric["env"] == [{"name": "NCCL_DEBUG", "value": "INFO"}]
+    assert fabric["resources"]["limits"] == {"rdma/ib": 1}
+    # The merge left the chart's own spec alone: a later render has it whole.
+    assert chart_runtimes(*GPU_IB)["h100-ib"]["spec"]["pods"]["fabric"]["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"
+    }
+
+
+def test_extra_runtimes_are_taken_as_they_are() -> None:
+    extra = [
+        {"name": "team-x", "spec": {"images": {"cpu": "registry.example/t:1"}, "overridable": ["model"]}}
+    ]
+    runtimes = chart_runtimes("--set-json", f"runtimes.extra={json.dumps(extra)}")
+    assert sorted(runtimes) == ["cpu-dev", "team-x"]
+    assert runtimes["team-x"]["spec"] == extra[0]["spec"]
+
+
+def test_a_runtime_named_twice_fails_the_render() -> None:
+    proc = helm_template(*GPU_IB, "--set", "runtimes.gpuIB.name=cpu-dev")
+    assert proc.returncode != 0 and '"cpu-dev" is named twice' in proc.stderr, proc.stderr
+
+
+def test_a_runtime_the_crd_refuses_is_caught_here() -> None:
+    """The check in chart_runtimes can fail: a runtime breaking a CEL rule (a model cache per job)."""
+    spec = {"storage": {"modelCache": {"mountPath": "/models", "claimTemplate": {"size": "1Ti"}}}}
+    with pytest.raises(AssertionError, match="claimName"):
+        chart_runtimes("--set-json", f"runtimes.cpuDev.spec={json.dumps(spec)}")
+
+
+def test_the_values_schema_knows_the_runtime_fields() -> None:
+    """values.schema.json lists a runtime spec's top-level fields (a typo fails at install): the CRD's."""
+    from rlhf_api.crd import runtime_spec_schema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["definitions"]["runtimeSpec"]["properties"]) == set(runtime_spec_schema()["properties"])
 
 
 # ---- the Deployment ------------------------------------------------------------------------------
@@ -611,18 +870,22 @@ def test_notes(tmp_path: Path) -> None:
 
 
 def test_chart_crd_is_the_generated_one() -> None:
-    """crds/ holds exactly the CRD generated from the operator's model (Helm installs what is there)."""
-    from rlhf_api.crd import crd_yaml
+    """crds/ holds exactly the CRDs generated from the models (Helm installs what is there)."""
+    from rlhf_api.crd import all_crds
 
-    assert sorted(p.name for p in (CHART / "crds").iterdir()) == ["rlhfjobs.rlhf.dev.yaml"]
-    assert (CHART / "crds" / "rlhfjobs.rlhf.dev.yaml").read_text() == crd_yaml(), (
-        "charts/rlhf-operator/crds/ drifted from the model: run `make crd`"
-    )
-    # What `helm install` sends: the same object, through Helm's own reading of crds/.
+    generated = all_crds()
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == sorted(generated)
+    for name, text in generated.items():
+        assert (CHART / "crds" / name).read_text() == text, (
+            f"charts/rlhf-operator/crds/{name} drifted from the model: run `make crd`"
+        )
+    # What `helm install` sends: the same objects, through Helm's own reading of crds/.
     proc = helm_template("--include-crds")
     assert proc.returncode == 0, proc.stderr
     crds = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "CustomResourceDefinition"]
-    assert crds == [yaml.safe_load(crd_yaml())]
+    by_name = {d["metadata"]["name"]: d for d in crds}
+    assert len(by_name) == len(crds)
+    assert by_name == {name.removesuffix(".yaml"): yaml.safe_load(text) for name, text in generated.items()}
 
 
 def test_readme_is_up_to_date() -> None:

@@ -106,6 +106,7 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
         )
         assert ready == [("metrics", 8000)], ready
         assert cluster.get("crd", "rlhfjobs.rlhf.dev") is not None
+        assert cluster.get("clusterrlhfruntime", "cpu-dev") is not None  # the API server took the chart's
         assert cluster.get("clusterrole", cluster_role) is not None
         assert "--all-namespaces" in operator_args(cluster, namespace)
         for ns in (namespace, watched, "default"):
@@ -119,6 +120,9 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
             assert can_i(cluster, namespace, "create", "networkpolicies.networking.k8s.io", "-n", ns)
             assert not can_i(cluster, namespace, "create", "pods", "-n", ns)
             assert not can_i(cluster, namespace, "create", "rlhfjobs.rlhf.dev", "-n", ns)
+            assert can_i(cluster, namespace, "get", "rlhfruntimes.rlhf.dev", "-n", ns)
+            assert not can_i(cluster, namespace, "list", "configmaps", "-n", ns)
+        assert can_i(cluster, namespace, "get", "clusterrlhfruntimes.rlhf.dev")
         assert can_i(cluster, namespace, "list", "rlhfjobs.rlhf.dev", "-A")
         assert not can_i(cluster, namespace, "list", "secrets", "-A")
         assert can_i(cluster, namespace, "watch", "customresourcedefinitions.apiextensions.k8s.io")
@@ -147,6 +151,7 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
         assert can_i(cluster, namespace, "list", "rlhfjobs.rlhf.dev", "-n", watched)
         assert not can_i(cluster, namespace, "list", "rlhfjobs.rlhf.dev", "-n", namespace)
         assert not can_i(cluster, namespace, "list", "rlhfjobs.rlhf.dev", "-A")
+        assert can_i(cluster, namespace, "get", "clusterrlhfruntimes.rlhf.dev")  # cluster-scoped, both modes
 
         cluster.helm("uninstall", RELEASE, "-n", namespace, "--wait")
         leftovers: list[tuple[str, str, str | None]] = [
@@ -155,6 +160,7 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
             ("role", RELEASE, watched),
             ("clusterrole", f"{cluster_role}-discovery", None),
             ("clusterrole", f"{cluster_role}-edit", None),
+            ("clusterrlhfruntime", "cpu-dev", None),
         ]
         for kind, name, obj_ns in leftovers:
             assert cluster.get(kind, name, obj_ns) is None, f"{kind} {name} left after uninstall"

@@ -47,7 +47,10 @@ def chart_release(cluster: Cluster, prefix: str) -> Iterator[tuple[str, str]]:
 
 def chart_args(jobs_ns: str, *values: str) -> list[str]:
     watch = f"watchNamespaces={json.dumps([jobs_ns])}"
-    return ["--wait", "--timeout", "120s", "--set-json", watch, *values]
+    # No ClusterRLHFRuntime: two releases are installed at once below, and Helm refuses to make the
+    # cluster-scoped `cpu-dev` for one while the other owns it.
+    no_runtime = ["--set", "runtimes.cpuDev.enabled=false"]
+    return ["--wait", "--timeout", "120s", "--set-json", watch, *no_runtime, *values]
 
 
 def mounted_key(cluster: Cluster, release_ns: str) -> tuple[bytes, str]:

@@ -121,11 +121,24 @@ mode and by the Role in each watched namespace otherwise. Each rule says why the
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["create"]
-# The ConfigMap <job>-stacks: a stalled job's stack snapshot, owned by the job (docs/monitoring.md).
-# Written only (create, then replace on the next stall); the operator never reads a ConfigMap.
+# A job's RLHFRuntime (spec.runtimeRef in its own namespace), read by name once, when the job is bound
+# to it (docs/runtimes.md). Never listed or watched: editing a runtime changes no running job.
+- apiGroups: ["rlhf.dev"]
+  resources: ["rlhfruntimes"]
+  verbs: ["get"]
+# The ConfigMaps the operator makes, each owned by its job: <job>-stacks, a stalled job's stack snapshot
+# (docs/monitoring.md; create, then replace on the next stall), and <job>-runtime, the job's immutable
+# copy of its runtime (created once, read back by name after an operator restart). `get` cannot be
+# narrowed to these names (they are per job), so it covers every ConfigMap here; none is listed or watched.
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "update"]
+  verbs: ["get", "create", "update"]
+# The checkpoint claim <job>-checkpoints that a runtime's claimTemplate asks for, created once per job.
+# Never read, changed or deleted: the job owns it (whenJobDeleted: Delete) or the next job of its name
+# takes it over (Retain).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["create"]
 # Read-only: head pod readiness, and the head Service that carries the Ray dashboard and metrics ports.
 - apiGroups: [""]
   resources: ["pods", "services"]
@@ -138,4 +151,20 @@ mode and by the Role in each watched namespace otherwise. Each rule says why the
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end }}
+
+{{/*
+The cluster-scoped rules the operator needs in both modes (no Role can grant a cluster-scoped resource):
+in the one ClusterRole cluster-wide, in the small ClusterRole beside the Roles otherwise.
+*/}}
+{{- define "rlhf-operator.clusterScopedRules" -}}
+# kopf watches CRDs to notice the RLHFJob resource appearing or changing.
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+# A job's ClusterRLHFRuntime (spec.runtimeRef), read by name once, when the job is bound to it. Never
+# listed or watched, for the same reason as rlhfruntimes.
+- apiGroups: ["rlhf.dev"]
+  resources: ["clusterrlhfruntimes"]
+  verbs: ["get"]
 {{- end }}
