@@ -67,7 +67,7 @@ PY
 # need no cluster); the binaries only some stages use (Prometheus, the floor API server), beside the
 # stages after `cluster-up`. A background stage runs at the lowest CPU priority, so it takes only the CPU
 # the foreground leaves idle, and is joined before the first stage that needs it. Warm, each takes seconds.
-stage runtime python3 images/build_images.py runtime-up || { summary; exit 1; }
+stage containerd python3 images/build_images.py runtime-up || { summary; exit 1; }
 bg_start images python3 images/build_images.py all --keep-runtime
 stage setup scripts/setup.sh || { summary; exit 1; }
 started_cluster=0

@@ -942,3 +942,32 @@ def test_replicas_elect_a_leader_on_a_lease_and_two_get_a_disruption_budget() ->
     pdb = one(two, "PodDisruptionBudget")
     assert pdb["spec"]["minAvailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"] == one(two, "Deployment")["spec"]["selector"]["matchLabels"]
+
+
+VAP_API = ["--api-versions", "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"]
+
+
+def test_the_admission_policies_are_the_generated_ones_under_the_releases_name() -> None:
+    """templates/runtime-admission.yaml renders rlhf_api.admission's policies, named per release and
+    labelled; none without the API (below 1.30) or with runtimes.admissionPolicy off."""
+    from rlhf_api import admission, crd
+    from rlhf_api.runtime_spec import CLUSTER_KIND, NAMESPACED_KIND
+
+    objects = render(*VAP_API)
+    policies = by_kind(objects, "ValidatingAdmissionPolicy")
+    bindings = by_kind(objects, "ValidatingAdmissionPolicyBinding")
+    assert len(policies) == len(bindings) == 2
+    prefix = policies[0]["metadata"]["name"].rsplit("-", 1)[0]
+    assert prefix == f"{NAMESPACE}-{RELEASE}", prefix
+    for kind in (CLUSTER_KIND, NAMESPACED_KIND):
+        want_policy, want_binding = admission.policy(kind, crd.spec_schema(), prefix)
+        [got] = [p for p in policies if p["metadata"]["name"] == want_policy["metadata"]["name"]]
+        assert got["spec"] == want_policy["spec"]
+        [bound] = [b for b in bindings if b["metadata"]["name"] == want_binding["metadata"]["name"]]
+        assert bound["spec"] == want_binding["spec"]
+    for obj in policies + bindings:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    assert not by_kind(
+        render(*VAP_API, "--set", "runtimes.admissionPolicy=false"), "ValidatingAdmissionPolicy"
+    )
+    assert not by_kind(render(), "ValidatingAdmissionPolicy")
