@@ -389,7 +389,8 @@ def build_runtime_crd(kind: str) -> dict[str, Any]:
                 "plural": plural,
                 "singular": kind.lower(),
                 "shortNames": ["crlhfrt" if cluster else "rlhfrt"],
-                "categories": ["rlhf"],
+                # Not in the `rlhf` category: `kubectl get rlhf NAME` must keep meaning the RLHFJob (a
+                # category spanning three kinds makes kubectl refuse a name).
             },
             "scope": "Cluster" if cluster else "Namespaced",
             "versions": [
