@@ -71,6 +71,8 @@ def chart_values(operator_metrics_port: int, *, api: bool = True) -> list[str]:
         "--set", f"{alerts}.RLHFJobPhaseStuck.for={FOR}",
         "--set", f"{alerts}.RLHFJobWeightSyncSlow.for={FOR}",
         "--set", f"{alerts}.RLHFOperatorDown.for={OPERATOR_DOWN_FOR}",
+        # No cpu-dev runtime: its name is cluster-wide, and the real-node test's release makes its own.
+        "--set", "runtimes.cpuDev.enabled=false",
     ]  # fmt: skip
 
 
