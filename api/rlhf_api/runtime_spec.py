@@ -53,9 +53,6 @@ class RuntimeImages(_Spec):
     gpu: str | None = Field(default=None, min_length=1, description="Image of jobs whose pods get GPUs.")
 
 
-AccessMode = Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]
-
-
 def _read_write_many() -> list[AccessMode]:
     return ["ReadWriteMany"]
 
