@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic.alias_generators import to_camel
+from pydantic import BaseModel, Field, field_validator
 
 from rlhf_api.rules import Rule
-from rlhf_api.spec import API_VERSION, KubeObject, PodsSpec, Quantity, RLHFJobSpec, _Spec
+from rlhf_api.spec import API_VERSION, KubeObject, PodsSpec, Quantity, Resource, RLHFJobSpec, _Spec
 
 CLUSTER_KIND: Final = "ClusterRLHFRuntime"
 NAMESPACED_KIND: Final = "RLHFRuntime"
@@ -190,15 +189,7 @@ def _model_of(annotation: object) -> type[BaseModel] | None:
     return None
 
 
-class _Runtime(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-    )
-
+class _Runtime(Resource):
     api_version: Literal["rlhf.dev/v1alpha1"] = Field(default=API_VERSION, description="rlhf.dev/v1alpha1")
     metadata: KubeObject = Field(default_factory=dict, description="Standard object metadata.")
     spec: RLHFRuntimeSpec = Field(default_factory=RLHFRuntimeSpec, description="What the platform owns.")

@@ -1350,8 +1350,9 @@ class RLHFJobStatus(_Status):
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
 
 
-class RLHFJob(BaseModel):
-    """A whole RLHFJob object. Status is optional: manifests have none, objects read from the API do."""
+class Resource(BaseModel):
+    """Base of the whole objects (RLHFJob, the runtimes): camelCase, unknown fields rejected, not strict
+    (objects read from the API carry timestamps as strings)."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
@@ -1360,6 +1361,10 @@ class RLHFJob(BaseModel):
         serialize_by_alias=True,
         extra="forbid",
     )
+
+
+class RLHFJob(Resource):
+    """A whole RLHFJob object. Status is optional: manifests have none, objects read from the API do."""
 
     api_version: Literal["rlhf.dev/v1alpha1"] = Field(default=API_VERSION, description="rlhf.dev/v1alpha1")
     kind: Literal["RLHFJob"] = Field(default=KIND, description="RLHFJob")
