@@ -28,7 +28,6 @@ from typing import Any, Final
 from rlhf_api import pod_settings, pod_shape
 from rlhf_api.runtime_spec import (
     CHECKPOINTS_VOLUME,
-    MODEL_CACHE_VOLUME,
     RLHFRuntimeSpec,
     RuntimeVolume,
 )
@@ -166,19 +165,13 @@ def merge_pods(base: dict[str, Any] | None, over: dict[str, Any] | None) -> dict
     if not over or not base:
         return over or base or None
     b, o = PodsSpec.model_validate(base), PodsSpec.model_validate(over)
-    out = _dump(pod_settings.merged(b, o))
+    out = pod_settings.merged(b, o).model_dump(by_alias=True, exclude_none=True)
     for section in ("fabric", "head", "trainer", "rollout"):
         bs, os_ = getattr(b, section), getattr(o, section)
         if bs is not None or os_ is not None:
-            out[section] = _dump(pod_settings.merged(bs or PodSettings(), os_))
+            merged = pod_settings.merged(bs or PodSettings(), os_)
+            out[section] = merged.model_dump(by_alias=True, exclude_none=True)
     return out
-
-
-def _dump(settings: PodSettings) -> dict[str, Any]:
-    values = {name: getattr(settings, name) for name in PodSettings.model_fields}
-    return PodSettings.model_validate(
-        {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in values.items() if v is not None}
-    ).model_dump(by_alias=True, exclude_none=True)
 
 
 def claim_name(job: str, volume: str = CHECKPOINTS_VOLUME) -> str:
@@ -205,14 +198,10 @@ def runtime_layer(runtime: RLHFRuntimeSpec, job: str, namespace: str) -> dict[st
     pods = runtime.pods.model_dump(by_alias=True, exclude_none=True) if runtime.pods else None
     storage = runtime.storage
     volumes, mounts = [], []
-    for name, volume in (
-        (MODEL_CACHE_VOLUME, storage.model_cache if storage else None),
-        (CHECKPOINTS_VOLUME, storage.checkpoints if storage else None),
-    ):
-        if volume is not None:
-            v, m = _volume(name, volume, job)
-            volumes.append(v)
-            mounts.append(m)
+    for name, volume in storage.volumes() if storage else []:
+        v, m = _volume(name, volume, job)
+        volumes.append(v)
+        mounts.append(m)
     if volumes:
         pods = merge_pods(pods, {"volumes": volumes, "volumeMounts": mounts})
     if pods:
@@ -257,11 +246,7 @@ def merge(
     # A value the runtime already has adds nothing (and would add a toleration twice).
     mine = _tree([(path, value) for path, value in leaves if _get(layer, path) != value])
     _check_storage_names(mine.get("pods"), runtime, ref)
-    template = (
-        runtime.storage.checkpoints.claim_template
-        if runtime.storage and runtime.storage.checkpoints
-        else None
-    )
+    template = runtime.storage.claim_template() if runtime.storage else None
     return Merged(_over(layer, mine), claim_name(job) if template is not None else None)
 
 
@@ -279,15 +264,7 @@ def _over(layer: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
 def _check_storage_names(pods: dict[str, Any] | None, runtime: RLHFRuntimeSpec, ref: str) -> None:
     """A job's own volume or mount would replace the runtime's storage in the merge (volumes merge by name,
     mounts by path): refused, naming it, rather than losing the model cache or the checkpoints silently."""
-    storage = runtime.storage
-    volumes = [
-        (name, volume)
-        for name, volume in (
-            (MODEL_CACHE_VOLUME, storage.model_cache if storage else None),
-            (CHECKPOINTS_VOLUME, storage.checkpoints if storage else None),
-        )
-        if volume is not None
-    ]
+    volumes = runtime.storage.volumes() if runtime.storage else []
     taken = {
         "volumes": ("name", {n for n, _ in volumes}),
         "volumeMounts": ("mountPath", {v.mount_path for _, v in volumes}),

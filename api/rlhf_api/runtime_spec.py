@@ -104,6 +104,15 @@ class RuntimeStorage(_Spec):
         "<mountPath>/<namespace>/<job>.",
     )
 
+    def volumes(self) -> list[tuple[str, RuntimeVolume]]:
+        """The volumes set, each with the name it takes in every pod."""
+        named = ((MODEL_CACHE_VOLUME, self.model_cache), (CHECKPOINTS_VOLUME, self.checkpoints))
+        return [(name, volume) for name, volume in named if volume is not None]
+
+    def claim_template(self) -> ClaimTemplate | None:
+        """The template of the per-job checkpoint claim, if the checkpoints get one."""
+        return self.checkpoints.claim_template if self.checkpoints else None
+
 
 class RLHFRuntimeSpec(_Spec):
     """What the platform owns of every job that names this runtime."""

@@ -184,8 +184,7 @@ def _write_snapshot(body: kopf.Body, namespace: str, job: str, b: Bound) -> None
 
 def ensure_claim(body: kopf.Body, b: Bound) -> str | None:
     """The per-job checkpoint claim of the runtime's template, created if missing; its name, or None."""
-    storage = b.spec.storage
-    template = storage.checkpoints.claim_template if storage and storage.checkpoints else None
+    template = b.spec.storage.claim_template() if b.spec.storage else None
     if template is None:
         return None
     namespace, job = body.metadata.namespace or "default", body.metadata.name or ""
