@@ -22,7 +22,7 @@ images-gpu: ## Build the GPU trainer image here (about 10 GB, not part of `make 
 	@python3 images/build_images.py trainer-gpu
 
 test-images: setup ## Run the built images with containerd: uid, read-only root, imports, tiny model
-	@$(PY) -m pytest tests/images -m images
+	@$(PY) -m pytest tests/e2e/images -m images
 
 demo: setup ## The first command: control plane + Helm chart + a tiny RLHFJob run to Succeeded
 	@scripts/demo.sh
@@ -51,7 +51,7 @@ lint: setup ## ruff, mypy and the import-layer contracts (lint-imports)
 	@$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	@$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE) --strict images/build_images.py images/containerd_runtime.py images/image_recipe.py
 	@$(VENV)/bin/lint-imports --no-logo
-	@# Every collected test is in a stage of `make test` (tests/stages.py fails the collection otherwise).
+	@# Every collected test is in a stage of `make test` (tests/testkit/stages.py fails the collection otherwise).
 	@$(PY) -m pytest --collect-only -q -p no:cacheprovider tests >/dev/null || { $(PY) -m pytest --collect-only -q -p no:cacheprovider tests | tail -5; exit 1; }
 
 crd: setup ## Regenerate crds/ and the chart's copy from the pydantic model

@@ -140,7 +140,7 @@ BINARIES = [
         # Only the service discovery the tests use (Prometheus' own build tags): minutes less to build.
         tags="remove_all_sd,enable_kubernetes_sd",
     ),
-    # The lowest Kubernetes the chart claims (kubeVersion >=1.30): tests/cluster/test_kubernetes_floor.py
+    # The lowest Kubernetes the chart claims (kubeVersion >=1.30): tests/e2e/cluster/test_kubernetes_floor.py
     # runs the RLHFJob CRD against it. Its own module, so the main binaries keep their build key; Go 1.26
     # builds the 1.30 tree as it is (no -checklinkname=0 needed).
     Binary(

@@ -7,7 +7,7 @@ rlhf_trainer.algorithms, .transfer, .workers.deepspeed_utils (response_logprobs;
 transformers are imported only inside functions not called here), .weight_sync.bucketing and
 .weight_sync.cuda_ipc: their module-level imports are torch and each other. The run fails if vLLM, Ray,
 DeepSpeed or transformers got imported anyway, so a regression shows in the unit stage, where
-`--device cpu --quick` runs (tests/unit/test_gpu_check.py), not on the device machine.
+`--device cpu --quick` runs (tests/trainer/test_gpu_check.py), not on the device machine.
 
 - Objectives: each project function on the same seeded inputs (rounded to bf16), in bf16 on the device
   and in float64 on the CPU; a row passes when every element is finite and |dev - ref| <= TOL * scale,

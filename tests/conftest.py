@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import stages
-from support import (
+from testkit import stages
+from testkit.support import (
     CRD_FILE,
     RAY_DASHBOARD_PORT,
     RAY_PORT,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_tools import (
+from testkit.chart_tools import (
     CHART,
     KUBE_VERSION,
     MONITORING_API,
@@ -53,7 +53,7 @@ OPERATOR_NAMESPACED_RULES = {
     ("kueue.x-k8s.io", "workloads"): {"get", "list"},  # a queued job's reason (docs/kueue.md)
     ("", "pods"): {"get", "list", "watch"},
     ("", "services"): {"get", "list", "watch"},
-    ("", "secrets"): {"create"},  # each job's Ray token (docs/security.md; tests/security/test_rbac.py)
+    ("", "secrets"): {"create"},  # each job's Ray token (docs/security.md; tests/e2e/security/test_rbac.py)
     ("networking.k8s.io", "networkpolicies"): {"create"},
     # <job>-stacks, a stall's stack snapshot (docs/monitoring.md); <job>-runtime, a job's runtime copy
     ("", "configmaps"): {"get", "create", "update"},

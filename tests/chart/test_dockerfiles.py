@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_tools import CHART, ROOT, run, tool
+from testkit.chart_tools import CHART, ROOT, run, tool
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ reward shaping (clip, running normalisation, overlong), loss aggregation, LR sch
 Pure torch on per-sample lists of response-token tensors (packed, no padding). Knows nothing of Ray,
 DeepSpeed or vLLM: where a number must cover every data-parallel rank (a token count, whitening moments)
 the function takes it as an argument and the workers all-reduce it. Unit-tested in
-tests/unit/test_trainer_algorithms.py and, against the papers' equations, test_objectives_reference.py.
+tests/trainer/test_trainer_algorithms.py and, against the papers' equations, test_objectives_reference.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ torch's flight recorder (the last `TRACE_ENTRIES` collectives of each process gr
 INIT and NET lines written to a file per process (not the job's log), which `transport` reads.
 
 None of this runs on the CPU stand-in (gloo has no NCCL): the parser is tested on recorded NCCL lines
-(tests/unit/test_nccl.py) and was not run on a GPU here.
+(tests/trainer/test_nccl_fabric.py) and was not run on a GPU here.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
                     # Under SP each rank's loss covers only its columns of the group's samples, and autograd
                     # through the all-to-all sends every column's gradient back to the rank owning the
                     # weights' inputs; the normaliser counts each sample once, so the sum over all W ranks
-                    # of these shares is the global mean (tests/unit/test_trainer_sequence_parallel.py,
+                    # of these shares is the global mean (tests/trainer/test_trainer_sequence_parallel.py,
                     # test_trainer_data_parallel.py).
                     self.engine.backward(loss_value * steps.scale)
                     self.engine.step()

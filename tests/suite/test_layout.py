@@ -1,0 +1,105 @@
+"""The test tree's layout (docs/development.md, "Where a new test goes"): fast tests mirror the packages,
+end-to-end groups live under tests/e2e/, shared helpers in the `testkit` package, no test module imports
+another and nothing edits `sys.path`."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from testkit import TESTKIT
+
+pytestmark = pytest.mark.unit
+
+TESTS = TESTKIT.parent
+FAST = {"api", "benchmarks", "chart", "cli", "docs", "images", "operator", "suite", "trainer"}
+E2E = TESTS / "e2e"
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _collected(expr: str) -> set[Path]:
+    """The files of the tests `pytest -m EXPR` selects over the whole tree (pytest's own collection)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            expr,
+            str(TESTS),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=TESTS.parent,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    files = {TESTS.parent / line.split("::", 1)[0] for line in out.stdout.splitlines() if "::" in line}
+    assert files, f"`pytest -m {expr}` collected nothing:\n{out.stdout[-2000:]}"
+    return files
+
+
+def test_fast_tests_live_in_the_package_folders_and_end_to_end_tests_under_e2e() -> None:
+    unit, slow = _collected("unit"), _collected("not unit")
+    misplaced_unit = sorted(str(p.relative_to(TESTS)) for p in unit if E2E in p.parents)
+    misplaced_slow = sorted(str(p.relative_to(TESTS)) for p in slow if E2E not in p.parents)
+    assert not misplaced_unit, f"fast (unit) tests under tests/e2e/: {misplaced_unit}"
+    assert not misplaced_slow, f"end-to-end tests outside tests/e2e/: {misplaced_slow}"
+    folders = {p.relative_to(TESTS).parts[0] for p in unit}
+    assert folders <= FAST, f"fast tests in folders that mirror no package: {sorted(folders - FAST)}"
+
+
+def test_no_test_module_imports_another_and_helpers_are_in_testkit() -> None:
+    """A test module imports packages and `testkit`, never a `test_*` module or a conftest; helper modules
+    (anything not a test or a conftest) live in tests/testkit/."""
+    offences: list[str] = []
+    for path in _modules():
+        rel = path.relative_to(TESTS)
+        if not (path.name.startswith("test_") or path.name == "conftest.py") and rel.parts[0] != "testkit":
+            offences.append(f"{rel}: a helper outside tests/testkit/")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            for name in names:
+                last = name.rsplit(".", 1)[-1]
+                if last.startswith("test_") or last == "conftest":
+                    offences.append(f"{rel}: imports {name}")
+    assert not offences, offences
+
+
+def test_nothing_edits_sys_path() -> None:
+    """pytest's `pythonpath` puts tests/, devcluster/, images/ and benchmarks/ on the path, once."""
+    offences = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            target = (
+                node.func.value
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                else None
+            )
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                target = next((t.value for t in targets if isinstance(t, ast.Subscript)), None)
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr == "path"
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "sys"
+            ):
+                offences.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    assert not offences, f"sys.path edited at {offences}"

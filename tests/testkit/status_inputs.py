@@ -1,0 +1,57 @@
+"""Inputs of the operator's pure status decision (rlhf_operator.status.decide) for the unit tests: the tiny
+example as a job with a given status and run policy, a RayCluster in a given state, a Ray job record, and
+the observation that bundles them at a fixed time. Shared by the status, stall, provisioning and Kueue
+status tests."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rlhf_api.spec import RLHFJob
+from rlhf_operator.rayjobs import RayJobInfo
+from rlhf_operator.status import Observed
+
+ROOT = Path(__file__).resolve().parents[2]
+NOW = datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
+SID = "rlhf-ns-tiny-0123abcd-0"
+
+
+def job(status: dict[str, Any] | None = None, **run_policy: Any) -> RLHFJob:
+    doc = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
+    doc["metadata"].update(namespace="ns", uid="0123abcd-ffff", generation=1)
+    doc["spec"].setdefault("runPolicy", {}).update(run_policy)
+    if status:
+        doc["status"] = status
+    return RLHFJob.model_validate(doc)
+
+
+def running_job(on_stall: str, snapshot: int = 0, **status: Any) -> RLHFJob:
+    """A job running for 8 hours (attempt SID) with onStall `on_stall`, stallTimeoutSeconds 600 and
+    stackSnapshotTimeoutSeconds `snapshot` (0: no stack snapshot); `status` adds to or replaces fields."""
+    base = {"phase": "Running", "startTime": NOW - timedelta(hours=8), "restarts": 0, "submissionId": SID}
+    base = {k: v.strftime("%Y-%m-%dT%H:%M:%SZ") if isinstance(v, datetime) else v for k, v in base.items()}
+    j = job({**base, **status})
+    doc = j.model_dump(by_alias=True, exclude_none=True, mode="json")
+    doc["spec"]["monitoring"].update(
+        stallTimeoutSeconds=600, onStall=on_stall, stackSnapshotTimeoutSeconds=snapshot
+    )
+    return RLHFJob.model_validate(doc)
+
+
+def cluster(state: str | None = "ready", suspend: bool = False, **status: Any) -> dict[str, Any]:
+    st: dict[str, Any] = dict(status)
+    if state:
+        st["state"] = state
+    return {"metadata": {"name": "tiny", "namespace": "ns"}, "spec": {"suspend": suspend}, "status": st}
+
+
+def ray(status: str, sid: str = SID, message: str = "", exit_code: int | None = None) -> RayJobInfo:
+    return RayJobInfo(sid, status, message, None, None, exit_code)
+
+
+def obs(**kw: Any) -> Observed:
+    kw.setdefault("raycluster", cluster())
+    return Observed(now=kw.pop("now", NOW), uid="0123abcd-ffff", **kw)
