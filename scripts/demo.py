@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -73,6 +75,9 @@ def run(*cmd: str, quiet: bool = False, timeout: float = 1800) -> str:
     return proc.stdout
 
 
+PROGRESS_LINES = ("[build]", "[images]", "[up]", "operator-image:", "trainer-image:", "error")
+
+
 def run_live(*cmd: str, timeout: float = 5400) -> str:
     """Runs a long command, showing its progress lines as they come (a cold build is many minutes)."""
     out: list[str] = []
@@ -83,14 +88,111 @@ def run_live(*cmd: str, timeout: float = 5400) -> str:
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
         out.append(line)
-        if line.startswith(("[build]", "[images]", "[up]", "operator-image:", "trainer-image:", "error")):
-            console.print(f"  [dim]{line.rstrip()}[/]", highlight=False)
+        if line.startswith(PROGRESS_LINES):
+            console.print(f"  [dim]{escape(line.rstrip())}[/]", highlight=False)
         if time.monotonic() > deadline:
             proc.kill()
             raise DemoError(f"`{' '.join(cmd)}` took longer than {timeout:.0f}s")
     if proc.wait() != 0:
         raise DemoError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{''.join(out[-40:])}")
     return "".join(out)
+
+
+AFTER_BUILDS_S = 330  # control plane up ~30 s, helm install ~40 s, the tiny job to Succeeded ~260 s
+
+
+class Background:
+    """A long command beside the foreground (the images beside the Go builds: one mostly waits on the
+    disk and the network, the other on the CPU), its progress lines shown as they come."""
+
+    def __init__(self, name: str, *cmd: str) -> None:
+        self.name, self.cmd = name, cmd
+        self.lines: list[str] = []
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+        )
+        self.reader = threading.Thread(target=self._read, name=name, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith(PROGRESS_LINES):
+                console.print(f"  [dim]{escape(line.rstrip())}[/]", highlight=False)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout: float = 5400) -> str:
+        try:
+            self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise DemoError(f"`{' '.join(self.cmd)}` took longer than {timeout:.0f}s") from None
+        self.reader.join()
+        if self.proc.returncode != 0:
+            raise DemoError(
+                f"`{' '.join(self.cmd)}` failed ({self.proc.returncode}):\n{''.join(self.lines[-40:])}"
+            )
+        return "".join(self.lines)
+
+
+class Estimate:
+    """A progress line every 30 s while the builds run, with what is left: each build's plan (the cold
+    estimates of the parts its cache lacks, measured here) less the time it has run, the longer of the
+    two, plus what follows them (AFTER_BUILDS_S)."""
+
+    def __init__(self, plans: dict[str, float], every: float = 30.0) -> None:
+        self.plans, self.every = plans, every
+        self.started = {name: time.monotonic() for name in plans}
+        self.finished: dict[str, float] = {}
+        self.t0 = time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._tick, name="estimate", daemon=True)
+
+    def __enter__(self) -> Estimate:
+        console.print(f"  [dim]{escape('[progress] ' + self.line())}[/]", highlight=False)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def done(self, name: str) -> None:
+        self.finished[name] = time.monotonic()
+
+    def left_s(self) -> float:
+        now = time.monotonic()
+        builds = [
+            0.0 if name in self.finished else max(30.0, plan - (now - self.started[name]))
+            for name, plan in self.plans.items()
+        ]
+        return max(builds, default=0.0) + AFTER_BUILDS_S
+
+    def line(self) -> str:
+        doing = ", ".join(name for name in self.plans if name not in self.finished) or "the control plane"
+        return (
+            f"{time.monotonic() - self.t0:.0f}s in; running: {doing}; about {self.left_s() / 60:.0f} min "
+            "left (cold parts as measured on a 2-core machine)"
+        )
+
+    def _tick(self) -> None:
+        while not self.stop.wait(self.every):
+            console.print(f"  [dim]{escape('[progress] ' + self.line())}[/]", highlight=False)
+
+
+def plan_seconds(*cmd: str, key: str) -> float:
+    """A build's `plan`: the seconds its cold parts are estimated at (0 when all is cached)."""
+    out = run(*cmd, quiet=True, timeout=300)
+    for line in out.splitlines():
+        if line.startswith(PROGRESS_LINES):
+            console.print(f"  [dim]{escape(line.rstrip())}[/]", highlight=False)
+        if line.startswith(f"{key}: "):
+            return float(line.split(": ", 1)[1])
+    return 0.0
 
 
 def step(title: str) -> float:
@@ -278,10 +380,34 @@ def summary(job: dict[str, Any], started: float) -> None:
 # ----------------------------------------------------------------------------------------------- main
 
 
-def real_pods(t_all: float) -> int:
+def build_side_by_side() -> str:
+    """The control plane's binaries (only what `up` runs: the test-only ones are `make test`'s) and, for
+    the real node, the images, side by side, with a progress line every 30 s and the time left. Returns
+    the images' build output ("" without the real node)."""
+    plans = {"Go builds": plan_seconds(sys.executable, "devcluster/devcluster.py", "build", "up", "--plan",
+                                       key="build-plan-seconds")}  # fmt: skip
+    images = None
+    if REAL_NODE:
+        plans["images"] = plan_seconds(
+            sys.executable, "images/build_images.py", "plan", key="images-plan-seconds"
+        )
+        images = Background("images", sys.executable, "images/build_images.py", "all", "--keep-runtime")
+    with Estimate(plans) as estimate:
+        try:
+            run_live(sys.executable, "devcluster/devcluster.py", "build", "up", timeout=5400)
+        except BaseException:
+            if images is not None:
+                images.proc.kill()  # a failed or interrupted demo leaves no build behind
+            raise
+        estimate.done("Go builds")
+        out = images.join() if images is not None else ""
+        estimate.done("images")
+    return out
+
+
+def real_pods(t_all: float, out: str) -> int:
     """Steps 2-5 the way users run it: images built here, the operator in its pod, the job in pods."""
-    t0 = step("2/5 make images: the operator and CPU trainer images, built here (no registry)")
-    out = run_live(sys.executable, "images/build_images.py", "all", "--keep-runtime")
+    t0 = step("2/5 make images: the operator and CPU trainer images, built here (no registry), beside step 1")
     refs = dict(
         line.split(": ", 1)
         for line in out.splitlines()
@@ -340,7 +466,7 @@ def main() -> int:
     t_all = time.monotonic()
     try:
         t0 = step("1/5 local control plane (built once from the Go module proxy, then cached)")
-        run_live(sys.executable, "devcluster/devcluster.py", "build", timeout=5400)
+        images = build_side_by_side()
         run_live(sys.executable, "devcluster/devcluster.py", "up", timeout=1800)
         done(
             t0,
@@ -352,7 +478,7 @@ def main() -> int:
             ),
         )
         if REAL_NODE:
-            return real_pods(t_all)
+            return real_pods(t_all, images)
 
         t0 = step("2/5 helm install charts/rlhf-operator")
         run(

@@ -256,3 +256,67 @@ def test_a_stale_image_goes_with_the_cri_plugins_name_for_it() -> None:
     assert containerd_runtime.names_to_remove(
         targets, "localhost/rlhf-trainer:cpu-new", ["localhost/rlhf-trainer:cpu-old"]
     ) == ["localhost/rlhf-trainer:cpu-old"]
+
+
+@pytest.fixture
+def storage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, set[str]]:
+    """Stands in for buildah's storage, containerd and the wheelhouse cache, for `plan`: what each holds."""
+    held: dict[str, set[str]] = {"buildah": set(), "containerd": set()}
+    monkeypatch.setattr(build, "CACHE", tmp_path)
+    monkeypatch.setattr(
+        build, "buildah_images", lambda repo: {r for r in held["buildah"] if r.startswith(repo + ":")}
+    )
+    monkeypatch.setattr(
+        containerd_runtime, "running_pid", lambda rt, patience=0: 1 if held["containerd"] else None
+    )
+    monkeypatch.setattr(containerd_runtime, "image_refs", lambda rt: set(held["containerd"]))
+    return held
+
+
+def _refs() -> dict[str, str]:
+    base = recipe.base_ref()
+    return {
+        name: recipe.image_ref(spec, recipe.image_hash(spec, base))
+        for name, spec in recipe.image_specs().items()
+    }
+
+
+def _wheels(tmp_path: Path, name: str) -> None:
+    spec = recipe.image_specs()[name]
+    (tmp_path / "wheelhouse" / f"{spec.wheelhouse.name}-{spec.wheelhouse.key()[:16]}").mkdir(parents=True)
+
+
+def test_plan_of_an_empty_machine_is_every_cold_part(storage: dict[str, set[str]]) -> None:
+    todo = build.plan(containerd_runtime.Runtime(Path("/nonexistent")))
+    assert set(todo) == {
+        "base",
+        *(f"{n} {p}" for n in build.MAKE_IMAGES for p in ("wheelhouse", "build", "load")),
+    }
+    assert sum(todo.values()) == sum(
+        v for k, v in build.COLD_S.items() if k.split()[-1] in {"base", "wheelhouse", "build", "load"}
+    )
+
+
+def test_plan_after_a_code_change_is_the_code_layer_and_a_reload(
+    storage: dict[str, set[str]], tmp_path: Path
+) -> None:
+    """The last build's tag and the wheelhouse are there, the current hash is not: our code changed."""
+    refs = _refs()
+    storage["buildah"] |= {
+        recipe.base_ref(),
+        refs["operator"],
+        refs["trainer"].replace(refs["trainer"][-6:], "000000"),
+    }
+    storage["containerd"] |= {refs["operator"]}
+    _wheels(tmp_path, "trainer")
+    todo = build.plan(containerd_runtime.Runtime(Path("/nonexistent")))
+    assert todo == {
+        "trainer code": build.COLD_S["trainer code"],
+        "trainer reload": build.COLD_S["trainer reload"],
+    }
+
+
+def test_plan_with_everything_loaded_is_empty(storage: dict[str, set[str]]) -> None:
+    storage["buildah"] |= {recipe.base_ref()}
+    storage["containerd"] |= set(_refs().values())
+    assert build.plan(containerd_runtime.Runtime(Path("/nonexistent"))) == {}
