@@ -1565,7 +1565,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build" and args.plan:
             todo = plan(binary_names(args.names))
-            parts = ", ".join(f"{name} ~{seconds}s" for name, seconds in todo.items()) or "nothing: all cached"
+            parts = (
+                ", ".join(f"{name} ~{seconds}s" for name, seconds in todo.items()) or "nothing: all cached"
+            )
             print(f"[build] plan: {parts}")
             print(f"build-plan-seconds: {sum(todo.values())}")
         elif args.command == "build":
