@@ -15,7 +15,7 @@ from testkit import TESTKIT
 pytestmark = pytest.mark.unit
 
 TESTS = TESTKIT.parent
-FAST = {"api", "benchmarks", "chart", "cli", "docs", "images", "operator", "suite", "trainer"}
+FAST = {"api", "benchmarks", "chart", "cli", "devcluster", "docs", "images", "operator", "suite", "trainer"}
 E2E = TESTS / "e2e"
 
 
