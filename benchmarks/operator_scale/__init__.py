@@ -23,20 +23,3 @@ those below it in this list:
     measures   progress lines, CPU and memory from /proc, percentiles
     stand_in   the stand-in Ray head and trainer /metrics (a child process)
 """
-
-from __future__ import annotations
-
-import os
-import sys
-from pathlib import Path
-
-# Our own control plane, never the one the tests use (.cluster, default ports), and KWOK nodes only:
-# no RayCluster pod tolerates the real node's taint, so it would only cost start-up time and CPU. Set
-# here, before any module imports devcluster (which reads RLHF_CLUSTER_DIR at import).
-os.environ.setdefault("RLHF_CLUSTER_DIR", "/tmp/bench-cluster")
-os.environ.setdefault("RLHF_CLUSTER_PORT_OFFSET", "200")
-# KubeRay reconciles one RayCluster at a time by default: with 1,000 new clusters that, not the RLHF
-# operator, bounds the time until every job runs (about 0.3 clusters/s became ready here).
-os.environ.setdefault("RLHF_KUBERAY_ARGS", "--reconcile-concurrency=8")
-os.environ.setdefault("RLHF_REAL_NODE", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "devcluster"))

@@ -4,6 +4,7 @@ seen, every job Running, then a settle window, with the CPU of every process at 
 
 from __future__ import annotations
 
+import math
 import subprocess
 import threading
 import time
@@ -19,7 +20,7 @@ from operator_scale.cluster import ROOT, WORK
 from operator_scale.measures import cpu_seconds, progress
 from operator_scale.watch import Watcher
 
-SOLO_NS, BURST_NS = "bench-solo", "bench-burst"
+SOLO_NS, BURST_NS, FLOOR_NS = "bench-solo", "bench-burst", "bench-floor"
 
 
 def job_template(port: int) -> dict[str, Any]:
@@ -172,6 +173,55 @@ def run_phase(b: Bench, ph: Phase, names: list[str], qps: float, threads: int, s
     time.sleep(settle)
     b.check()
     ph.end = ph.checkpoint(b.pids)
+
+
+@dataclass
+class Floor:
+    """The bare API server's own limit: as many RayCluster creates as the burst's jobs, at its rate and
+    from as many client threads, straight to the API server (no operator in the path)."""
+
+    started: dict[str, float] = field(default_factory=dict)
+    answered: dict[str, float] = field(default_factory=dict)
+
+    def total_s(self) -> float:
+        """First POST to the last create's answer: what `api_floor_s` reports."""
+        return max(self.answered.values()) - min(self.started.values()) if self.answered else math.nan
+
+    def latencies(self) -> list[float]:
+        return [self.answered[k] - self.started[k] for k in self.answered]
+
+
+def floor_body(custom: Any, namespace: str) -> dict[str, Any]:
+    """One of the operator's RayClusters (from the solo phase), as a new object for FLOOR_NS: no owner,
+    no labels the operator selects by, and suspended, so KubeRay makes no pods for it and the floor is
+    the API server accepting the same object, not the cluster starting."""
+    items = custom.list_namespaced_custom_object("ray.io", "v1", namespace, "rayclusters")["items"]
+    if not items:
+        raise RuntimeError(f"no RayCluster in {namespace} to copy for the API server's floor")
+    src = items[0]
+    spec = {**src["spec"], "suspend": True}
+    return {
+        "apiVersion": src["apiVersion"],
+        "kind": src["kind"],
+        "metadata": {"labels": {"bench": "floor"}},
+        "spec": spec,
+    }
+
+
+def api_floor(custom: Any, body: dict[str, Any], n: int, qps: float, threads: int) -> Floor:
+    """`n` RayCluster creates at `qps` from `threads` threads (create_paced, as the burst's jobs)."""
+    floor = Floor()
+
+    def create(name: str) -> None:
+        obj = {**body, "metadata": {**body["metadata"], "name": name, "namespace": FLOOR_NS}}
+        floor.started[name] = time.time()
+        custom.create_namespaced_custom_object("ray.io", "v1", FLOOR_NS, "rayclusters", obj)
+        floor.answered[name] = time.time()
+
+    width = max(3, len(str(n - 1)))
+    common.console.print(f"[dim]the API server's floor: {n} RayCluster creates at {qps:g}/s ...[/dim]")
+    create_paced([f"floor-{i:0{width}d}" for i in range(n)], create, qps, threads)
+    return floor
 
 
 def idle_baseline(pids: dict[str, int], seconds: float = 10.0) -> Phase:

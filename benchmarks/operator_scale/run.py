@@ -35,10 +35,14 @@ from operator_scale.measures import rss_mib
 from operator_scale.nodes import NodeShape, add_nodes, job_pod_gpus, plan_nodes
 from operator_scale.phases import (
     BURST_NS,
+    FLOOR_NS,
     SOLO_NS,
     Bench,
+    Floor,
     Phase,
+    api_floor,
     event_reasons,
+    floor_body,
     idle_baseline,
     job_template,
     phases_of,
@@ -74,6 +78,7 @@ class Run:
     rss: dict[str, float]
     audit: AuditTail
     idle: Phase
+    floor: Floor
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -95,7 +100,7 @@ def prepare(core: Any, plan: Plan) -> tuple[str, Path]:
     kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev")
     username = install_rbac()
     kubeconfig = operator_kubeconfig(username)
-    for ns in (SOLO_NS, BURST_NS):
+    for ns in (SOLO_NS, BURST_NS, FLOOR_NS):
         kubectl("create", "namespace", ns)
     return username, kubeconfig
 
@@ -126,17 +131,20 @@ def operator_cmd(args: argparse.Namespace, plan: Plan) -> list[str]:
     return [str(Path(sys.executable).parent / "rlhf"), *cmd]
 
 
-def run_phases(args: argparse.Namespace, plan: Plan, b: Bench) -> tuple[Phase, Phase]:
-    """The solo jobs one at a time, then the burst at --qps; returns (solo, burst)."""
+def run_phases(args: argparse.Namespace, plan: Plan, b: Bench) -> tuple[Phase, Phase, Floor]:
+    """The solo jobs one at a time, the API server's floor (the burst's creates as RayClusters straight
+    to the API server, while the operator idles), then the burst at --qps; returns (solo, burst, floor)."""
     solo, burst = Phase(SOLO_NS), Phase(BURST_NS)
     common.console.print(f"[dim]{args.solo} jobs one at a time ...[/dim]")
     run_phase(b, solo, [f"solo-{i}" for i in range(args.solo)], 0, 1, args.settle)
+    floor = api_floor(b.custom, floor_body(b.custom, SOLO_NS), args.jobs, args.qps, plan.threads)
+    time.sleep(5.0)  # KubeRay's status writes for the suspended copies pass before the burst
     common.console.print(f"[dim]{args.jobs} jobs at {args.qps:g} jobs/s ...[/dim]")
     width = max(3, len(str(args.jobs - 1)))
     names = [f"job-{i:0{width}d}" for i in range(args.jobs)]
     run_phase(b, burst, names, args.qps, plan.threads, args.settle)
     b.check()
-    return solo, burst
+    return solo, burst, floor
 
 
 def measure(args: argparse.Namespace, plan: Plan) -> Run:
@@ -163,7 +171,7 @@ def measure(args: argparse.Namespace, plan: Plan) -> Run:
             watch = Watcher(STATE / "kubeconfig")
             watch.start()
             pids.update({"rlhf operator": op.pid, "stand-in Ray": si.pid})
-            solo, burst = run_phases(args, plan, Bench(watch, custom, plan.template, pids, op))
+            solo, burst, floor = run_phases(args, plan, Bench(watch, custom, plan.template, pids, op))
             rss = {p: rss_mib(pids[p]) for p in ("rlhf operator", "kube-apiserver")}
             rss["rlhf operator now"] = rss_mib(op.pid, "VmRSS")
             final = {ns: phases_of(custom, ns) for ns in (SOLO_NS, BURST_NS)}
@@ -180,4 +188,4 @@ def measure(args: argparse.Namespace, plan: Plan) -> Run:
         raise RuntimeError(
             f"the API server refused {len(refused)} operator writes, e.g. {kind_of(refused[0])}"
         )
-    return Run(solo, burst, audit.writes, final, events, rss, audit, idle)
+    return Run(solo, burst, audit.writes, final, events, rss, audit, idle, floor)
