@@ -290,6 +290,13 @@ def _printer_columns() -> list[dict[str, Any]]:
             "priority": 1,
         },
         {
+            "name": "EvalReward",
+            "type": "number",
+            "jsonPath": ".status.evalRewardMean",
+            "description": "Mean reward of the last evaluation of data.eval (spec.evaluation).",
+            "priority": 1,
+        },
+        {
             "name": "Staleness",
             "type": "number",
             "jsonPath": ".status.sampleStaleness",

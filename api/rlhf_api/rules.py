@@ -448,6 +448,49 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: not (s.rollout.autoscaling.enabled and s.trainer.colocate_all),
     ),
     Rule(
+        name="evaluation-needs-eval-split",
+        scope="",
+        cel="!has(self.evaluation) || has(self.data.eval)",
+        field="data.eval",
+        message="evaluation needs an evaluation split: set data.eval.prompts, or remove spec.evaluation",
+        reason="FieldValueRequired",
+        check=lambda s: s.evaluation is None or s.data.eval is not None,
+    ),
+    Rule(
+        name="evaluation-runs-sometime",
+        scope="evaluation",
+        cel="has(self.everySteps) || self.atEnd",
+        field="evaluation.atEnd",
+        message="evaluation would never run: set evaluation.everySteps, or leave atEnd true",
+        check=lambda s: s.evaluation is None or s.evaluation.every_steps is not None or s.evaluation.at_end,
+    ),
+    Rule(
+        name="eval-samples-need-temperature",
+        scope="evaluation.sampling",
+        cel="self.n == 1 || self.temperature > 0.0",
+        field="evaluation.sampling.n",
+        message="evaluation.sampling.n above 1 needs a temperature above 0 (greedy decoding gives one response "
+        "per prompt)",
+        check=lambda s: (
+            s.evaluation is None or s.evaluation.sampling.n == 1 or s.evaluation.sampling.temperature > 0
+        ),
+    ),
+    Rule(
+        name="eval-max-tokens-within-max-response",
+        scope="",
+        cel="!has(self.evaluation) || !has(self.evaluation.sampling) || "
+        "!has(self.evaluation.sampling.maxTokens) || "
+        "self.evaluation.sampling.maxTokens <= self.algorithm.maxResponseLength",
+        field="evaluation.sampling.maxTokens",
+        message="evaluation.sampling.maxTokens must be at most algorithm.maxResponseLength (the engines' "
+        "context is sized from it)",
+        check=lambda s: (
+            s.evaluation is None
+            or s.evaluation.sampling.max_tokens is None
+            or s.evaluation.sampling.max_tokens <= s.algorithm.max_response_length
+        ),
+    ),
+    Rule(
         name="stall-timeout-spans-scrapes",
         scope="monitoring",
         cel="self.stallTimeoutSeconds >= 2 * self.scrapeIntervalSeconds",

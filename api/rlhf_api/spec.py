@@ -444,6 +444,24 @@ class AlgorithmSpec(_Spec):
         return self.epochs == 1 and self.mini_batches_per_epoch == 1 and not self.kl_in_reward
 
 
+class EvalDataSpec(_Spec):
+    """The evaluation split: prompts generated and scored on the rollout engines every evaluation.everySteps
+    steps and at the end, reported apart from training (eval_reward_mean)."""
+
+    prompts: str = Field(
+        min_length=1,
+        description="Evaluation prompts: a local .jsonl or .parquet file on a mounted volume, in the form of "
+        "data.prompts (the same inputKey and labelKey; every other column reaches the reward function, and "
+        "`data_source`, when present, splits eval_reward_mean by source). Streamed in file order, never "
+        "shuffled (docs/data.md).",
+    )
+    max_prompts: int | None = Field(
+        default=None,
+        ge=1,
+        description="Evaluate only the first maxPrompts rows of the file. Unset: every row.",
+    )
+
+
 class DataSpec(_Spec):
     """The prompt dataset."""
 
@@ -470,6 +488,11 @@ class DataSpec(_Spec):
         default=False,
         description="Wrap each string prompt as one user turn in the actor tokenizer's chat template "
         "before generation. Chat-message prompts always go through the template.",
+    )
+    eval: EvalDataSpec | None = Field(
+        default=None,
+        description="The evaluation split, scored during training (spec.evaluation says when and how it is "
+        "sampled) and never trained on. Unset: no evaluation.",
     )
 
 
@@ -614,6 +637,55 @@ class AutoscalingSpec(_Spec):
     cooldown_seconds: int = Field(
         default=300, ge=0, description="Minimum time between two scaling decisions."
     )
+
+
+class EvalSamplingSpec(_Spec):
+    """How the engines sample the evaluation split (independent of the training rollout's sampling)."""
+
+    temperature: float = Field(
+        default=0.0,
+        ge=0,
+        description="Sampling temperature; 0 (the default) is greedy decoding.",
+    )
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most tokens generated per response; unset: algorithm.maxResponseLength, which bounds it "
+        "(the engines' context is sized from it).",
+    )
+    n: int = Field(
+        default=1,
+        ge=1,
+        description="Responses per evaluation prompt; eval_reward_mean averages over all of them.",
+    )
+
+
+class EvaluationSpec(_Spec):
+    """When the evaluation split (data.eval) is generated and scored: every everySteps steps and after the
+    last step, on the rollout engines with the weights just trained. Its samples are never trained on and
+    never counted in the training figures; its time is the step's `eval` phase."""
+
+    every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Evaluate after every step whose number is a multiple of everySteps. Unset: only at the "
+        "end (atEnd).",
+    )
+    at_end: bool = Field(
+        default=True,
+        description="Evaluate after the last step (algorithm.totalSteps) too, when everySteps does not "
+        "already land on it.",
+    )
+    sampling: EvalSamplingSpec = Field(
+        default_factory=EvalSamplingSpec,
+        description="The evaluation's sampling settings; greedy with one response per prompt by default.",
+    )
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether step `step` (counting from 1) of a run of `total_steps` ends with an evaluation."""
+        every = self.every_steps is not None and step % self.every_steps == 0
+        return every or (self.at_end and step == total_steps)
 
 
 class RolloutSpec(_Spec):
@@ -1100,6 +1172,11 @@ class RLHFJobSpec(_Spec):
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec, description="Checkpointing and resume."
     )
+    evaluation: EvaluationSpec | None = Field(
+        default=None,
+        description="When and how the evaluation split (data.eval) runs. Unset with data.eval set: the "
+        "defaults (after the last step only, greedy).",
+    )
     monitoring: MonitoringSpec = Field(
         default_factory=MonitoringSpec, description="Metrics and stall detection."
     )
@@ -1111,6 +1188,12 @@ class RLHFJobSpec(_Spec):
         default_factory=SecuritySpec,
         description="Ray token authentication and the job's NetworkPolicy (both on by default).",
     )
+
+    def evaluation_plan(self) -> EvaluationSpec | None:
+        """When the evaluation split runs (spec.evaluation, or its defaults), or None without data.eval."""
+        if self.data.eval is None:
+            return None
+        return self.evaluation or EvaluationSpec()
 
     def model_roles(self) -> list[Role]:
         """The models this run loads: actor always; critic for gae; reference when klCoef > 0; reward when
@@ -1282,6 +1365,16 @@ class RLHFJobStatus(_Status):
         description="Generated tokens per wall-clock second between the last two observed steps.",
     )
     reward_mean: float | None = Field(default=None, description="Mean reward of the last step's samples.")
+    eval_reward_mean: float | None = Field(
+        default=None,
+        description="Mean reward of the last evaluation of the data.eval split (rlhf_eval_reward_mean); unset "
+        "before the first.",
+    )
+    eval_reward_mean_by_data_source: dict[str, float] | None = Field(
+        default=None,
+        description="The last evaluation's mean reward per data_source, when data.eval has that column.",
+    )
+    eval_step: int | None = Field(default=None, ge=0, description="Step after which the last evaluation ran.")
     kl: float | None = Field(default=None, description="KL divergence to the reference model, last step.")
     trainer_idle_ratio: float | None = Field(
         default=None, ge=0, le=1, description="Share of the last step the trainer waited for rollouts."

@@ -35,6 +35,10 @@ class ScrapedMetrics:
     generated_tokens_total: float = 0.0
     trained_tokens_total: float = 0.0
     reward_mean: float | None = None
+    # The evaluation split (spec.evaluation): None / empty before the first evaluation
+    eval_reward_mean: float | None = None
+    eval_reward_mean_by_data_source: dict[str, float] = field(default_factory=dict)
+    eval_step: int | None = None
     kl: float | None = None
     reward_errors_total: float = 0.0
     weight_sync_bytes_total: float = 0.0
@@ -108,6 +112,12 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> ScrapedMetrics:
                 out.trained_tokens_total = value
             elif name == "rlhf_reward_mean":
                 out.reward_mean = value
+            elif name == "rlhf_eval_reward_mean":
+                out.eval_reward_mean = value
+            elif name == "rlhf_eval_source_reward_mean" and "data_source" in labels:
+                out.eval_reward_mean_by_data_source[labels["data_source"]] = value
+            elif name == "rlhf_eval_step":
+                out.eval_step = int(value)
             elif name == "rlhf_kl":
                 out.kl = value
             elif name == "rlhf_reward_errors_total":

@@ -168,3 +168,16 @@ def test_async_rl_staleness_idle_ratios_and_stale_samples_are_read_back() -> Non
 def test_no_trained_batch_means_no_staleness_not_zero() -> None:
     got = parse_metrics(exported(TrainerExporter("job-a")), "job-a")
     assert got.sample_staleness is None and got.stale_samples_total == 0
+
+
+def test_the_evaluation_is_read_back_only_once_it_ran() -> None:
+    m = TrainerExporter("job-a")
+    before = parse_metrics(exported(m), "job-a")
+    assert before.eval_reward_mean is None and before.eval_step is None
+    assert before.eval_reward_mean_by_data_source == {}
+    m.evaluated(8, 0.625, {"gsm8k": 0.5, "math": 0.75}, errors=2)
+    m.step_done({"generation": 3.0, "eval": 1.0}, 5.0)
+    got = parse_metrics(exported(m), "job-a")
+    assert got.eval_reward_mean == 0.625 and got.eval_step == 8
+    assert got.eval_reward_mean_by_data_source == {"gsm8k": 0.5, "math": 0.75}
+    assert got.step_phase_seconds["eval"] == 1.0 and got.reward_errors_total == 0.0

@@ -203,6 +203,7 @@ _PHASE_COLUMNS = {
     "critic_train": "critic",
     "weight_sync": "sync",
     "checkpoint": "ckpt",
+    "eval": "eval",
 }
 
 
@@ -255,9 +256,11 @@ def make_tiny_model_main(argv: list[str] | argparse.Namespace) -> int:
     else:
         p = argparse.ArgumentParser(
             prog="rlhf make-tiny-model",
-            description="Build the offline tiny Llama, its BPE tokenizer and a prompt set.",
+            description="Build the offline tiny Llama, its BPE tokenizer, a prompt set and an eval split.",
         )
-        p.add_argument("dir", help="output directory (model/ and prompts.jsonl are written inside)")
+        p.add_argument(
+            "dir", help="output directory (model/, prompts.jsonl and eval.jsonl are written inside)"
+        )
         p.add_argument("--prompts", type=int, default=2048, help="number of prompts")
         p.add_argument("--seed", type=int, default=0)
         args = p.parse_args(list(argv))

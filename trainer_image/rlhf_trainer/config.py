@@ -19,7 +19,7 @@ from rlhf_api.rules import violated
 from rlhf_api.spec import RLHFJobSpec
 from rlhf_api.validate import has_chat_template, runtime_issues, schema_issues, validate_manifest
 
-from rlhf_trainer.data import DatasetError, PromptDataset
+from rlhf_trainer.data import DatasetError, EvalPrompts, PromptDataset
 from rlhf_trainer.device import DeviceInfo
 from rlhf_trainer.workers.reward import RewardSetupError, load_reward_function
 
@@ -74,15 +74,26 @@ def preflight(spec: RLHFJobSpec) -> PromptDataset:
     issues = runtime_issues(spec)
     if issues:
         raise InputError("\n".join(str(issue) for issue in issues))
+    d = spec.data
     try:
-        data = PromptDataset(spec.data.prompts, spec.data.input_key, spec.data.label_key, spec.algorithm.seed)
+        data = PromptDataset(d.prompts, d.input_key, d.label_key, spec.algorithm.seed)
+        if d.eval is not None:
+            data.eval_split = EvalPrompts(d.eval.prompts, d.input_key, d.label_key, d.eval.max_prompts)
     except DatasetError as e:
         raise InputError(f"spec.{e}") from e
-    if data.first_chat and not has_chat_template(Path(spec.model.actor)):
-        raise InputError(
-            f"spec.data.prompts {spec.data.prompts}: {data.first_chat}: a chat-message prompt needs the "
-            f"actor's chat template, and its tokenizer ({spec.model.actor}) has none"
-        )
+    for field, path, where in (
+        ("data.prompts", d.prompts, data.first_chat),
+        (
+            "data.eval.prompts",
+            d.eval.prompts if d.eval else "",
+            data.eval_split and data.eval_split.first_chat,
+        ),
+    ):
+        if where and not has_chat_template(Path(spec.model.actor)):
+            raise InputError(
+                f"spec.{field} {path}: {where}: a chat-message prompt needs the actor's chat template, and "
+                f"its tokenizer ({spec.model.actor}) has none"
+            )
     if spec.model.reward.type == "function":
         try:
             load_reward_function(str(spec.model.reward.function))
@@ -203,6 +214,22 @@ def sampling(spec: RLHFJobSpec) -> dict[str, Any]:
         "temperature": spec.rollout.temperature,
         "top_p": spec.rollout.top_p,
         "max_tokens": spec.algorithm.max_response_length,
+        "max_prompt_tokens": spec.algorithm.max_prompt_length,
+    }
+
+
+def eval_sampling(spec: RLHFJobSpec) -> dict[str, Any]:
+    """The rollout engines' sampling settings for the evaluation split (spec.evaluation.sampling; its
+    defaults when data.eval is set without spec.evaluation): temperature 0 is greedy."""
+    plan = spec.evaluation_plan()
+    if plan is None:
+        raise ValueError("no evaluation split (data.eval) to sample")
+    s = plan.sampling
+    return {
+        "n": s.n,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "max_tokens": s.max_tokens or spec.algorithm.max_response_length,
         "max_prompt_tokens": spec.algorithm.max_prompt_length,
     }
 

@@ -1,8 +1,8 @@
 """The prompt dataset: a .jsonl or .parquet file, indexed once and read on demand, served in a seeded
 order with a resumable position.
 
-Owns reading and validating the file (errors name data.prompts, the path and the line or row), the order
-rows are served in, and the data position saved in checkpoints. The driver keeps an index, never the
+Owns reading and validating the file (errors name the field, data.prompts or data.eval.prompts, the path
+and the line or row), the order rows are served in, and the data position saved in checkpoints. The driver keeps an index, never the
 rows: a JSONL file's byte offsets, a Parquet file's row-group sizes (and at most two row groups decoded).
 Pure Python and pyarrow; no Ray, no tokenizer.
 """
@@ -109,8 +109,9 @@ class JsonlRows:
     """A .jsonl file as the byte offsets of its non-empty lines; each row is read again when served.
     Indexing validates every line (JSON object, prompt shape), so a bad line fails the preflight."""
 
-    def __init__(self, path: str, input_key: str) -> None:
+    def __init__(self, path: str, input_key: str, field: str = "data.prompts") -> None:
         self.path = path
+        self.source = f"{field} {path}"  # what errors name
         self.offsets = array("q")
         self.lines = array("q")  # each row's line number, for messages
         self.first_chat: str | None = None
@@ -118,14 +119,14 @@ class JsonlRows:
             with open(path, "rb") as f:
                 self._index(f, input_key)
         except OSError as e:
-            raise DatasetError(f"data.prompts {path}: cannot read: {e.strerror or e}") from e
+            raise DatasetError(f"{self.source}: cannot read: {e.strerror or e}") from e
 
     def _index(self, f: Any, input_key: str) -> None:
         offset = 0
         for lineno, raw in enumerate(f, start=1):
-            obj = _parse_line(raw, self.path, lineno)
+            obj = _parse_line(raw, self.source, lineno)
             if obj is not None:
-                _check_row_prompt(obj, input_key, f"data.prompts {self.path}: line {lineno}")
+                _check_row_prompt(obj, input_key, f"{self.source}: line {lineno}")
                 if self.first_chat is None and isinstance(obj[input_key], list):
                     self.first_chat = f"line {lineno}"
                 self.offsets.append(offset)
@@ -143,27 +144,27 @@ class JsonlRows:
         with open(self.path, "rb") as f:
             for i in rows:
                 f.seek(self.offsets[i])
-                obj = _parse_line(f.readline(), self.path, self.lines[i])
+                obj = _parse_line(f.readline(), self.source, self.lines[i])
                 if obj is None:
-                    raise DatasetError(f"data.prompts {self.path}: line {self.lines[i]}: changed since read")
+                    raise DatasetError(f"{self.source}: line {self.lines[i]}: changed since read")
                 out.append(obj)
         return out
 
 
-def _parse_line(raw: bytes, path: str, lineno: int) -> dict[str, Any] | None:
+def _parse_line(raw: bytes, source: str, lineno: int) -> dict[str, Any] | None:
     """One JSONL line -> its object (None for a blank line), or DatasetError naming the line."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DatasetError(f"data.prompts {path}: line {lineno}: not UTF-8 text: {e}") from e
+        raise DatasetError(f"{source}: line {lineno}: not UTF-8 text: {e}") from e
     if not text.strip():
         return None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DatasetError(f"data.prompts {path}: line {lineno}: not JSON: {e.msg}") from e
+        raise DatasetError(f"{source}: line {lineno}: not JSON: {e.msg}") from e
     if not isinstance(obj, dict):
-        raise DatasetError(f"data.prompts {path}: line {lineno}: not a JSON object")
+        raise DatasetError(f"{source}: line {lineno}: not a JSON object")
     return obj
 
 
@@ -180,23 +181,24 @@ class ParquetRows:
     cache of SHUFFLE_WINDOW_ROW_GROUPS groups. Opening checks the schema (the prompt column, JSON-typed
     columns) and every row's prompt, one row group at a time."""
 
-    def __init__(self, path: str, input_key: str) -> None:
+    def __init__(self, path: str, input_key: str, field: str = "data.prompts") -> None:
         import pyarrow.parquet as pq
 
         self.path = path
+        self.source = f"{field} {path}"  # what errors name
         try:
             self.file = pq.ParquetFile(path)
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (not Parquet) is a ValueError
-            raise DatasetError(f"data.prompts {path}: cannot read as Parquet: {e}") from e
+            raise DatasetError(f"{self.source}: cannot read as Parquet: {e}") from e
         schema = self.file.schema_arrow
         if input_key not in schema.names:
             raise DatasetError(
-                f"data.prompts {path}: no column {input_key!r} (data.inputKey); columns: {schema.names}"
+                f"{self.source}: no column {input_key!r} (data.inputKey); columns: {schema.names}"
             )
         for f in schema:
             if not _json_typed(f.type):
                 raise DatasetError(
-                    f"data.prompts {path}: column {f.name!r} has type {f.type}, which is not JSON "
+                    f"{self.source}: column {f.name!r} has type {f.type}, which is not JSON "
                     "(strings, numbers, booleans, lists and structs of them)"
                 )
         meta = self.file.metadata
@@ -218,7 +220,7 @@ class ParquetRows:
                     problem = prompt_problem(value)
                     if problem:
                         raise DatasetError(
-                            f"data.prompts {self.path}: {where}: column {input_key!r} (data.inputKey) {problem}"
+                            f"{self.source}: {where}: column {input_key!r} (data.inputKey) {problem}"
                         )
                     if self.first_chat is None and isinstance(value, list):
                         self.first_chat = where
@@ -291,17 +293,24 @@ def _json_typed(t: Any) -> bool:
     )
 
 
-def open_rows(path: str, input_key: str) -> JsonlRows | ParquetRows:
-    """The file's reader, chosen by its extension."""
+def open_rows(path: str, input_key: str, field: str = "data.prompts") -> JsonlRows | ParquetRows:
+    """The file's reader, chosen by its extension; `field` is the spec field errors name."""
     if "://" in path:
-        raise DatasetError(f"data.prompts {path}: only local files are supported (a path on a volume)")
+        raise DatasetError(f"{field} {path}: only local files are supported (a path on a volume)")
     suffix = Path(path).suffix.lower()
     if suffix == ".jsonl":
-        return JsonlRows(path, input_key)
+        return JsonlRows(path, input_key, field)
     if suffix == ".parquet":
-        return ParquetRows(path, input_key)
-    raise DatasetError(
-        f"data.prompts {path}: unknown format {suffix or '(no extension)'}: use .jsonl or .parquet"
+        return ParquetRows(path, input_key, field)
+    raise DatasetError(f"{field} {path}: unknown format {suffix or '(no extension)'}: use .jsonl or .parquet")
+
+
+def prompt_batch(rows: list[dict[str, Any]], input_key: str, label_key: str | None) -> PromptBatch:
+    """Rows as drawn -> their prompts, labels and other columns."""
+    return PromptBatch(
+        prompts=[r[input_key] for r in rows],
+        labels=[r.get(label_key) if label_key else None for r in rows],
+        columns=[reward_columns(r, input_key) for r in rows],
     )
 
 
@@ -316,6 +325,7 @@ class PromptDataset:
             raise DatasetError(f"data.prompts {path}: no prompts")
         self.position = DataPosition()
         self._order = self.rows.order(seed, 0)
+        self.eval_split: EvalPrompts | None = None  # data.eval, opened beside it (config.preflight)
 
     @property
     def first_chat(self) -> str | None:
@@ -330,12 +340,7 @@ class PromptDataset:
         self._order = self.rows.order(self.seed, self.position.epoch)
 
     def next_batch(self, n: int) -> PromptBatch:
-        rows = self.rows.read(list(self._indices(n)))
-        return PromptBatch(
-            prompts=[r[self.input_key] for r in rows],
-            labels=[r.get(self.label_key) if self.label_key else None for r in rows],
-            columns=[reward_columns(r, self.input_key) for r in rows],
-        )
+        return prompt_batch(self.rows.read(list(self._indices(n))), self.input_key, self.label_key)
 
     def _indices(self, n: int) -> Iterator[int]:
         """The next n row indices, moving the position (a new epoch reshuffles)."""
@@ -345,3 +350,33 @@ class PromptDataset:
                 self._order = self.rows.order(self.seed, self.position.epoch)
             yield self._order[self.position.offset]
             self.position.offset += 1
+
+
+class EvalPrompts:
+    """The evaluation split (data.eval): the first `max_prompts` rows (all without it) in file order, in
+    batches, read from the same index as the prompt dataset (never held whole). No position: every
+    evaluation serves the same rows."""
+
+    def __init__(
+        self, path: str, input_key: str, label_key: str | None, max_prompts: int | None = None
+    ) -> None:
+        self.path = path
+        self.input_key = input_key
+        self.label_key = label_key
+        self.rows: _Rows = open_rows(path, input_key, "data.eval.prompts")
+        self.count = min(len(self.rows), max_prompts) if max_prompts else len(self.rows)
+        if not self.count:
+            raise DatasetError(f"data.eval.prompts {path}: no prompts")
+
+    @property
+    def first_chat(self) -> str | None:
+        return self.rows.first_chat
+
+    def __len__(self) -> int:
+        return self.count
+
+    def batches(self, size: int) -> Iterator[PromptBatch]:
+        """Every row served, `size` at a time, in file order."""
+        for start in range(0, self.count, size):
+            rows = self.rows.read(range(start, min(start + size, self.count)))
+            yield prompt_batch(rows, self.input_key, self.label_key)

@@ -343,6 +343,7 @@ def step_summary(report: StepReport) -> dict[str, Any]:
         "reward_mean": report.reward_mean,
         "kl": report.kl,
         "phase_seconds": report.phase_seconds,
+        "step_seconds": report.step_seconds,
         "tokens_per_second": report.tokens_per_second,
         "generated_tokens": report.generated_tokens,
         "trained_tokens": report.trained_tokens,
@@ -360,7 +361,21 @@ def step_summary(report: StepReport) -> dict[str, Any]:
         "generating_seconds": report.generating_seconds,
         "dynamic_sampling": report.dynamic_sampling,
         "weight_sync": report.weight_sync,
+        **eval_fields(report),
+        "eval": report.evaluation,
     }
+
+
+def eval_fields(report: StepReport) -> dict[str, Any]:
+    """The evaluation's headline figures for a step report, on a step that evaluated only:
+    `eval_reward_mean`, and `eval_reward_mean_by_data_source` when data.eval has a data_source column."""
+    e = report.evaluation
+    if not e:
+        return {}
+    out: dict[str, Any] = {"eval_reward_mean": e["reward_mean"]}
+    if "by_data_source" in e:
+        out["eval_reward_mean_by_data_source"] = e["by_data_source"]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -402,6 +417,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
                         "reward_mean": round(r.reward_mean, 4),
                         "phase_seconds": {k: round(v, 3) for k, v in r.phase_seconds.items()},
                         "engines": r.engines,
+                        **eval_fields(r),
                     }
                 )
             ),

@@ -23,8 +23,9 @@ from rlhf_api.spec import RLHFJobSpec
 from rlhf_trainer import dynamic_sampling as dynamic
 from rlhf_trainer.algorithms import AdaptiveKL
 from rlhf_trainer.checkpoint import Checkpointer
-from rlhf_trainer.config import algorithm_wire, sampling
+from rlhf_trainer.config import algorithm_wire, eval_sampling, sampling
 from rlhf_trainer.data import PromptBatch, PromptDataset
+from rlhf_trainer.evaluation import evaluate
 from rlhf_trainer.faults import FaultInjector
 from rlhf_trainer.groups import RayGroup
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
@@ -74,6 +75,10 @@ class StepReport:
     # weightSync.delta: buckets by encoding, elements compared and changed, bytes sent and in full,
     # digest checks, mismatches found and full repairs (empty without delta sync)
     weight_sync: dict[str, float] = field(default_factory=dict)
+    # the evaluation split after this step (spec.evaluation; empty when none was due): reward_mean,
+    # by_data_source, prompts, samples, valid_samples, reward_errors, weights_behind (evaluation.EvalTally).
+    # None of its samples is in the figures above.
+    evaluation: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,9 +168,45 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
         gen, stale, dropped = generate_now(ctx, step, timer), 0, 0
     report = train_on(ctx, step, gen, timer, sync_bytes, started)
     report.staleness, report.stale_samples = stale, dropped
+    if eval_due(ctx, step):  # after training: its time is the step's, its samples are not
+        run_eval(ctx, step, timer, report)
+        report.phase_seconds = dict(timer.seconds)
+        report.step_seconds = time.monotonic() - started
     ctx.metrics.sample_staleness.labels(ctx.job).observe(stale)  # per batch: its samples share a version
     record(ctx, report)
     return report
+
+
+def eval_due(ctx: StepContext, step: int) -> bool:
+    """Whether the evaluation split runs after `step` (evaluation.everySteps, or the last step with atEnd)."""
+    plan = ctx.spec.evaluation_plan()
+    return (
+        plan is not None
+        and ctx.data.eval_split is not None
+        and plan.due(step, ctx.spec.algorithm.total_steps)
+    )
+
+
+def run_eval(ctx: StepContext, step: int, timer: PhaseTimer, report: StepReport) -> None:
+    """The `eval` phase: the evaluation split on the engines with the weights just trained (synchronous),
+    or, asynchronous, those that generate the next batch while it trains (one step behind; the last step
+    syncs first, nothing generating). Its figures go to the report's `evaluation` and to /metrics only."""
+    split = ctx.data.eval_split
+    assert split is not None
+    pool, metrics = ctx.placed.pool, ctx.metrics
+    if ctx.ahead is None and ctx.engine_version < ctx.actor_version:  # async's last step: engines idle
+        with timer.phase("weight_sync"):
+            report.weight_sync_bytes += ctx.sync.sync()
+        ctx.engine_version = ctx.actor_version
+
+    def engine_lost(slot: EngineSlot, err: BaseException) -> None:
+        pool.mark_lost(slot, err)
+        metrics.set_engines(pool.counts())
+
+    with timer.phase("eval"):
+        tally = evaluate(split, pool, ctx.placed.reward, eval_sampling(ctx.spec), step, engine_lost)
+    metrics.evaluated(step, tally.reward_mean, tally.by_source(), tally.errors)
+    report.evaluation = tally.report(step, ctx.actor_version - ctx.engine_version)
 
 
 def generate_now(

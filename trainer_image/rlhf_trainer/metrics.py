@@ -26,6 +26,7 @@ PHASES = (
     "critic_train",
     "weight_sync",
     "checkpoint",
+    "eval",  # the evaluation split (spec.evaluation), after the step's training: never a training sample
 )
 ENGINE_STATES = ("starting", "ready", "failed", "stopping")
 STALE_ACTIONS = ("regenerated", "dropped")
@@ -174,6 +175,23 @@ class TrainerExporter:
         self.entropy = Gauge(
             "rlhf_entropy", "Mean token entropy of the policy in the last step", [L], registry=r
         )
+        # The evaluation split (spec.evaluation): absent until the first evaluation, then its last values.
+        self.eval_reward_mean = Gauge(
+            "rlhf_eval_reward_mean", "Mean reward of the last evaluation's valid samples", [L], registry=r
+        )
+        self.eval_source_reward_mean = Gauge(
+            "rlhf_eval_source_reward_mean",
+            "Mean reward of the last evaluation's valid samples of each data_source (the column of data.eval)",
+            [L, "data_source"],
+            registry=r,
+        )
+        self.eval_step = Gauge("rlhf_eval_step", "Step after which the last evaluation ran", [L], registry=r)
+        self.eval_reward_errors = Counter(
+            "rlhf_eval_reward_errors",
+            "Evaluation samples whose reward failed (not in rlhf_reward_errors_total)",
+            [L],
+            registry=r,
+        )
         # Create every labelled child now so /metrics shows the full contract from the first scrape.
         for phase in PHASES:
             self.step_phase_seconds.labels(job, phase)
@@ -196,6 +214,7 @@ class TrainerExporter:
             self.weight_sync_buckets.labels(job, encoding)
         self.weight_sync_digest_mismatches.labels(job)
         for c in (
+            self.eval_reward_errors,
             self.steps_completed,
             self.generated_tokens,
             self.trained_tokens,
@@ -240,6 +259,14 @@ class TrainerExporter:
     def checkpointed(self, step: int) -> None:
         """A checkpoint of `step` was written, or the run resumed from it."""
         self.last_checkpoint_step.labels(self.job).set(step)
+
+    def evaluated(self, step: int, reward_mean: float, by_source: dict[str, float], errors: int) -> None:
+        """An evaluation after `step`: its mean reward, per data_source, and its reward errors."""
+        self.eval_reward_mean.labels(self.job).set(reward_mean)
+        for source, mean in by_source.items():
+            self.eval_source_reward_mean.labels(self.job, source).set(mean)
+        self.eval_step.labels(self.job).set(step)
+        self.eval_reward_errors.labels(self.job).inc(errors)
 
     def step_done(self, phase_seconds: dict[str, float], seconds: float) -> None:
         """A step ended: its phases' own wall times (which may overlap) and the step's."""

@@ -66,6 +66,9 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> object:
     )
 
 
+EVAL_PROMPTS = 16  # the tiny task's evaluation split (eval.jsonl): half `short`, half `long`
+
+
 def make_tiny_model(
     out_dir: str | Path,
     *,
@@ -73,7 +76,9 @@ def make_tiny_model(
     num_prompts: int = 2048,
     seed: int = 0,
 ) -> dict[str, str]:
-    """Write `model/` (HF Llama + tokenizer) and `prompts.jsonl` under out_dir; return their paths."""
+    """Write `model/` (HF Llama + tokenizer), `prompts.jsonl` and an evaluation split `eval.jsonl` (prompts
+    not in prompts.jsonl's draw, with a `data_source` column: `short` prompts of 2 words, `long` of 3 to 5) under
+    out_dir; return their paths."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -112,4 +117,9 @@ def make_tiny_model(
         for sentence in synthetic_sentences(num_prompts, seed + 2):
             words = sentence.split()[: rng.randint(2, 5)]
             f.write(json.dumps({"prompt": " ".join(words)}) + "\n")
-    return {"model": str(model_dir), "prompts": str(prompts_path)}
+    eval_path = out / "eval.jsonl"
+    with eval_path.open("w") as f:
+        for i, sentence in enumerate(synthetic_sentences(EVAL_PROMPTS, seed + 3)):
+            source, length = ("short", 2) if i % 2 == 0 else ("long", 5)
+            f.write(json.dumps({"prompt": " ".join(sentence.split()[:length]), "data_source": source}) + "\n")
+    return {"model": str(model_dir), "prompts": str(prompts_path), "eval": str(eval_path)}

@@ -411,7 +411,8 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     """A reward that raises on some samples: skipSample trains on the others and counts them; failStep
     fails the step and saves nothing. The skipSample run (10 steps) is also the delta weight sync's run
     (issue 39): bfloat16 engines of the float32 trainer, weightSync.delta on with digests every 3 syncs,
-    and engine 0 dropping a delta frame of step 5's sync (`delta_drop@5`)."""
+    and engine 0 dropping a delta frame of step 5's sync (`delta_drop@5`); and the evaluation's run (issue
+    34): the tiny eval split (16 prompts, data_source short/long) every 4 steps and at the end, greedy."""
     flaky = tmp_path / "flaky_reward.py"
     flaky.write_text(
         "from rlhf_trainer.tasks.tiny import vowel_share\n"
@@ -432,7 +433,8 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
              "weightSync.delta.choose=bytes", "algorithm.actorLearningRate=2.0e-5"]  # fmt: skip
     sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *REINFORCE_PP, f"model.reward.function={flaky}:reward",
             "model.reward.onError=skipSample", "algorithm.totalSteps=10", "checkpoint.path=null",
-            "algorithm.epochs=1", "algorithm.klCoef=0", *delta]  # fmt: skip
+            "algorithm.epochs=1", "algorithm.klCoef=0", *delta,
+            f"data.eval.prompts={tiny}/eval.jsonl", "evaluation.everySteps=4"]  # fmt: skip
     marks = tmp_path / "faults"
     faults = {"RLHF_TRAINER_FAULTS": "delta_drop@5", "RLHF_TRAINER_FAULTS_DIR": str(marks)}
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port, env=faults)
@@ -453,6 +455,7 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     seen = {_value(t, "rlhf_reward_errors_total") for t in run.scrapes if "rlhf_reward_errors_total{" in t}
     counted = [sum(x["reward_errors"] for x in run.summary["steps"][:k]) for k in range(1, 11)]
     assert max(seen) in counted and max(seen) > 0, (seen, counted)
+    _check_evaluation(run.summary["steps"], run.scrapes)
 
     ckpt = tmp_path / "ckpt-fail"
     sets = [*tiny_sets(tiny, ckpt), *GRPO, f"model.reward.function={flaky}:reward",
@@ -461,6 +464,41 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     assert run.returncode == 3, run.stderr[-3000:]
     assert "onError=failStep" in run.stderr and "no z allowed" in run.stderr
     assert not ckpt.exists() or not any(ckpt.iterdir())  # the failed step trained nothing and saved nothing
+
+
+def _check_evaluation(steps: list[dict[str, Any]], scrapes: list[str]) -> None:
+    """evaluation.everySteps 4 of 10 steps: the split ran after steps 4, 8 and 10 (the end) only, in its
+    own `eval` phase, split by data_source; none of its samples is a training sample (the checks of
+    valid_samples + reward_errors = 128 above, and the generated-token counter against the steps')."""
+    evaluated = [x["step"] for x in steps if "eval_reward_mean" in x]
+    assert evaluated == [4, 8, 10], evaluated
+    assert [x["step"] for x in steps if "eval" in x["phase_seconds"]] == [4, 8, 10], steps
+    for x in steps:
+        shown = ("eval_reward_mean", "eval_reward_mean_by_data_source")
+        print(x["step"], {k: x[k] for k in shown if k in x}, "eval s", x["phase_seconds"].get("eval"))
+        if x["step"] not in evaluated:
+            assert x["eval"] == {} and "eval_reward_mean_by_data_source" not in x, x
+            continue
+        e = x["eval"]
+        assert x["phase_seconds"]["eval"] > 0 and x["step_seconds"] >= x["phase_seconds"]["eval"], x
+        assert e["step"] == x["step"] and e["prompts"] == 16 and e["samples"] == 16, e  # greedy: n 1
+        assert e["valid_samples"] + e["reward_errors"] == 16 and e["weights_behind"] == 0, e
+        assert 0.0 <= x["eval_reward_mean"] <= 1.0 and x["eval_reward_mean"] == e["reward_mean"], x
+        assert set(x["eval_reward_mean_by_data_source"]) == {"short", "long"}, x
+    # /metrics: the generated tokens are the training batches' alone (scraped every second: the last
+    # scrape may precede the last step's), and the evaluation's gauges hold the last one's figures
+    seen = {_value(t, "rlhf_generated_tokens_total") for t in scrapes if "rlhf_generated_tokens_total{" in t}
+    sums = [sum(x["generated_tokens"] for x in steps[:k]) for k in range(1, len(steps) + 1)]
+    assert max(seen) in sums, (seen, sums)
+    last = [t for t in scrapes if "rlhf_eval_step{" in t][-1]
+    step = int(_value(last, "rlhf_eval_step"))
+    by_step = {x["step"]: x for x in steps}
+    assert step in (8, 10) and _value(last, "rlhf_eval_reward_mean") == pytest.approx(
+        by_step[step]["eval_reward_mean"]
+    )
+    assert _value(last, "rlhf_eval_source_reward_mean", data_source="short") == pytest.approx(
+        by_step[step]["eval_reward_mean_by_data_source"]["short"]
+    )
 
 
 def _check_delta_sync(steps: list[dict[str, Any]], scrapes: list[str], bf16_bytes: int) -> None:
