@@ -11,7 +11,7 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from rlhf_trainer.data import Prompt
 from rlhf_trainer.device import whereabouts
@@ -207,6 +207,56 @@ class RolloutEngine:
             digest=packed.digest(),
         )
         return meta, packed
+
+    def step_tokens(self, requests: list[dict[str, Any]], slice_seconds: float = 0.05) -> dict[str, Any]:
+        """Token in, token out, one request at a time (rlhf_trainer.agents.engine_client): add `requests`
+        ({"id", "prompt_token_ids", "sampling": SamplingParams.wire()}) to vLLM's running batch, step it until
+        a request finishes or `slice_seconds` pass (or none is left), and return {"finished": [{"id",
+        "token_ids", "logprobs", "finish_reason"}], "running": requests still in the batch}. Unfinished
+        requests stay for the next call, so requests join and leave the batch one by one through a
+        single-concurrency actor, and a new one waits at most a slice behind a long one. Not mixed with
+        generate_chunks in one step (that loop reads every output of the batch)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        for r in requests:
+            s = r["sampling"]
+            params = SamplingParams(
+                n=1,
+                temperature=float(s.get("temperature", 1.0)),
+                top_p=float(s.get("top_p", 1.0)),
+                max_tokens=int(s["max_tokens"]),
+                logprobs=0,
+                seed=s.get("seed"),
+                stop=list(s.get("stop") or []) or None,
+                stop_token_ids=list(s.get("stop_token_ids") or []) or None,
+                include_stop_str_in_output=True,  # the stop string's tokens were sampled: they are trained
+            )
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            engine.add_request(f"agent:{r['id']}", {"prompt_token_ids": list(r["prompt_token_ids"])}, params)
+        done: list[dict[str, Any]] = []
+        deadline = time.monotonic() + slice_seconds
+        while not done and engine.has_unfinished_requests() and time.monotonic() < deadline:
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                comp = cast(Any, out).outputs[0]  # a generation output (no pooling model here)
+                lps = [
+                    float(step[tok].logprob) if step and tok in step else 0.0
+                    for tok, step in zip(comp.token_ids, comp.logprobs or [], strict=False)
+                ]
+                lps += [0.0] * (len(comp.token_ids) - len(lps))
+                rid = out.request_id.split(":", 1)[1]
+                done.append(
+                    {
+                        "id": rid,
+                        "token_ids": list(comp.token_ids),
+                        "logprobs": lps,
+                        "finish_reason": comp.finish_reason,
+                    }
+                )
+        return {"finished": done, "running": engine.get_num_unfinished_requests()}
 
     def greedy(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
         """Greedy token ids for fixed prompts (weight-sync checks)."""

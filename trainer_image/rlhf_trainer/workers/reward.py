@@ -6,16 +6,12 @@ timed-out score marks the sample invalid and is reported as an error, never retu
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -23,6 +19,7 @@ from rlhf_trainer import device as device_mod
 from rlhf_trainer.data import Columns, Prompt
 from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.transfer import FinishedRequest, PackedRollout
+from rlhf_trainer.user_code import load_callable
 from rlhf_trainer.workers.reward_results import (
     MAX_MESSAGES,
     RequestScores,
@@ -45,35 +42,7 @@ class RewardSetupError(RuntimeError):
 
 def load_reward_function(ref: str) -> RewardFn:
     """`path/to/file.py:function` or `package.module:function` -> the callable, or RewardSetupError."""
-    if ":" not in ref:
-        raise RewardSetupError(
-            f"model.reward.function {ref!r}: expected 'module:function' or 'file.py:function'"
-        )
-    target, _, name = ref.rpartition(":")
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise RewardSetupError(f"model.reward.function {ref!r}: file {target} does not exist")
-            mod_name = f"rlhf_reward_{abs(hash(str(path.resolve())))}"
-            spec = importlib.util.spec_from_file_location(mod_name, path)
-            if spec is None or spec.loader is None:
-                raise RewardSetupError(f"model.reward.function {ref!r}: cannot load {target}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[mod_name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except RewardSetupError:
-        raise
-    except Exception as e:
-        raise RewardSetupError(
-            f"model.reward.function {ref!r}: import of {target} failed: {type(e).__name__}: {e}"
-        ) from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardSetupError(f"model.reward.function {ref!r}: {target} has no callable {name!r}")
-    return cast(RewardFn, fn)
+    return load_callable(ref, "model.reward.function", RewardSetupError)
 
 
 def _accepts_labels(fn: RewardFn) -> bool:

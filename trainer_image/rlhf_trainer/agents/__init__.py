@@ -1,0 +1,1 @@
+"""Agentic rollouts: multi-turn episodes with tools, token in and token out (issue 37)."""
