@@ -24,7 +24,7 @@ from rlhf_trainer.data import DatasetError, EvalPrompts
 from rlhf_trainer.evaluation import EvalTally, chunk_scores, source_of
 from rlhf_trainer.metrics import PHASES, TrainerExporter
 from rlhf_trainer.workers.reward_results import RewardResult
-from support import metric_value
+from testkit.support import metric_value
 
 pytestmark = pytest.mark.unit
 
