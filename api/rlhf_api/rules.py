@@ -467,12 +467,14 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="eval-samples-need-temperature",
         scope="evaluation.sampling",
-        cel="self.n == 1 || self.temperature > 0.0",
-        field="evaluation.sampling.n",
-        message="evaluation.sampling.n above 1 needs a temperature above 0 (greedy decoding gives one response "
-        "per prompt)",
+        cel="self.samplesPerPrompt == 1 || self.temperature > 0.0",
+        field="evaluation.sampling.samplesPerPrompt",
+        message="evaluation.sampling.samplesPerPrompt above 1 needs a temperature above 0 (greedy decoding "
+        "gives one response per prompt)",
         check=lambda s: (
-            s.evaluation is None or s.evaluation.sampling.n == 1 or s.evaluation.sampling.temperature > 0
+            s.evaluation is None
+            or s.evaluation.sampling.samples_per_prompt == 1
+            or s.evaluation.sampling.temperature > 0
         ),
     ),
     Rule(

@@ -654,7 +654,9 @@ class EvalSamplingSpec(_Spec):
         description="Most tokens generated per response; unset: algorithm.maxResponseLength, which bounds it "
         "(the engines' context is sized from it).",
     )
-    n: int = Field(
+    # Not `n` (vLLM's name): YAML 1.1, which the API server's decoder speaks, reads a bare `n:` key as the
+    # boolean false, so a field named `n` can be neither written by users nor named in a rule.
+    samples_per_prompt: int = Field(
         default=1,
         ge=1,
         description="Responses per evaluation prompt; eval_reward_mean averages over all of them.",

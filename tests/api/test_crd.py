@@ -429,3 +429,29 @@ def test_docs_list_every_spec_field_and_rule(root_schema: dict[str, Any]) -> Non
             assert f"| `{'.'.join(parts)}` |" in docs, f"spec.{section}.{'.'.join(parts)}"
     for rule in RULES:
         assert f"| `{rule.name}` | `{rule.field_path}` |" in docs, rule.name
+
+
+# The words YAML 1.1 reads as booleans when bare: Kubernetes' YAML decoder (sigs.k8s.io/yaml) speaks
+# YAML 1.1, so a property named one of them cannot be written as a key in a manifest (`n: 4` becomes
+# `false: 4`) nor named in a CEL rule's fieldPath. A field of ours named `n` was refused by the API server.
+YAML11_BOOLEANS = {"y", "n", "yes", "no", "on", "off", "true", "false"}
+
+
+def _property_names(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.get("properties", {}).items():
+            yield key
+            yield from _property_names(value)
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                yield from _property_names(node[key])
+
+
+def test_no_property_of_our_crds_is_a_word_yaml_11_reads_as_a_boolean() -> None:
+    for built in (
+        crd.build_crd(),
+        *(crd.build_runtime_crd(kind) for kind in ("ClusterRLHFRuntime", "RLHFRuntime")),
+    ):
+        schema = built["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        bad = sorted({p for p in _property_names(schema) if p.lower() in YAML11_BOOLEANS})
+        assert not bad, f"{built['metadata']['name']}: properties {bad} read as booleans by the API server"

@@ -57,7 +57,7 @@ def test_defaults_are_greedy_one_response_at_the_end_only() -> None:
         "n": 1, "temperature": 0.0, "top_p": 1.0, "max_tokens": 1024, "max_prompt_tokens": 1024,
     }  # fmt: skip
     assert _spec(eval_split=False).evaluation_plan() is None  # no split: no evaluation at all
-    s = _spec({"everySteps": 5, "sampling": {"temperature": 0.7, "topP": 0.9, "maxTokens": 64, "n": 4}})
+    s = _spec({"everySteps": 5, "sampling": {"temperature": 0.7, "topP": 0.9, "maxTokens": 64, "samplesPerPrompt": 4}})
     assert eval_sampling(s) == {
         "n": 4,
         "temperature": 0.7,
@@ -72,7 +72,7 @@ def test_defaults_are_greedy_one_response_at_the_end_only() -> None:
     [
         ({"evaluation": {"everySteps": 2}}, "spec.data.eval", "evaluation-needs-eval-split"),
         ({"eval": True, "evaluation": {"atEnd": False}}, "spec.evaluation.atEnd", "evaluation-runs-sometime"),
-        ({"eval": True, "evaluation": {"sampling": {"n": 2}}}, "spec.evaluation.sampling.n",
+        ({"eval": True, "evaluation": {"sampling": {"samplesPerPrompt": 2}}}, "spec.evaluation.sampling.samplesPerPrompt",
          "eval-samples-need-temperature"),
         ({"eval": True, "evaluation": {"sampling": {"maxTokens": 2048}}}, "spec.evaluation.sampling.maxTokens",
          "eval-max-tokens-within-max-response"),
@@ -97,7 +97,7 @@ def test_each_rule_names_its_field(spec: dict[str, Any], field: str, rule: str) 
     [
         ({"everySteps": 0}, "spec.evaluation.everySteps"),
         ({"sampling": {"temperature": -0.5}}, "spec.evaluation.sampling.temperature"),
-        ({"sampling": {"n": 0}}, "spec.evaluation.sampling.n"),
+        ({"sampling": {"samplesPerPrompt": 0}}, "spec.evaluation.sampling.samplesPerPrompt"),
         ({"every": 3}, "spec.evaluation.every"),
     ],
 )

@@ -226,7 +226,7 @@ def eval_sampling(spec: RLHFJobSpec) -> dict[str, Any]:
         raise ValueError("no evaluation split (data.eval) to sample")
     s = plan.sampling
     return {
-        "n": s.n,
+        "n": s.samples_per_prompt,
         "temperature": s.temperature,
         "top_p": s.top_p,
         "max_tokens": s.max_tokens or spec.algorithm.max_response_length,

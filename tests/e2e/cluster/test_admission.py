@@ -109,6 +109,7 @@ def test_scale_subresource_and_printer_columns_follow_status(
         "progress": "3/10",
         "generationShare": 0.42,
         "rewardMean": 0.5,
+        "evalRewardMean": 0.25,
         "sampleStaleness": 1.0,
         "trainerIdleRatio": 0.08,
         "rolloutIdleRatio": 0.3,
@@ -142,9 +143,12 @@ def test_scale_subresource_and_printer_columns_follow_status(
     assert row.split()[:5] == ["printed", "Running", "3/10", "0.42", "2"]
     wide_header, wide_row = cluster.kubectl("get", "rlhf", "-n", namespace, "-o", "wide").stdout.splitlines()
     columns = wide_header.split()
-    assert columns[5:10] == ["REWARD", "STALENESS", "TRAINERIDLE", "ROLLOUTIDLE", "DESIRED"], columns
-    # the reward, async RL's staleness and both idle ratios, and the engines asked for
-    assert wide_row.split()[5:10] == ["0.5", "1", "0.08", "0.3", "3"], wide_row
+    assert columns[5:11] == ["REWARD", "EVALREWARD", "STALENESS", "TRAINERIDLE", "ROLLOUTIDLE", "DESIRED"], (
+        columns
+    )
+    # the reward, the evaluation split's reward, async RL's staleness and both idle ratios, and the
+    # engines asked for
+    assert wide_row.split()[5:11] == ["0.5", "0.25", "1", "0.08", "0.3", "3"], wide_row
 
 
 def test_status_schema_is_enforced(cluster: Cluster, rlhf_crd: str, namespace: str) -> None:
