@@ -71,7 +71,11 @@ def _do(
             if direction is not None:
                 metrics.SCALE_DECISIONS.labels(namespace, job.name, direction).inc()
         case DeleteJob():
-            _delete(GROUP, VERSION, PLURAL, namespace, job.name)
+            try:
+                kube.custom().delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job.name)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
         case RecordStacks(stacks=stacks):
             children.record_stacks(body, job, status, stacks)
         case _ if cluster is not None:
@@ -104,17 +108,14 @@ def _on_cluster(
             children.patch_raycluster(body, cluster, list(ops), kube.JSON_PATCH)
         case DeleteCluster():
             runtime.state_of(body).expect.cluster_deleted()
-            namespace = body.metadata.namespace or "default"
-            _delete(kube.RAY_GROUP, kube.RAY_VERSION, kube.RAY_PLURAL, namespace, cluster["metadata"]["name"])
-
-
-def _delete(group: str, version: str, plural: str, namespace: str, name: str) -> None:
-    """Delete a custom object; one already gone is fine."""
-    try:
-        kube.custom().delete_namespaced_custom_object(group, version, namespace, plural, name)
-    except ApiException as e:
-        if e.status != 404:
-            raise
+            namespace, name = body.metadata.namespace or "default", cluster["metadata"]["name"]
+            try:
+                kube.custom().delete_namespaced_custom_object(
+                    kube.RAY_GROUP, kube.RAY_VERSION, namespace, kube.RAY_PLURAL, name
+                )
+            except ApiException as e:
+                if e.status != 404:
+                    raise
 
 
 def _submit_snapshot(

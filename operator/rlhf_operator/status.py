@@ -165,10 +165,16 @@ class Draft:
             (c for c in self.st.conditions or [] if c.type == ctype and status in (None, c.status)), None
         )
 
+    def add(self, action: Action) -> None:
+        """Add `action` unless it is already due (a restart past backoffLimit finishes the job: one stop,
+        one delete)."""
+        if action not in self.actions:
+            self.actions.append(action)
+
     def stop(self, ray_job: rayjobs.RayJobInfo | None) -> None:
         """Stop `ray_job` if it has not ended."""
         if ray_job is not None and ray_job.status not in rayjobs.TERMINAL:
-            self.actions.append(StopRayJob(ray_job.submission_id))
+            self.add(StopRayJob(ray_job.submission_id))
 
     def decision(self) -> Decision:
         return Decision(self.st, tuple(self.actions), tuple(self.events), self.new_stall)
@@ -279,11 +285,11 @@ def _normalised(r: Round) -> RLHFJobStatus:
 def _finished(r: Round, d: Draft) -> bool:
     """Succeeded and Failed stay; only the cluster's release and the TTL clock remain."""
     if r.cluster:
-        d.actions.append(DeleteCluster())
+        d.add(DeleteCluster())
     ttl = r.spec.run_policy.ttl_seconds_after_finished
     done = r.cur.completion_time
     if ttl is not None and done and (r.now - done).total_seconds() >= ttl:
-        d.actions.append(DeleteJob())
+        d.add(DeleteJob())
     return True
 
 
@@ -296,7 +302,7 @@ def _finish(r: Round, d: Draft, phase: JobPhase, reason: str, message: str) -> b
     d.cond("Running", False, reason, message, r.now)
     d.stop(r.observed.ray_job)
     if r.cluster:
-        d.actions.append(DeleteCluster())
+        d.add(DeleteCluster())
     return True
 
 
@@ -330,9 +336,9 @@ def _suspend(r: Round, d: Draft) -> bool:
     """Keep the CR, release the pods, stop the trainer; it resumes from its checkpoint."""
     cluster = r.cluster
     if cluster and r.queue:
-        d.actions.append(DeleteCluster())  # releases Kueue's quota with it; recreated (queued) on resume
+        d.add(DeleteCluster())  # releases Kueue's quota with it; recreated (queued) on resume
     elif cluster and not cluster.get("spec", {}).get("suspend") and not r.observed.cluster_patch_pending:
-        d.actions.append(SetClusterSuspend(True))
+        d.add(SetClusterSuspend(True))
     d.stop(r.observed.ray_job)
     d.st.active_since = None  # the deadline clock starts again on resume, as for a Kubernetes Job
     d.go("Suspended", "runPolicy.suspend is true: pods released, resumes from the last checkpoint")
@@ -357,7 +363,7 @@ def _queue(r: Round, d: Draft, queue: str) -> bool:
     if d.phase in _ADMITTED_PHASES and (d.has("Queued", "False") or st.submission_id):
         st.preemptions = (st.preemptions or 0) + 1
         if st.submission_id:
-            d.actions.append(StopRayJob(st.submission_id))
+            d.add(StopRayJob(st.submission_id))
         st.submission_id = st.head_pod = None
         d.cond("Running", False, reason, f"evicted by Kueue: {message}", r.now)
         d.go(
@@ -378,7 +384,7 @@ def _released(r: Round, d: Draft) -> bool:
     """Not held: un-suspend the cluster we suspended, and say the job is no longer suspended or queued."""
     cluster = r.cluster
     if cluster and cluster.get("spec", {}).get("suspend") and not r.observed.cluster_patch_pending:
-        d.actions.append(SetClusterSuspend(r.spec.run_policy.suspend))  # false: un-suspend
+        d.add(SetClusterSuspend(r.spec.run_policy.suspend))  # false: un-suspend
     if d.has("Suspended"):
         d.cond("Suspended", False, "NotSuspended", "", r.now)
     if r.queue and d.has("Queued", "True"):
@@ -425,7 +431,7 @@ def _provisioning_timeout(r: Round, d: Draft) -> bool:
     if r.spec.run_policy.on_provisioning_timeout != "Restart":
         return _finish(r, d, "Failed", "ProvisioningTimeout", why)
     if r.cluster:
-        d.actions.append(DeleteCluster())  # new pods, perhaps on other nodes
+        d.add(DeleteCluster())  # new pods, perhaps on other nodes
     return _restart_or_fail(r, d, why, "ProvisioningTimeout")
 
 
@@ -434,7 +440,7 @@ def _missing_cluster(r: Round, d: Draft) -> bool:
     if r.cluster is not None:
         return False
     d.st.head_pod = None  # the next attempt's head is the new cluster's
-    d.actions.append(CreateCluster())
+    d.add(CreateCluster())
     if d.phase == "Suspended":
         d.go(
             "Pending", "resumed: creating the RayCluster; the trainer resumes from its checkpoint", "Resumed"
@@ -524,7 +530,7 @@ def _no_ray_job(r: Round, d: Draft) -> bool:
             "may save a checkpoint, within runPolicy.terminationGracePeriodSeconds)"
         )
         return True
-    d.actions.append(SubmitTrainer(r.submission_id))
+    d.add(SubmitTrainer(r.submission_id))
     d.st.submission_id = r.submission_id
     d.st.head_pod = head_pod_name(r.cluster)
     d.cond("JobSubmitted", True, "Submitted", f"submitted {r.submission_id}", r.now)
@@ -599,7 +605,7 @@ def _stall(r: Round, d: Draft, info: rayjobs.RayJobInfo) -> bool:
     cond = d.has("Stalled")
     assert cond is not None
     if monitoring.on_stall == "Restart" and not waiting:
-        d.actions.append(StopRayJob(info.submission_id))
+        d.add(StopRayJob(info.submission_id))
         why = f"stalled ({stall.reason}): {cond.message}"
         return _restart_or_fail(r, d, why, "StalledBackoffLimitExceeded")
     # The condition keeps its message while the same stall lasts; so does the status message (no patch
@@ -623,11 +629,11 @@ def _diagnose(r: Round, d: Draft, reason: str, attempt: str) -> bool:
     if step.status is not None:
         st.diagnosis = StallDiagnosis.model_validate(step.status)
     if step.submit:
-        d.actions.append(SubmitSnapshot(step.submit))
+        d.add(SubmitSnapshot(step.submit))
     if step.stop:
-        d.actions.append(StopSnapshot(step.stop))
+        d.add(StopSnapshot(step.stop))
     if step.record is not None:
-        d.actions.append(RecordStacks(step.record))
+        d.add(RecordStacks(step.record))
     d.events.extend(event(event_reason, message, warning=True) for event_reason, message in step.events)
     taken = st.diagnosis if st.diagnosis and st.diagnosis.state != "Taking" else None
     if taken and taken.summary and taken.stall_since == since and taken.reason in (None, reason):
@@ -670,7 +676,7 @@ def _engines(r: Round, d: Draft) -> None:
     ops = scale_patch(cluster, replicas)
     suspending = any(isinstance(a, SetClusterSuspend) for a in d.actions)
     if ops and not r.observed.cluster_patch_pending and not suspending:
-        d.actions.append(ScaleRolloutGroup(replicas, tuple(ops)))
+        d.add(ScaleRolloutGroup(replicas, tuple(ops)))
 
 
 def _merge_plan(d: Draft, plan_status: Mapping[str, Any]) -> None:
