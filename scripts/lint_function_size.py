@@ -46,7 +46,9 @@ def main(argv: list[str]) -> int:
     for path, line, name, length in over:
         print(f"{path.relative_to(ROOT)}:{line}: {name} is {length} lines (limit {limit})")
     if over:
-        print(f"{len(over)} function(s) over {limit} lines: split them (docs/architecture.md)", file=sys.stderr)
+        print(
+            f"{len(over)} function(s) over {limit} lines: split them (docs/architecture.md)", file=sys.stderr
+        )
     return 1 if over else 0
 
 
