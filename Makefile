@@ -51,7 +51,7 @@ lint: setup ## ruff, mypy, the import-layer contracts (lint-imports) and the ope
 	@$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	@$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE) --strict images/build_images.py images/containerd_runtime.py images/image_recipe.py
 	@$(VENV)/bin/lint-imports --no-logo
-	@# No function of the operator package over 60 lines (the state machine's steps stay small; docs/architecture.md).
+	@# Every function of the operator package under 60 lines (the state machine's steps stay small; docs/architecture.md).
 	@$(PY) scripts/lint_function_size.py
 	@# Every collected test is in a stage of `make test` (tests/testkit/stages.py fails the collection otherwise).
 	@$(PY) -m pytest --collect-only -q -p no:cacheprovider tests >/dev/null || { $(PY) -m pytest --collect-only -q -p no:cacheprovider tests | tail -5; exit 1; }
