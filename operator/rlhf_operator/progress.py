@@ -1,28 +1,50 @@
 """The scraped trainer metrics into a running job's typed status: step, progress, throughput, phase timings,
 reward, KL, idle ratios, staleness, checkpoint step, ready engines, and the MetricsUnavailable and fabric
-conditions. Pure: no I/O; must not import kopf or the Kubernetes client.
+conditions; the typed condition upsert. Pure: no I/O; must not import kopf or the Kubernetes client.
 """
 
 from __future__ import annotations
 
 import math
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from rlhf_api.spec import Condition, RLHFJobSpec, RLHFJobStatus, RolloutStatus
 
-from rlhf_operator.conditions import set_condition
 from rlhf_operator.fabric import asks_rdma, fabric_condition
 from rlhf_operator.scrape import ScrapedMetrics
 
 
-def conditions_wire(st: RLHFJobStatus) -> list[dict[str, Any]]:
-    """The status's conditions as dicts, for the dict-based condition helpers."""
-    return [c.model_dump(by_alias=True, exclude_none=True, mode="json") for c in st.conditions or []]
+def conditions_wire(conditions: list[Condition] | None) -> list[dict[str, Any]]:
+    """Typed conditions as dicts, for the dict-based condition helpers."""
+    return [c.model_dump(by_alias=True, exclude_none=True, mode="json") for c in conditions or []]
 
 
 def conditions_typed(conditions: list[dict[str, Any]]) -> list[Condition]:
     return [Condition.model_validate(c) for c in conditions]
+
+
+def upsert_condition(
+    conditions: list[Condition], ctype: str, status: bool, reason: str, message: str, now: datetime
+) -> list[Condition]:
+    """The typed twin of conditions.set_condition: a new list; lastTransitionTime moves only when the
+    status flips."""
+    value: Literal["True", "False"] = "True" if status else "False"
+    out = list(conditions)
+    for i, c in enumerate(out):
+        if c.type == ctype:
+            moved = {"last_transition_time": second(now)} if c.status != value else {}
+            out[i] = c.model_copy(update={"status": value, "reason": reason, "message": message, **moved})
+            return out
+    out.append(
+        Condition(type=ctype, status=value, reason=reason, message=message, last_transition_time=second(now))
+    )
+    return out
+
+
+def second(ts: datetime) -> datetime:
+    """`ts` to the second, as Kubernetes writes times (conditions.iso)."""
+    return ts.replace(microsecond=0)
 
 
 def apply_metrics(
@@ -34,14 +56,16 @@ def apply_metrics(
 ) -> tuple[RLHFJobStatus, str | None]:
     """`st` with the scrape copied in (or MetricsUnavailable set), and the fabric's degradation message
     when it is new (for a Warning FabricDegraded)."""
-    conds = conditions_wire(st)
     if metrics is None:
         reason = metrics_error or "no metrics yet"
-        conds = set_condition(conds, "MetricsUnavailable", True, "ScrapeFailed", reason, now)
-        return st.model_copy(update={"conditions": conditions_typed(conds)}), None
-    conds = set_condition(conds, "MetricsUnavailable", False, "Scraped", "", now)
-    conds, degraded = fabric_condition(conds, asks_rdma(spec), metrics.nccl_networks, now)
-    changes = {**_step_fields(st, spec, metrics), **_gauges(metrics), "conditions": conditions_typed(conds)}
+        conds = upsert_condition(st.conditions or [], "MetricsUnavailable", True, "ScrapeFailed", reason, now)
+        return st.model_copy(update={"conditions": conds}), None
+    conds = upsert_condition(st.conditions or [], "MetricsUnavailable", False, "Scraped", "", now)
+    degraded = None
+    if metrics.nccl_networks and asks_rdma(spec):  # else fabric_condition changes nothing
+        wire, degraded = fabric_condition(conditions_wire(conds), True, metrics.nccl_networks, now)
+        conds = conditions_typed(wire)
+    changes = {**_step_fields(st, spec, metrics), **_gauges(metrics), "conditions": conds}
     if metrics.engines:
         rollout = st.rollout or RolloutStatus()
         changes["rollout"] = rollout.model_copy(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
 from rlhf_api.spec import (
@@ -57,7 +57,7 @@ from rlhf_operator.manifests import (
     scale_patch,
 )
 from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
-from rlhf_operator.progress import apply_metrics, conditions_typed, conditions_wire
+from rlhf_operator.progress import apply_metrics, conditions_typed, conditions_wire, second, upsert_condition
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import Stall, detect_stall, set_stalled_condition
 
@@ -178,28 +178,6 @@ class Draft:
 
     def decision(self) -> Decision:
         return Decision(self.st, tuple(self.actions), tuple(self.events), self.new_stall)
-
-
-def upsert_condition(
-    conditions: list[Condition], ctype: str, status: bool, reason: str, message: str, now: datetime
-) -> list[Condition]:
-    """The typed twin of conditions.set_condition."""
-    value: Literal["True", "False"] = "True" if status else "False"
-    out = list(conditions)
-    for i, c in enumerate(out):
-        if c.type == ctype:
-            moved = {"last_transition_time": second(now)} if c.status != value else {}
-            out[i] = c.model_copy(update={"status": value, "reason": reason, "message": message, **moved})
-            return out
-    out.append(
-        Condition(type=ctype, status=value, reason=reason, message=message, last_transition_time=second(now))
-    )
-    return out
-
-
-def second(ts: datetime) -> datetime:
-    """`ts` to the second, as Kubernetes writes times (conditions.iso)."""
-    return ts.replace(microsecond=0)
 
 
 def cluster_ready(raycluster: dict[str, Any] | None) -> bool:
@@ -590,7 +568,9 @@ def _stall(r: Round, d: Draft, info: rayjobs.RayJobInfo) -> bool:
     started = max(t for t in (r.cur.start_time or r.now, r.cur.last_restart_time) if t is not None)
     stall = detect_stall(monitoring, r.observed.metrics, started, r.cur.last_step_time, r.now)
     before = d.has("Stalled", "True")
-    st.conditions = conditions_typed(set_stalled_condition(conditions_wire(st), stall, r.now, r.generation))
+    if stall is not None or d.has("Stalled"):  # else set_stalled_condition changes nothing
+        stalled = set_stalled_condition(conditions_wire(st.conditions), stall, r.now, r.generation)
+        st.conditions = conditions_typed(stalled)
     if stall is None:
         if d.phase == "Stalled":
             d.go("Running", f"step {st.step or 0} completed: no longer stalled", "StallCleared")
@@ -660,17 +640,15 @@ def _engines(r: Round, d: Draft) -> None:
     if r.queue and kueue.holds_replicas(cluster):
         if not kueue.suspended_by_kueue(cluster, True):
             engines = d.st.rollout.desired_engines if d.st.rollout else None
-            conds, said = kueue.fixed_size_condition(conditions_wire(d.st), engines, r.now)
+            conds, said = kueue.fixed_size_condition(conditions_wire(d.st.conditions), engines, r.now)
             d.st.conditions = conditions_typed(conds)
             if said:
                 d.events.append(event("EngineScalingOff", said, warning=True))
         return
-    previous = r.cur.model_dump(by_alias=True, exclude_none=True, mode="json")
-    now_wire = d.st.model_dump(by_alias=True, exclude_none=True, mode="json")
-    plan = scaling.plan_engines(r.spec, previous, now_wire, r.now, r.observed.rollout_pods)
+    plan, conditions = _plan(r, d.st)
     if plan.write_spec:
         d.actions.insert(0, WriteEngines(plan.requested, plan.engines, plan.direction))
-    _merge_plan(d, plan.status)
+    _merge_plan(d, plan.status, conditions)
     d.events.extend(Event(*e) for e in plan.events)
     replicas = rollout_replicas(r.spec, plan.engines)
     ops = scale_patch(cluster, replicas)
@@ -679,13 +657,35 @@ def _engines(r: Round, d: Draft) -> None:
         d.add(ScaleRolloutGroup(replicas, tuple(ops)))
 
 
-def _merge_plan(d: Draft, plan_status: Mapping[str, Any]) -> None:
+def _plan(r: Round, st: RLHFJobStatus) -> tuple[scaling.EnginePlan, list[dict[str, Any]] | None]:
+    """scaling.plan_engines over the fields it reads of the stored and the next status (not whole dumps:
+    this runs every round of every job); with the conditions it was given, if any."""
+    cur = r.cur
+    previous = {
+        "rollout": {"desiredEngines": cur.rollout.desired_engines} if cur.rollout else {},
+        "lastScaleTime": cur.last_scale_time,
+        "lastScaleStep": cur.last_scale_step,
+    }
+    rollout = st.rollout.model_dump(by_alias=True, exclude_none=True, mode="json") if st.rollout else {}
+    now: dict[str, Any] = {
+        "step": st.step,
+        "phase": st.phase,
+        "generationShare": st.generation_share,
+        "rollout": rollout,
+    }
+    conditions = conditions_wire(st.conditions) if r.observed.rollout_pods is not None else None
+    if conditions is not None:
+        now["conditions"] = conditions
+    return scaling.plan_engines(r.spec, previous, now, r.now, r.observed.rollout_pods), conditions
+
+
+def _merge_plan(d: Draft, plan_status: Mapping[str, Any], conditions: list[dict[str, Any]] | None) -> None:
     """The plan's status fields (rollout, lastScaleTime, lastScaleStep, conditions) into the draft."""
     update: dict[str, Any] = {"rollout": RolloutStatus.model_validate(plan_status["rollout"])}
     if "lastScaleTime" in plan_status:
         update["last_scale_time"] = parse_time(plan_status["lastScaleTime"])
         update["last_scale_step"] = plan_status["lastScaleStep"]
-    if "conditions" in plan_status:
+    if "conditions" in plan_status and plan_status["conditions"] != conditions:
         update["conditions"] = conditions_typed(plan_status["conditions"])
     d.st = d.st.model_copy(update=update)
 
