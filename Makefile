@@ -45,12 +45,14 @@ kueue-up: ## Start Kueue (built from the Go module proxy if needed) in the runni
 kueue-down: ## Stop Kueue and remove its webhooks (its CRDs stay)
 	@$(DEVCLUSTER) kueue-down
 
-lint: setup ## ruff, mypy and the import-layer contracts (lint-imports)
+lint: setup ## ruff, mypy, the import-layer contracts (lint-imports) and the operator's function size
 	@$(VENV)/bin/ruff check api cli operator trainer_image devcluster tests benchmarks scripts images
 	@$(VENV)/bin/ruff format --check api cli operator trainer_image devcluster tests benchmarks scripts images
 	@$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	@$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE) --strict images/build_images.py images/containerd_runtime.py images/image_recipe.py
 	@$(VENV)/bin/lint-imports --no-logo
+	@# Every function of the operator package under 60 lines (the state machine's steps stay small; docs/architecture.md).
+	@$(PY) scripts/lint_function_size.py
 	@# Every collected test is in a stage of `make test` (tests/testkit/stages.py fails the collection otherwise).
 	@$(PY) -m pytest --collect-only -q -p no:cacheprovider tests >/dev/null || { $(PY) -m pytest --collect-only -q -p no:cacheprovider tests | tail -5; exit 1; }
 

@@ -6,6 +6,7 @@ Reads only; writes happen in `children` and the status patch of `handlers`.
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -215,3 +216,10 @@ def patch_in_flight(body: kopf.Body, cluster: dict[str, Any]) -> bool:
     return runtime.state_of(body).expect.patch_in_flight(
         (cluster.get("metadata") or {}).get("resourceVersion")
     )
+
+
+def create_backing_off(body: kopf.Body) -> bool:
+    """Whether a transient refusal's backoff (JobState.create_backoff, set by children.refused) still holds
+    the next create."""
+    entry = runtime.state_of(body).create_backoff
+    return entry is not None and time.monotonic() < entry[1]

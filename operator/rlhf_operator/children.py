@@ -18,7 +18,7 @@ from kubernetes.client.exceptions import ApiException
 from rlhf_api.spec import GROUP, PLURAL, VERSION, RLHFJob
 
 from rlhf_operator import cache, diagnosis, failpoints, kube, manifests, metrics, rayjobs, runtime, security
-from rlhf_operator.status import Decision, cluster_rejected, status_patch
+from rlhf_operator.status import cluster_rejected, status_patch
 
 log = logging.getLogger("rlhf_operator")
 
@@ -100,12 +100,6 @@ class ClusterRefused(Exception):
         self.message = message
 
 
-def create_backing_off(body: kopf.Body) -> bool:
-    """Whether a transient refusal's backoff (JobState.create_backoff) still holds the next create."""
-    entry = runtime.state_of(body).create_backoff
-    return entry is not None and time.monotonic() < entry[1]
-
-
 def refused(body: kopf.Body, patch: kopf.Patch, job: RLHFJob, refusal: ClusterRefused) -> None:
     """Write what the refusal means to the status and the events; retry a transient one with backoff
     (1 s, doubling to 60 s), a permanent one never."""
@@ -146,11 +140,11 @@ def patch_raycluster(
     runtime.state_of(job_body).expect.patched_cluster(version)
 
 
-def record_stacks(body: kopf.Body, job: RLHFJob, decision: Decision) -> None:
+def record_stacks(body: kopf.Body, job: RLHFJob, status: dict[str, Any], stacks: dict[str, Any]) -> None:
     """Create or replace the ConfigMap <job>-stacks with the snapshot (owned by the job). A refusal is
     logged and said in an Event, never fatal: the verdict is in the status and the Event already."""
     namespace = body.metadata.namespace or "default"
-    conditions: list[dict[str, Any]] = decision.status.get("conditions") or []
+    conditions: list[dict[str, Any]] = status.get("conditions") or []
     stall = next((str(c.get("message", "")) for c in conditions if c.get("type") == "Stalled"), "")
     owner = {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -159,9 +153,7 @@ def record_stacks(body: kopf.Body, job: RLHFJob, decision: Decision) -> None:
         "uid": body.metadata.uid or "",
         "controller": True,
     }
-    cm = diagnosis.config_map(
-        job.name, namespace, owner, str(stall), decision.status.get("diagnosis") or {}, decision.stacks or {}
-    )
+    cm = diagnosis.config_map(job.name, namespace, owner, str(stall), status.get("diagnosis") or {}, stacks)
     core = k8s.CoreV1Api(kube.api())
     try:
         try:
@@ -174,8 +166,8 @@ def record_stacks(body: kopf.Body, job: RLHFJob, decision: Decision) -> None:
         log.warning("writing %s/%s: %s", namespace, cm["metadata"]["name"], kube.api_message(e))
         kopf.event(body, type="Warning", reason="StallDiagnosisNotKept", message=kube.api_message(e)[:500])
         return
-    if decision.status.get("diagnosis"):
-        decision.status["diagnosis"]["configMap"] = cm["metadata"]["name"]
+    if status.get("diagnosis"):
+        status["diagnosis"]["configMap"] = cm["metadata"]["name"]
 
 
 def write_engines(namespace: str, name: str, requested: int, engines: int) -> bool:

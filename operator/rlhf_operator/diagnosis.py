@@ -108,15 +108,7 @@ def step(
         or parse_time(current.get("stallSince")) != stall_since
         or current.get("reason") not in (None, reason)
     ):
-        sid = submission_id(attempt, stall_since, reason)
-        status = {
-            "state": "Taking",
-            "stallSince": iso(stall_since),
-            "reason": reason,
-            "submissionId": sid,
-            "requestedAt": iso(now),
-        }
-        return DiagnosisStep(status, submit=sid, waiting=True)
+        return _request(attempt, stall_since, reason, now)
     if current.get("state") != "Taking":
         return DiagnosisStep(current)
     requested = parse_time(current.get("requestedAt")) or now
@@ -143,6 +135,19 @@ def step(
             out, stop=str(current.get("submissionId")), events=[("StallDiagnosisTimedOut", why)]
         )
     return DiagnosisStep(current, waiting=True)
+
+
+def _request(attempt: str, stall_since: datetime, reason: str, now: datetime) -> DiagnosisStep:
+    """A new snapshot asked for: Taking, its Ray job to submit."""
+    sid = submission_id(attempt, stall_since, reason)
+    status = {
+        "state": "Taking",
+        "stallSince": iso(stall_since),
+        "reason": reason,
+        "submissionId": sid,
+        "requestedAt": iso(now),
+    }
+    return DiagnosisStep(status, submit=sid, waiting=True)
 
 
 def bounded_dump(snapshot: dict[str, Any], max_bytes: int = MAX_DUMP_BYTES) -> str:

@@ -215,27 +215,29 @@ def reconcile(
         metrics.record_open_stall(namespace, job.name, decision.status.get("openStall"))
         if decision.status.get("phase") == "Restarting" and body.status.get("phase") != "Restarting":
             failpoints.hit("after_restart_decision")
-        if "create_cluster" in decision.actions and children.create_backing_off(body):
+        if decision.holds_round:
             return  # a transient refusal's backoff: the status already says why
         try:
-            act.act(body, job, observed, decision)
+            status = act.act(body, job, observed, decision)
         except children.ClusterRefused as refusal:
             children.refused(body, patch, job, refusal)
             return
-        act.reconcile_engines(body, job, observed, decision)
+        except act.Replan as e:
+            log.info("%s/%s: %s: planning again next round", namespace, job.name, e)
+            return
         failpoints.hit("before_status_patch")
     except (ApiException, rayjobs.RayJobsError) as e:
         metrics.RECONCILE_ERRORS.labels(namespace, type(e).__name__).inc()
         raise kopf.TemporaryError(f"reconcile: {e}", delay=2) from e
     current = cache.clean_status(dict(body.status)) or {}
-    changes = status_patch(current, decision.status)
+    changes = status_patch(current, status)
     # A job bound before this operator version wrote status.runtime, or whose first write was lost.
-    base = changes.get("conditions") or decision.status.get("conditions") or current.get("conditions") or []
+    base = changes.get("conditions") or status.get("conditions") or current.get("conditions") or []
     changes.update(_runtime_status(body, list(base)))
     for key, value in changes.items():
         patch.status[key] = value
     cache.remember_write(body.metadata.uid or "", changes)
-    metrics.record_job_phase(namespace, job.name, decision.status.get("phase"))
+    metrics.record_job_phase(namespace, job.name, status.get("phase"))
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 

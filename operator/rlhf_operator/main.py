@@ -12,7 +12,7 @@ import os
 import kopf
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf operator", description="Run the RLHFJob operator (kopf).")
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument(
@@ -48,7 +48,11 @@ def main(argv: list[str]) -> int:
         default=os.environ.get("POD_NAMESPACE", "default"),
         help="namespace of the Lease (default: $POD_NAMESPACE, else default)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
 
     os.environ["RLHF_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
     os.environ["RLHF_OPERATOR_METRICS_ADDR"] = args.metrics_addr

@@ -122,13 +122,44 @@ def _pod_template(
 ) -> dict[str, Any]:
     spec = job.spec
     pods = pod_settings.for_role(spec.pods, role)
-    resources = _resources(pods, gpus)
     pod_security, container_security = pod_settings.security_contexts(pods)
     # Ray's object store lives in /dev/shm, and the runtime's 64 MiB default is far too small: a
     # memory-backed emptyDir, unless the job mounts its own there.
     own_shm = any(m.get("mountPath") == "/dev/shm" for m in pods.volume_mounts or [])
     shm_mount = [] if own_shm else [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     shm_volume = [] if own_shm else [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+    resources = _resources(pods, gpus)
+    container = _container(job, role, pods, resources, ports, default_image, container_security, shm_mount)
+    pod_spec: dict[str, Any] = {
+        # No Docker-link variables for every Service of the namespace: nothing here reads them.
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
+        "containers": [container],
+        "securityContext": pod_security,
+        "volumes": [*shm_volume, *(pods.volumes or [])],
+        **_placement(job, role, pods),
+    }
+    if pods.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pods.image_pull_secrets]
+    labels = {**child_labels(job), **(pods.labels or {}), ROLE_LABEL: role}
+    metadata: dict[str, Any] = {"labels": labels}
+    if pods.annotations:
+        metadata["annotations"] = dict(pods.annotations)
+    # Each template owns its objects: none shared with the spec, another role or the module's defaults.
+    return copy.deepcopy({"metadata": metadata, "spec": pod_spec})
+
+
+def _container(
+    job: RLHFJob,
+    role: PodRole,
+    pods: PodSettings,
+    resources: dict[str, Any],
+    ports: list[dict[str, Any]],
+    default_image: str,
+    security_context: dict[str, Any],
+    shm_mount: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The role's Ray container."""
     env = [
         {"name": "RLHF_JOB_NAME", "value": job.name},
         {"name": "RLHF_ROLE", "value": role},
@@ -138,9 +169,9 @@ def _pod_template(
     ]
     container: dict[str, Any] = {
         "name": "ray-head" if role == "head" else "ray-worker",
-        "image": spec.image or default_image,
+        "image": job.spec.image or default_image,
         "env": env,
-        "securityContext": container_security,
+        "securityContext": security_context,
         "volumeMounts": [*shm_mount, *(pods.volume_mounts or [])],
     }
     if pods.env_from:
@@ -157,40 +188,32 @@ def _pod_template(
         # A rollout pod being deleted (a scale-down, an eviction) tells Ray first: the hook drains its node
         # until the grace period ends, and the trainer retires the engine on it between phases instead of
         # losing it at the kill, perhaps mid weight sync (rlhf_trainer.drain).
-        grace = str(spec.run_policy.termination_grace_period_seconds)
+        grace = str(job.spec.run_policy.termination_grace_period_seconds)
         drain = ["python", "-m", "rlhf_trainer.drain", "--deadline-seconds", grace]
         container["lifecycle"] = {"preStop": {"exec": {"command": drain}}}
-    pod_spec: dict[str, Any] = {
-        # No Docker-link variables for every Service of the namespace: nothing here reads them.
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
-        "containers": [container],
-        "securityContext": pod_security,
-        "volumes": [*shm_volume, *(pods.volumes or [])],
-    }
+    return container
+
+
+def _placement(job: RLHFJob, role: PodRole, pods: PodSettings) -> dict[str, Any]:
+    """Where the role's pods go and who runs them: node selector, tolerations, affinity (rollout pods
+    spread by default), service account, priority class, scheduler."""
+    out: dict[str, Any] = {}
     if pods.node_selector:
-        pod_spec["nodeSelector"] = dict(pods.node_selector)
+        out["nodeSelector"] = dict(pods.node_selector)
     if pods.tolerations:
-        pod_spec["tolerations"] = list(pods.tolerations)
+        out["tolerations"] = list(pods.tolerations)
     if pods.affinity:
-        pod_spec["affinity"] = dict(pods.affinity)
+        out["affinity"] = dict(pods.affinity)
     elif role == "rollout":
-        pod_spec["affinity"] = _spread_rollout_pods(job)
+        out["affinity"] = _spread_rollout_pods(job)
     for key, value in (
         ("serviceAccountName", pods.service_account_name),
         ("priorityClassName", pods.priority_class_name),
         ("schedulerName", pods.scheduler_name),
     ):
         if value:
-            pod_spec[key] = value
-    if pods.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pods.image_pull_secrets]
-    labels = {**child_labels(job), **(pods.labels or {}), ROLE_LABEL: role}
-    metadata: dict[str, Any] = {"labels": labels}
-    if pods.annotations:
-        metadata["annotations"] = dict(pods.annotations)
-    # Each template owns its objects: none shared with the spec, another role or the module's defaults.
-    return copy.deepcopy({"metadata": metadata, "spec": pod_spec})
+            out[key] = value
+    return out
 
 
 def _spread_rollout_pods(job: RLHFJob) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import kopf
 from kubernetes.client.exceptions import ApiException
-from rlhf_api.spec import RLHFJob
+from rlhf_api.spec import TERMINAL_JOB_PHASES, RLHFJob
 
 from rlhf_operator import (
     cache,
@@ -75,13 +75,26 @@ def metrics_url(cluster: dict[str, Any], job: RLHFJob) -> str:
 
 
 def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
+    """Everything `status.decide` needs besides the job: the RayCluster, its pods, the Ray job, the scrape,
+    the snapshot, Kueue's Workload, the engine plan's rollout pods and the expectations' holds."""
     namespace = body.metadata.namespace or "default"
     cluster = cache.get_cluster(body, manifests.raycluster_name(job.name))
-    obs: dict[str, Any] = {"now": datetime.now(UTC), "uid": body.metadata.uid or "", "raycluster": cluster}
+    obs: dict[str, Any] = {
+        "now": datetime.now(UTC),
+        "uid": body.metadata.uid or "",
+        "raycluster": cluster,
+        "create_backoff": cluster is None and cache.create_backing_off(body),
+    }
     queue = kueue.queue_name(job.metadata.get("labels"), cluster)
     if cluster is not None and kueue.suspended_by_kueue(cluster, queue is not None):
         obs["workload"] = _workload(namespace, cluster)
         return Observed(**obs)  # nothing runs: no Jobs API, no scrape, no pods to read
+    if cluster is not None:
+        obs["cluster_patch_pending"] = cache.patch_in_flight(body, cluster)
+        if body.status.get("phase") not in TERMINAL_JOB_PHASES and not (
+            queue and kueue.holds_replicas(cluster)
+        ):
+            obs["rollout_pods"] = cache.rollout_pods(namespace, job, cluster)  # the engine plan's
     if cluster is not None and cluster.get("status", {}).get("state") != "ready":
         obs["pods"] = cache.cluster_pods(namespace, cluster["metadata"]["name"])
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":

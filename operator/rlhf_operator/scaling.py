@@ -121,6 +121,17 @@ def decide_scale(
     if len(recent) < window:
         since = " since the last change" if last_scale_step is not None else ""
         return hold(NOT_ENOUGH_DATA, f"generation share of {len(recent)} of {window} steps observed{since}")
+    return _against_band(recent, current, autoscaling, engines_per_step)
+
+
+def _against_band(
+    recent: Sequence[float], current: int, autoscaling: AutoscalingSpec, engines_per_step: int
+) -> ScaleDecision:
+    """The window's shares against target ± hysteresis: one step up, one step down, or hold."""
+    window = len(recent)
+
+    def hold(reason: str, why: str) -> ScaleDecision:
+        return ScaleDecision(current, "hold", reason, f"{why}: engines stay {current}")
 
     target, band = autoscaling.target_generation_share, autoscaling.hysteresis
     # Rounded so that a share exactly on a threshold counts as inside the band on both sides.
@@ -245,8 +256,7 @@ def plan_engines(
     requested = spec.rollout.engines
     step = int(status.get("step") or 0)
     rollout = dict(status.get("rollout") or {})
-    prev_rollout: Mapping[str, Any] = previous.get("rollout") or {}
-    prev_desired = prev_rollout.get("desiredEngines")
+    prev_desired = (previous.get("rollout") or {}).get("desiredEngines")
     events: list[tuple[str, str, str]] = []
     engines, why_clamped = clamp_request(requested, autoscaling)
     decision: ScaleDecision | None = None
@@ -257,24 +267,10 @@ def plan_engines(
         events.append(("Warning", CLAMPED, why_clamped + moved))
         direction = "up" if engines > requested else "down"
     elif autoscaling.enabled:
-        history = history_from_status(rollout.get("generationShareHistory"))
-        share = status.get("generationShare")
-        if status.get("phase") == "Running" and share is not None:
-            history = append_history(history, step, float(share), keep=autoscaling.window_steps)
-            rollout["generationShareHistory"] = history_to_status(history)
-        if status.get("phase") == "Running":
-            decision = decide_scale(
-                history,
-                engines,
-                autoscaling,
-                now,
-                parse_time(previous.get("lastScaleTime")),
-                previous.get("lastScaleStep"),
-                engines_per_step=spec.rollout.engines_per_worker,
-            )
-            if decision.changed:
-                engines, direction = decision.target, decision.direction
-                events.append(("Normal", decision.reason, decision.message))
+        decision = _autoscale(spec, previous, status, rollout, engines, now)
+        if decision is not None and decision.changed:
+            engines, direction = decision.target, decision.direction
+            events.append(("Normal", decision.reason, decision.message))
     else:
         rollout.pop("generationShareHistory", None)
 
@@ -292,24 +288,56 @@ def plan_engines(
     rollout["desiredEngines"] = engines
     out["rollout"] = rollout
     if rollout_pods is not None:
-        conditions = list(status.get("conditions") or [])
-        pending = engines_pending(rollout_pods, engines, spec.rollout.replicas(engines))
-        if pending is not None:
-            conditions = set_condition(conditions, ENGINES_PENDING, True, UNSCHEDULABLE, pending, now)
-        elif any(c.get("type") == ENGINES_PENDING for c in conditions):
-            conditions = set_condition(
-                conditions, ENGINES_PENDING, False, ALL_SCHEDULED, "every rollout worker is placed", now
-            )
-        out["conditions"] = conditions
-    return EnginePlan(
-        engines=engines,
-        requested=requested,
-        write_spec=engines != requested,
-        status=out,
-        events=events,
-        decision=decision,
-        direction=direction,
+        out["conditions"] = _pending_condition(spec, status, rollout_pods, engines, now)
+    return EnginePlan(engines, requested, engines != requested, out, events, decision, direction)
+
+
+def _autoscale(
+    spec: RLHFJobSpec,
+    previous: Mapping[str, Any],
+    status: Mapping[str, Any],
+    rollout: dict[str, Any],
+    engines: int,
+    now: datetime,
+) -> ScaleDecision | None:
+    """While the job is Running: its step's share joins `rollout`'s generationShareHistory (updated in
+    place) and the policy decides (`decide_scale`); None in any other phase."""
+    autoscaling = spec.rollout.autoscaling
+    history = history_from_status(rollout.get("generationShareHistory"))
+    share = status.get("generationShare")
+    if status.get("phase") != "Running":
+        return None
+    if share is not None:
+        step = int(status.get("step") or 0)
+        history = append_history(history, step, float(share), keep=autoscaling.window_steps)
+        rollout["generationShareHistory"] = history_to_status(history)
+    return decide_scale(
+        history,
+        engines,
+        autoscaling,
+        now,
+        parse_time(previous.get("lastScaleTime")),
+        previous.get("lastScaleStep"),
+        engines_per_step=spec.rollout.engines_per_worker,
     )
+
+
+def _pending_condition(
+    spec: RLHFJobSpec,
+    status: Mapping[str, Any],
+    rollout_pods: Sequence[Mapping[str, Any]],
+    engines: int,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """`status`'s conditions with EnginesPending set while the scheduler cannot place rollout workers."""
+    conditions = list(status.get("conditions") or [])
+    pending = engines_pending(rollout_pods, engines, spec.rollout.replicas(engines))
+    if pending is not None:
+        return set_condition(conditions, ENGINES_PENDING, True, UNSCHEDULABLE, pending, now)
+    if any(c.get("type") == ENGINES_PENDING for c in conditions):
+        message = "every rollout worker is placed"
+        return set_condition(conditions, ENGINES_PENDING, False, ALL_SCHEDULED, message, now)
+    return conditions
 
 
 def engines_pending(pods: Sequence[Mapping[str, Any]], engines: int, workers: int) -> str | None:

@@ -6,7 +6,9 @@ ignores it), unknown series are ignored, and series of other jobs (another `rlhf
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -75,6 +77,29 @@ class ScrapedMetrics:
         return self.step_phase_seconds["generation"] / total
 
 
+# Series whose value is one field of ScrapedMetrics: the field, and how the value converts.
+_FIELDS: dict[str, tuple[str, Callable[[float], Any]]] = {
+    "rlhf_step_seconds": ("last_step_seconds", float),
+    "rlhf_steps_completed_total": ("steps_completed", int),
+    "rlhf_total_steps": ("total_steps", int),
+    "rlhf_last_step_completed_timestamp_seconds": ("last_step_completed_ts", lambda v: v or None),
+    "rlhf_stall_timeout_seconds": ("stall_timeout_seconds", float),
+    "rlhf_generated_tokens_total": ("generated_tokens_total", float),
+    "rlhf_trained_tokens_total": ("trained_tokens_total", float),
+    "rlhf_reward_mean": ("reward_mean", float),
+    "rlhf_eval_reward_mean": ("eval_reward_mean", float),
+    "rlhf_eval_step": ("eval_step", int),
+    "rlhf_kl": ("kl", float),
+    "rlhf_reward_errors_total": ("reward_errors_total", float),
+    "rlhf_weight_sync_bytes_total": ("weight_sync_bytes_total", float),
+    "rlhf_last_checkpoint_step": ("last_checkpoint_step", int),
+    "rlhf_trainer_idle_ratio": ("trainer_idle_ratio", float),
+    "rlhf_rollout_idle_ratio": ("rollout_idle_ratio", float),
+    "rlhf_sample_staleness_sum": ("staleness_sum", float),
+    "rlhf_sample_staleness_count": ("staleness_count", float),
+}
+
+
 def parse_metrics(text: str, rlhfjob: str | None = None) -> ScrapedMetrics:
     out = ScrapedMetrics()
     started: dict[str, float] = {}
@@ -85,66 +110,44 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> ScrapedMetrics:
         raise MalformedMetrics(str(e)) from e
     for fam in families:
         for s in fam.samples:
-            labels = s.labels
-            if rlhfjob is not None and labels.get("rlhfjob", rlhfjob) != rlhfjob:
+            if rlhfjob is not None and s.labels.get("rlhfjob", rlhfjob) != rlhfjob:
                 continue
-            name, value = s.name, float(s.value)
-            step_phase = labels.get("phase", "")  # the label keeps its contract name
-            if name == "rlhf_step_seconds":
-                out.last_step_seconds = value
-            if name == "rlhf_step_phase_seconds" and step_phase:
-                out.step_phase_seconds[step_phase] = value
-            elif name == "rlhf_phase_in_progress" and step_phase and value >= 1:
-                in_progress.append(step_phase)
-            elif name == "rlhf_phase_started_timestamp_seconds" and step_phase:
-                started[step_phase] = value
-            elif name == "rlhf_steps_completed_total":
-                out.steps_completed = int(value)
-            elif name == "rlhf_total_steps":
-                out.total_steps = int(value)
-            elif name == "rlhf_last_step_completed_timestamp_seconds":
-                out.last_step_completed_ts = value or None
-            elif name == "rlhf_stall_timeout_seconds":
-                out.stall_timeout_seconds = value
-            elif name == "rlhf_generated_tokens_total":
-                out.generated_tokens_total = value
-            elif name == "rlhf_trained_tokens_total":
-                out.trained_tokens_total = value
-            elif name == "rlhf_reward_mean":
-                out.reward_mean = value
-            elif name == "rlhf_eval_reward_mean":
-                out.eval_reward_mean = value
-            elif name == "rlhf_eval_source_reward_mean" and "data_source" in labels:
-                out.eval_reward_mean_by_data_source[labels["data_source"]] = value
-            elif name == "rlhf_eval_step":
-                out.eval_step = int(value)
-            elif name == "rlhf_kl":
-                out.kl = value
-            elif name == "rlhf_reward_errors_total":
-                out.reward_errors_total = value
-            elif name == "rlhf_weight_sync_bytes_total":
-                out.weight_sync_bytes_total = value
-            elif name == "rlhf_last_checkpoint_step":
-                out.last_checkpoint_step = int(value)
-            elif name == "rlhf_trainer_idle_ratio":
-                out.trainer_idle_ratio = value
-            elif name == "rlhf_rollout_idle_ratio":
-                out.rollout_idle_ratio = value
-            elif name == "rlhf_sample_staleness_sum":
-                out.staleness_sum = value
-            elif name == "rlhf_sample_staleness_count":
-                out.staleness_count = value
-            elif name == "rlhf_stale_samples_total":
-                out.stale_samples_total = (out.stale_samples_total or 0.0) + value
-            elif name == "rlhf_nccl_transport" and value >= 1 and "process" in labels:
-                out.nccl_networks[labels["process"]] = labels.get("network", "unknown")
-            elif name == "rlhf_rollout_engines" and "state" in labels:
-                out.engines[labels["state"]] = int(value)
+            _take(out, s.name, float(s.value), s.labels, started, in_progress)
     if in_progress:
         # The most recently started phase is the one the step is waiting on.
         out.in_progress_step_phase = max(in_progress, key=lambda p: started.get(p, 0.0))
         out.in_progress_since = started.get(out.in_progress_step_phase)
     return out
+
+
+def _take(
+    out: ScrapedMetrics,
+    name: str,
+    value: float,
+    labels: dict[str, str],
+    started: dict[str, float],
+    in_progress: list[str],
+) -> None:
+    """One sample into `out` (the phases in progress and their start times into the two collections)."""
+    target = _FIELDS.get(name)
+    if target is not None:
+        setattr(out, target[0], target[1](value))
+        return
+    step_phase = labels.get("phase", "")  # the label keeps its contract name
+    if name == "rlhf_step_phase_seconds" and step_phase:
+        out.step_phase_seconds[step_phase] = value
+    elif name == "rlhf_phase_in_progress" and step_phase and value >= 1:
+        in_progress.append(step_phase)
+    elif name == "rlhf_phase_started_timestamp_seconds" and step_phase:
+        started[step_phase] = value
+    elif name == "rlhf_stale_samples_total":
+        out.stale_samples_total = (out.stale_samples_total or 0.0) + value
+    elif name == "rlhf_eval_source_reward_mean" and "data_source" in labels:
+        out.eval_reward_mean_by_data_source[labels["data_source"]] = value
+    elif name == "rlhf_nccl_transport" and value >= 1 and "process" in labels:
+        out.nccl_networks[labels["process"]] = labels.get("network", "unknown")
+    elif name == "rlhf_rollout_engines" and "state" in labels:
+        out.engines[labels["state"]] = int(value)
 
 
 def fetch_metrics(url: str, rlhfjob: str | None = None, timeout: float = 5.0) -> ScrapedMetrics:

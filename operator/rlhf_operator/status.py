@@ -1,39 +1,67 @@
-"""(RayCluster, Ray job, scraped metrics, clock) -> the RLHFJob's next status and the actions to take.
+"""(RayCluster, Ray job, scraped metrics, Kueue, engine plan inputs, clock) -> the RLHFJob's next status and
+the typed actions to take: a state machine over the job's phase.
 
-Pure: no Kubernetes, Ray or HTTP calls. The handler observes the world, calls `decide`, applies the
-actions it returns and patches the status diff. Everything here is level-triggered and idempotent, so
-an operator killed at any point converges to the same answer on restart.
+Pure: no Kubernetes, Ray or HTTP calls. `decide` reads the typed status (`RLHFJobStatus`), looks up the
+steps of the job's phase in `PHASE_STEPS` and runs them in order until one decides the round; then the
+engine plan (`scaling.plan_engines`, held while Kueue holds the replicas) sizes the rollout group. The
+handler observes the world, calls `decide`, carries out `Decision.actions` (act.py) and patches the
+status diff. Level-triggered and idempotent: an operator killed at any point converges on restart.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, Literal
+from datetime import datetime
+from typing import Any
 
 from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
-from rlhf_api.spec import RLHFJob
+from rlhf_api.spec import (
+    TERMINAL_JOB_PHASES,
+    Condition,
+    JobPhase,
+    OpenStall,
+    RLHFJob,
+    RLHFJobSpec,
+    RLHFJobStatus,
+    RolloutStatus,
+    StallDiagnosis,
+)
 
-from rlhf_operator import diagnosis, kueue, rayjobs
-from rlhf_operator.conditions import iso, parse_time, set_condition
-from rlhf_operator.fabric import asks_rdma, fabric_condition
-from rlhf_operator.manifests import JOB_LABEL, ROLE_LABEL, effective_engines, raycluster_name
+from rlhf_operator import diagnosis, kueue, rayjobs, scaling
+from rlhf_operator.actions import (
+    Action,
+    AwaitCreateBackoff,
+    CreateCluster,
+    Decision,
+    DeleteCluster,
+    DeleteJob,
+    Event,
+    RecordStacks,
+    ScaleRolloutGroup,
+    SetClusterSuspend,
+    StopRayJob,
+    StopSnapshot,
+    SubmitSnapshot,
+    SubmitTrainer,
+    WriteEngines,
+    event,
+)
+from rlhf_operator.conditions import parse_time
+from rlhf_operator.manifests import (
+    JOB_LABEL,
+    ROLE_LABEL,
+    effective_engines,
+    raycluster_name,
+    rollout_replicas,
+    scale_patch,
+)
 from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
+from rlhf_operator.progress import apply_metrics, conditions_typed, conditions_wire, second, upsert_condition
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import Stall, detect_stall, set_stalled_condition
 
-Action = Literal[
-    "create_cluster",  # the RayCluster is missing
-    "submit",  # submit the trainer as Ray job `submission_id`
-    "stop",  # stop Ray job `stop_submission_id`
-    "suspend_cluster",  # set RayCluster spec.suspend to the job's runPolicy.suspend
-    "delete_cluster",  # the job finished: release the RayCluster's GPUs
-    "delete_job",  # ttlSecondsAfterFinished elapsed
-    "snapshot",  # submit the stall's stack snapshot as Ray job `snapshot_submission_id`
-    "stop_snapshot",  # stop the snapshot's Ray job (past its time limit)
-    "record_stacks",  # write `stacks` into the ConfigMap <job>-stacks
-]
+__all__ = ["Decision", "Observed", "cluster_rejected", "decide", "status_patch"]
 
 
 def input_error(job_info: rayjobs.RayJobInfo) -> str | None:
@@ -72,22 +100,84 @@ class Observed:
     previous_running: str | None = None
     # The stall's snapshot job, read while status.diagnosis is Taking.
     stacks: diagnosis.SnapshotResult | None = None
+    # The engine plan's inputs: the rollout worker pods (None: not read; cache.rollout_pods) for the
+    # EnginesPending condition.
+    rollout_pods: list[dict[str, Any]] | None = None
+    # Our last patch of the RayCluster has not come back through the watch yet: patching it again would be
+    # a second write of the same change (cache.patch_in_flight).
+    cluster_patch_pending: bool = False
+    # A transient refusal of the RayCluster's create is backing off (cache.create_backing_off).
+    create_backoff: bool = False
+
+
+@dataclass(frozen=True)
+class Round:
+    """The inputs of one decision, typed: the job, its stored status, what was observed."""
+
+    job: RLHFJob
+    cur: RLHFJobStatus  # the status as stored
+    observed: Observed
+    submission_id: str  # the current attempt's id (from restarts and preemptions)
+    queue: str | None  # the LocalQueue of a Kueue-managed job
+
+    @property
+    def spec(self) -> RLHFJobSpec:
+        return self.job.spec
+
+    @property
+    def now(self) -> datetime:
+        return self.observed.now
+
+    @property
+    def cluster(self) -> dict[str, Any] | None:
+        return self.observed.raycluster
+
+    @property
+    def generation(self) -> int | None:
+        return int(self.job.metadata.get("generation") or 0) or None
 
 
 @dataclass
-class Decision:
-    status: dict[str, Any]
-    actions: list[Action] = field(default_factory=list)
-    submission_id: str | None = None
-    stop_submission_id: str | None = None
-    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
-    new_stall: Stall | None = None  # a stall first seen (or first attributed to a step phase) this round
-    snapshot_submission_id: str | None = None
-    stop_snapshot_id: str | None = None
-    stacks: dict[str, Any] | None = None  # the snapshot to keep in the ConfigMap (record_stacks)
+class Draft:
+    """The decision being built by one round's steps; local to one `decide` call. `phase` is the phase the
+    steps reason from (the stored one, or Provisioning once Kueue admitted a queued job)."""
 
-    def event(self, reason: str, message: str, warning: bool = False) -> None:
-        self.events.append(("Warning" if warning else "Normal", reason, message))
+    st: RLHFJobStatus
+    phase: JobPhase
+    actions: list[Action] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    new_stall: Stall | None = None
+
+    def go(self, phase: JobPhase, message: str, reason: str | None = None, warning: bool = False) -> None:
+        """Move to `phase` with `message`; an Event (`reason`, else the phase's name) when the phase changes."""
+        if phase != self.phase:
+            self.events.append(event(reason or phase, message, warning))
+        self.st.phase = phase
+        self.st.message = message
+
+    def cond(self, ctype: str, status: bool, reason: str, message: str, now: datetime) -> None:
+        """Upsert a condition; its lastTransitionTime changes only when its status flips."""
+        self.st.conditions = upsert_condition(self.st.conditions or [], ctype, status, reason, message, now)
+
+    def has(self, ctype: str, status: str | None = None) -> Condition | None:
+        """The condition of type `ctype` (with status `status`, if given), if any."""
+        return next(
+            (c for c in self.st.conditions or [] if c.type == ctype and status in (None, c.status)), None
+        )
+
+    def add(self, action: Action) -> None:
+        """Add `action` unless it is already due (a restart past backoffLimit finishes the job: one stop,
+        one delete)."""
+        if action not in self.actions:
+            self.actions.append(action)
+
+    def stop(self, ray_job: rayjobs.RayJobInfo | None) -> None:
+        """Stop `ray_job` if it has not ended."""
+        if ray_job is not None and ray_job.status not in rayjobs.TERMINAL:
+            self.add(StopRayJob(ray_job.submission_id))
+
+    def decision(self) -> Decision:
+        return Decision(self.st, tuple(self.actions), tuple(self.events), self.new_stall)
 
 
 def cluster_ready(raycluster: dict[str, Any] | None) -> bool:
@@ -125,468 +215,505 @@ def cluster_problem(raycluster: dict[str, Any] | None) -> str | None:
     return None
 
 
+# A step of a phase: True when it decided the round (the steps after it do not run).
+Step = Callable[[Round, Draft], bool]
+
+
 def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
     """The next status and actions. `submission_id` is the id of the current attempt (from restarts)."""
-    spec = job.spec
-    cur: dict[str, Any] = (
-        job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
+    cur = job.status or RLHFJobStatus()
+    r = Round(
+        job, cur, observed, submission_id, kueue.queue_name(job.metadata.get("labels"), observed.raycluster)
     )
-    now = observed.now
-    job_phase = cur.get("phase") or "Pending"
-    st: dict[str, Any] = dict(cur)
-    conds: list[dict[str, Any]] = list(cur.get("conditions", []))
-    d = Decision(status=st)
-    generation = int(job.metadata.get("generation") or 0) or None
-    st["observedGeneration"] = generation
-    st["totalSteps"] = spec.algorithm.total_steps
-    st.setdefault("restarts", 0)
-    if observed.raycluster:
-        st["rayClusterName"] = observed.raycluster["metadata"]["name"]
-    st.setdefault("progress", f"{st.get('step', 0)}/{spec.algorithm.total_steps}")
-    rollout = dict(st.get("rollout") or {})
-    rollout["desiredEngines"] = effective_engines(spec)
-    rollout["selector"] = f"{JOB_LABEL}={job.name},{ROLE_LABEL}=rollout"
-    st["rollout"] = rollout
+    d = Draft(_normalised(r), cur.phase or "Pending")
+    for step in PHASE_STEPS[d.phase]:
+        if step(r, d):
+            break
+    _engines(r, d)
+    if observed.create_backoff and any(isinstance(a, CreateCluster) for a in d.actions):
+        d.actions, d.events = [AwaitCreateBackoff()], []  # nothing this round; the status says why
+    return d.decision()
 
-    def go(new_job_phase: str, message: str, reason: str | None = None, warning: bool = False) -> None:
-        if new_job_phase != job_phase:
-            d.event(reason or new_job_phase, message, warning=warning)
-        st["phase"] = new_job_phase
-        st["message"] = message
 
-    # Finished jobs stay finished; only the TTL clock and the cluster's release remain.
-    if job_phase in ("Succeeded", "Failed"):
-        if observed.raycluster:
-            d.actions.append("delete_cluster")
-        ttl = spec.run_policy.ttl_seconds_after_finished
-        done = parse_time(cur.get("completionTime"))
-        if ttl is not None and done and (now - done).total_seconds() >= ttl:
-            d.actions.append("delete_job")
-        st["conditions"] = conds
-        return d
-
-    def finish(new_job_phase: str, reason: str, message: str) -> Decision:
-        go(new_job_phase, message, reason, warning=new_job_phase == "Failed")
-        st["completionTime"] = iso(now)
-        st.pop("openStall", None)  # a finished job has no stall to resolve
-        nonlocal conds
-        conds = set_condition(
-            conds, "Succeeded" if new_job_phase == "Succeeded" else "Failed", True, reason, message, now
-        )
-        conds = set_condition(conds, "Running", False, reason, message, now)
-        st["conditions"] = conds
-        if observed.ray_job and observed.ray_job.status not in rayjobs.TERMINAL:
-            d.actions.append("stop")
-            d.stop_submission_id = observed.ray_job.submission_id
-        if observed.raycluster:
-            d.actions.append("delete_cluster")
-        return d
-
-    # Kueue manages the RayCluster of a job with a queue label: its spec.suspend is Kueue's alone.
-    queue = kueue.queue_name(job.metadata.get("labels"), observed.raycluster)
-
-    # Suspend: keep the CR, release the pods, stop the trainer; resume from checkpoint.
-    if spec.run_policy.suspend:
-        if observed.raycluster and queue:
-            d.actions.append("delete_cluster")  # releases Kueue's quota with it; recreated (queued) on resume
-        elif observed.raycluster and not observed.raycluster.get("spec", {}).get("suspend"):
-            d.actions.append("suspend_cluster")
-        if observed.ray_job and observed.ray_job.status not in rayjobs.TERMINAL:
-            d.actions.append("stop")
-            d.stop_submission_id = observed.ray_job.submission_id
-        st.pop("activeSince", None)  # the deadline clock starts again on resume, as for a Kubernetes Job
-        go("Suspended", "runPolicy.suspend is true: pods released, resumes from the last checkpoint")
-        st["conditions"] = set_condition(
-            conds, "Suspended", True, "Suspended", "suspended by runPolicy.suspend", now
-        )
-        return d
-    if queue and kueue.suspended_by_kueue(observed.raycluster, True):
-        return _queued(d, job_phase, conds, queue, observed, go)
-    if observed.raycluster and observed.raycluster.get("spec", {}).get("suspend"):
-        d.actions.append("suspend_cluster")  # un-suspend: the handler sets it to runPolicy.suspend (false)
-    conds = (
-        set_condition(conds, "Suspended", False, "NotSuspended", "", now)
-        if any(c.get("type") == "Suspended" for c in conds)
-        else conds
-    )
-    if queue and any(c.get("type") == "Queued" and c.get("status") == "True" for c in conds):
-        conds = set_condition(conds, "Queued", False, "Admitted", f"admitted by Kueue from {queue}", now)
-    if job_phase == "Queued":  # admitted: the deadline counts from now, as after an unsuspension
-        st["activeSince"] = iso(now)
-        go("Provisioning", f"admitted by Kueue from LocalQueue {queue}: starting the RayCluster", "Admitted")
-        job_phase = "Provisioning"
-
-    # Active deadline, counted like a Kubernetes Job's: from the job's creation, or its last unsuspension,
-    # so time stuck provisioning counts too.
-    started = parse_time(cur.get("startTime"))
-    # A new job: its creation; a resumed one: now; one from before this field: its start.
-    if "activeSince" not in st:
-        created = parse_time(job.metadata.get("creationTimestamp"))
-        since = created if job_phase == "Pending" else now if job_phase == "Suspended" else started
-        st["activeSince"] = iso(since or now)
-    active_since = parse_time(st["activeSince"]) or now
-    deadline = spec.run_policy.active_deadline_seconds
-    if deadline is not None and (now - active_since).total_seconds() > deadline:
-        where = "" if job_phase in ("Running", "Stalled") else f" ({st.get('message') or job_phase})"
-        return finish(
-            "Failed",
-            "DeadlineExceeded",
-            f"active longer than runPolicy.activeDeadlineSeconds={deadline}{where}",
-        )
-
-    def restart_or_fail(reason: str, limit_reason: str) -> Decision:
-        restarts = int(st.get("restarts") or 0)
-        if restarts < spec.run_policy.backoff_limit:
-            st["restarts"] = restarts + 1
-            st["lastRestartTime"] = iso(now)
-            st.pop("submissionId", None)
-            go(
-                "Restarting",
-                f"{reason}; restart {restarts + 1}/{spec.run_policy.backoff_limit} from the last checkpoint",
-                "Restarting",
-                warning=True,
-            )
-            st["conditions"] = set_condition(conds, "Running", False, "Restarting", reason, now)
-            return d
-        return finish(
-            "Failed", limit_reason, f"{reason}; backoffLimit {spec.run_policy.backoff_limit} reached"
-        )
-
-    # Provisioning timeout: this attempt has not reached a running trainer in time.
-    timeout = spec.run_policy.provisioning_timeout_seconds
-    attempt_start = max(t for t in (active_since, parse_time(cur.get("lastRestartTime"))) if t is not None)
-    if (
-        timeout is not None
-        and job_phase in ("Pending", "Provisioning", "Restarting")
-        and (now - attempt_start).total_seconds() > timeout
-    ):
-        why = f"not running after runPolicy.provisioningTimeoutSeconds={timeout}: {st.get('message') or job_phase}"
-        if spec.run_policy.on_provisioning_timeout == "Restart":
-            if observed.raycluster:
-                d.actions.append("delete_cluster")  # new pods, perhaps on other nodes
-            return restart_or_fail(why, "ProvisioningTimeout")
-        return finish("Failed", "ProvisioningTimeout", why)
-
-    if observed.raycluster is None:
-        st.pop("headPod", None)  # the next attempt's head is the new cluster's
-        d.actions.append("create_cluster")
-        if job_phase == "Suspended":
-            go(
-                "Pending",
-                "resumed: creating the RayCluster; the trainer resumes from its checkpoint",
-                "Resumed",
-            )
-        elif job_phase not in ("Pending", "Restarting"):
-            go(
-                "Provisioning",
-                "RayCluster missing: recreating it; the trainer resumes from its checkpoint",
-                "ClusterRecreated",
-                warning=True,
-            )
-        else:
-            go("Pending" if job_phase == "Pending" else job_phase, "creating the RayCluster")
-        st["conditions"] = conds
-        return d
-
-    # The head pod of a running attempt replaced or gone: its driver and the GCS went with it, whatever
-    # the RayCluster's state says. Restart from the last checkpoint rather than stay Running on nothing.
-    lost = head_lost(observed.raycluster, cur.get("headPod")) if job_phase in ("Running", "Stalled") else None
-    if lost:
-        st.pop("headPod", None)
-        return restart_or_fail(
-            f"{lost}: the trainer's driver and the GCS went with it", "BackoffLimitExceeded"
-        )
-
-    problem = cluster_problem(observed.raycluster)
-    if not cluster_ready(observed.raycluster):
-        msg = f"waiting for RayCluster {st['rayClusterName']} to be ready"
-        pod_problem = diagnose(observed.pods or [])
-        if problem:
-            msg = f"RayCluster {st['rayClusterName']} is not ready: {problem}"
-        elif pod_problem:
-            msg = f"RayCluster {st['rayClusterName']} is not ready: {pod_problem.describe()}"
-        conds = set_condition(conds, "ClusterReady", False, "ClusterNotReady", msg, now)
-        before = next((c for c in conds if c.get("type") == "PodsReady"), None)
-        if pod_problem:
-            if not before or before.get("status") != "False" or before.get("reason") != pod_problem.reason:
-                d.event(pod_problem.reason, pod_problem.describe(), warning=True)  # once per new reason
-            conds = set_condition(conds, "PodsReady", False, pod_problem.reason, pod_problem.describe(), now)
-        elif before is not None and before.get("status") == "False":
-            conds = set_condition(conds, "PodsReady", True, "PodsScheduled", "no pod problem found", now)
-        st["conditions"] = conds
-        if job_phase in ("Pending", "Provisioning", "Restarting"):
-            go("Provisioning" if job_phase != "Restarting" else "Restarting", msg)
-        return d
-    conds = set_condition(conds, "ClusterReady", True, "ClusterReady", "RayCluster is ready", now)
-
-    job_info = observed.ray_job
-    if observed.ray_job_error and job_info is None:
-        conds = set_condition(
-            conds, "JobSubmitted", False, "RayDashboardUnavailable", observed.ray_job_error, now
-        )
-        st["conditions"] = conds
-        if job_phase in ("Pending", "Provisioning"):
-            go("Provisioning", f"cannot reach the Ray dashboard: {observed.ray_job_error}")
-        return d
-
-    if job_info is None and observed.previous_running and _may_wait_for_previous(job, cur, now):
-        # Never two attempts at once: they would share the checkpoint directory and the metrics port.
-        st["conditions"] = conds
-        st["message"] = (
-            f"waiting for the previous attempt {observed.previous_running} to stop (it finishes its step and "
-            "may save a checkpoint, within runPolicy.terminationGracePeriodSeconds)"
-        )
-        return d
-
-    if job_info is None:
-        d.actions.append("submit")
-        d.submission_id = submission_id
-        st["submissionId"] = submission_id
-        st["headPod"] = head_pod_name(observed.raycluster)
-        conds = set_condition(conds, "JobSubmitted", True, "Submitted", f"submitted {submission_id}", now)
-        st["conditions"] = conds
-        if job_phase in ("Pending", "Provisioning"):
-            go("Provisioning", f"submitting trainer job {submission_id}")
-        return d
-
-    st["submissionId"] = job_info.submission_id
-    if job_info.status == rayjobs.SUCCEEDED:
-        # The driver exits 0 only after its last step, and its /metrics ends with it: the final step is
-        # usually completed between two scrapes, so the count comes from that contract.
-        st["step"] = spec.algorithm.total_steps
-        st["progress"] = f"{spec.algorithm.total_steps}/{spec.algorithm.total_steps}"
-        st["currentPhase"] = None
-        exported = spec.checkpoint.export_dir()
-        if exported:  # the driver exits 0 only after its end-of-run export (docs/trainer.md)
-            st["exportPath"] = exported
-        return finish(
-            "Succeeded",
-            "TrainingComplete",
-            f"trained {spec.algorithm.total_steps} steps"
-            + (f"; model exported to {exported}" if exported else ""),
-        )
-
-    bad_input = input_error(job_info)
-    if bad_input is not None:
-        return finish("Failed", "InvalidInput", f"the trainer refused its input (not restarted): {bad_input}")
-
-    if job_info.status in (rayjobs.FAILED, rayjobs.STOPPED):
-        reason = (
-            f"Ray job {job_info.submission_id} {job_info.status.lower()}: {job_info.message[-300:]}".strip()
-        )
-        return restart_or_fail(reason, "BackoffLimitExceeded")
-
-    if job_info.status == rayjobs.PENDING:
-        st["conditions"] = conds
-        if job_phase in ("Pending", "Provisioning"):
-            go("Provisioning", f"trainer job {job_info.submission_id} is pending on the Ray cluster")
-        return d
-
-    # RUNNING.
-    if not started:
-        st["startTime"] = iso(now)
-    if not st.get("headPod"):
-        st["headPod"] = head_pod_name(observed.raycluster)
-    if job_phase in ("Pending", "Provisioning", "Restarting", "Suspended"):
-        go("Running", f"trainer job {job_info.submission_id} is running", "Running")
-    conds = set_condition(conds, "Running", True, "Running", f"Ray job {job_info.submission_id} running", now)
-    st["conditions"] = conds
-    apply_metrics(job, observed, d)
-    open_stall = st.get("openStall")
-    if open_stall and int(st.get("step") or 0) > int(open_stall.get("step") or 0):
-        st.pop("openStall")  # a step completed after the stall: it is over (through a restart, too)
-
-    # Stall detection (seed problem 5): no completed step within stallTimeoutSeconds of the latest
-    # progress. The clock of an attempt starts when it starts, so a restart gets a full timeout.
-    attempt_started = max(
-        t for t in (started or now, parse_time(cur.get("lastRestartTime"))) if t is not None
-    )
-    stall = detect_stall(
-        spec.monitoring, observed.metrics, attempt_started, parse_time(cur.get("lastStepTime")), now
-    )
-    before = next(
-        (c for c in st["conditions"] if c.get("type") == "Stalled" and c.get("status") == "True"), None
-    )
-    st["conditions"] = set_stalled_condition(st["conditions"], stall, now, generation)
-    if stall is None:
-        if job_phase == "Stalled":
-            go("Running", f"step {st.get('step', 0)} completed: no longer stalled", "StallCleared")
-        return d
-    if before is None or before.get("reason") != stall.reason:  # a new stall, or now the step phase is known
-        d.event("Stalled", f"{stall.reason}: {stall.message}", warning=True)
-        d.new_stall = stall
-        st["openStall"] = {
-            "phase": stall.step_phase_label,
-            "step": int(st.get("step") or 0),
-            "since": iso(stall.last_progress),
+def _normalised(r: Round) -> RLHFJobStatus:
+    """The stored status with what every round writes: generation, total steps, cluster name, selector."""
+    cur, spec = r.cur, r.spec
+    rollout = (cur.rollout or RolloutStatus()).model_copy(
+        update={
+            "desired_engines": effective_engines(spec),
+            "selector": f"{JOB_LABEL}={r.job.name},{ROLE_LABEL}=rollout",
         }
-    timeout = spec.monitoring.stack_snapshot_timeout_seconds
-    waiting = _diagnose(d, st, stall.reason, timeout, job_info.submission_id, observed)
-    cond = next(c for c in st["conditions"] if c.get("type") == "Stalled")
-    conds = st["conditions"]  # a restart's Running condition goes beside the Stalled one, not over it
-    if spec.monitoring.on_stall == "Restart" and not waiting:
-        d.actions.append("stop")
-        d.stop_submission_id = job_info.submission_id
-        return restart_or_fail(f"stalled ({stall.reason}): {cond['message']}", "StalledBackoffLimitExceeded")
-    # The condition keeps its message while the same stall lasts; so does the status message (no patch
-    # every reconcile just because the durations in it grew).
-    st["phase"] = "Stalled"
-    st["message"] = f"{cond['reason']}: {cond['message']}"
-    if waiting and spec.monitoring.on_stall == "Restart":
-        st["message"] += "; taking a stack snapshot before the restart"
-    return d
+    )
+    update: dict[str, Any] = {
+        "observed_generation": r.generation,
+        "total_steps": spec.algorithm.total_steps,
+        "restarts": cur.restarts or 0,
+        "progress": cur.progress or f"{cur.step or 0}/{spec.algorithm.total_steps}",
+        "rollout": rollout,
+        "conditions": list(cur.conditions or []),
+    }
+    if r.cluster:
+        update["ray_cluster_name"] = r.cluster["metadata"]["name"]
+    return cur.model_copy(update=update)
 
 
-def _diagnose(
-    d: Decision, st: dict[str, Any], reason: str, timeout: int, attempt: str, observed: Observed
-) -> bool:
-    """The stall's stack snapshot (diagnosis.step) into `d`; True while it is being taken. Once taken,
-    its verdict ends the Stalled condition's message."""
-    since = parse_time((st.get("openStall") or {}).get("since"))
-    if since is None:
-        return False
-    step = diagnosis.step(st.get("diagnosis"), since, reason, attempt, observed.stacks, observed.now, timeout)
-    if step.status is not None:
-        st["diagnosis"] = step.status
-    if step.submit:
-        d.actions.append("snapshot")
-        d.snapshot_submission_id = step.submit
-    if step.stop:
-        d.actions.append("stop_snapshot")
-        d.stop_snapshot_id = step.stop
-    if step.record is not None:
-        d.actions.append("record_stacks")
-        d.stacks = step.record
-    for event_reason, message in step.events:
-        d.event(event_reason, message, warning=True)
-    now_diag = step.status or {}
-    said = now_diag.get("summary") if now_diag.get("state") != "Taking" else None
-    if said and parse_time(now_diag.get("stallSince")) == since and now_diag.get("reason") in (None, reason):
-        st["conditions"] = [
-            {**c, "message": f"{c['message']}; stacks: {said}"}
-            if c.get("type") == "Stalled" and c.get("status") == "True" and "; stacks: " not in c["message"]
-            else c
-            for c in st["conditions"]
-        ]
-    return step.waiting
+# ----------------------------------------------------------------------------------- finished phases
 
 
-def _may_wait_for_previous(job: RLHFJob, cur: dict[str, Any], now: datetime) -> bool:
-    """Whether to go on waiting for a stopping previous attempt: for its stop budget and 30 s more after
-    the restart (or admission) that ended it; past that Ray's own SIGKILL has failed, and waiting longer
-    would hang the job."""
-    since = parse_time(cur.get("lastRestartTime")) or parse_time(cur.get("activeSince"))
-    limit = job.spec.run_policy.termination_grace_period_seconds + 30
-    return since is None or (now - since).total_seconds() < limit
+def _finished(r: Round, d: Draft) -> bool:
+    """Succeeded and Failed stay; only the cluster's release and the TTL clock remain."""
+    if r.cluster:
+        d.add(DeleteCluster())
+    ttl = r.spec.run_policy.ttl_seconds_after_finished
+    done = r.cur.completion_time
+    if ttl is not None and done and (r.now - done).total_seconds() >= ttl:
+        d.add(DeleteJob())
+    return True
+
+
+def _finish(r: Round, d: Draft, phase: JobPhase, reason: str, message: str) -> bool:
+    """-> Succeeded or Failed: stop the trainer, release the cluster."""
+    d.go(phase, message, reason, warning=phase == "Failed")
+    d.st.completion_time = second(r.now)
+    d.st.open_stall = None  # a finished job has no stall to resolve
+    d.cond("Succeeded" if phase == "Succeeded" else "Failed", True, reason, message, r.now)
+    d.cond("Running", False, reason, message, r.now)
+    d.stop(r.observed.ray_job)
+    if r.cluster:
+        d.add(DeleteCluster())
+    return True
+
+
+def _restart_or_fail(r: Round, d: Draft, reason: str, limit_reason: str) -> bool:
+    """-> Restarting from the last checkpoint within runPolicy.backoffLimit, else -> Failed."""
+    restarts, limit = d.st.restarts or 0, r.spec.run_policy.backoff_limit
+    if restarts >= limit:
+        return _finish(r, d, "Failed", limit_reason, f"{reason}; backoffLimit {limit} reached")
+    d.st.restarts = restarts + 1
+    d.st.last_restart_time = second(r.now)
+    d.st.submission_id = None
+    message = f"{reason}; restart {restarts + 1}/{limit} from the last checkpoint"
+    d.go("Restarting", message, "Restarting", warning=True)
+    d.cond("Running", False, "Restarting", reason, r.now)
+    return True
+
+
+# ------------------------------------------------------------------ holds: suspended, queued, deadline
+
+
+def _held(r: Round, d: Draft) -> bool:
+    """-> Suspended (runPolicy.suspend) or -> Queued (Kueue holds the RayCluster suspended)."""
+    if r.spec.run_policy.suspend:
+        return _suspend(r, d)
+    if r.queue and kueue.suspended_by_kueue(r.cluster, True):
+        return _queue(r, d, r.queue)
+    return False
+
+
+def _suspend(r: Round, d: Draft) -> bool:
+    """Keep the CR, release the pods, stop the trainer; it resumes from its checkpoint."""
+    cluster = r.cluster
+    if cluster and r.queue:
+        d.add(DeleteCluster())  # releases Kueue's quota with it; recreated (queued) on resume
+    elif cluster and not cluster.get("spec", {}).get("suspend") and not r.observed.cluster_patch_pending:
+        d.add(SetClusterSuspend(True))
+    d.stop(r.observed.ray_job)
+    d.st.active_since = None  # the deadline clock starts again on resume, as for a Kubernetes Job
+    d.go("Suspended", "runPolicy.suspend is true: pods released, resumes from the last checkpoint")
+    d.cond("Suspended", True, "Suspended", "suspended by runPolicy.suspend", r.now)
+    return True
 
 
 # Phases of a job whose RayCluster Kueue had admitted: suspended again now, it was evicted.
 _ADMITTED_PHASES = ("Provisioning", "Running", "Stalled", "Restarting")
+_PREEMPTED = ("Preempted", "InCohortReclamation", "InClusterQueue")
 
 
-def _queued(
-    d: Decision,
-    job_phase: str,
-    conds: list[dict[str, Any]],
-    queue: str,
-    observed: Observed,
-    go: Any,
-) -> Decision:
+def _queue(r: Round, d: Draft, queue: str) -> bool:
     """Kueue holds the job's RayCluster suspended: not admitted yet, or evicted (preempted). Nothing of
     the job runs, so nothing counts against the deadline or backoffLimit; an evicted attempt's trainer is
     told to stop (it saves at a step boundary, checkpoint.onPreemption) and is resubmitted on readmission."""
-    st, now = d.status, observed.now
-    reason, message = kueue.why_waiting(observed.workload, queue)
-    for key in ("activeSince", "openStall", "currentPhase"):
-        st.pop(key, None)
+    st = d.st
+    reason, message = kueue.why_waiting(r.observed.workload, queue)
+    st.active_since = st.open_stall = st.current_phase = None
     # Admitted before: it said so (Queued=False, Admitted), or its trainer was submitted. (A new job is
     # Provisioning from its first write, before the operator has seen Kueue suspend its cluster.)
-    admitted = any(c.get("type") == "Queued" and c.get("status") == "False" for c in conds)
-    if job_phase in _ADMITTED_PHASES and (admitted or st.get("submissionId")):
-        st["preemptions"] = int(st.get("preemptions") or 0) + 1
-        if st.get("submissionId"):
-            d.actions.append("stop")
-            d.stop_submission_id = st["submissionId"]
-        st.pop("submissionId", None)
-        st.pop("headPod", None)
-        conds = set_condition(conds, "Running", False, reason, f"evicted by Kueue: {message}", now)
-        go(
+    if d.phase in _ADMITTED_PHASES and (d.has("Queued", "False") or st.submission_id):
+        st.preemptions = (st.preemptions or 0) + 1
+        if st.submission_id:
+            d.add(StopRayJob(st.submission_id))
+        st.submission_id = st.head_pod = None
+        d.cond("Running", False, reason, f"evicted by Kueue: {message}", r.now)
+        d.go(
             "Queued",
             f"evicted by Kueue ({reason}: {message}); requeued in LocalQueue {queue}, resumes from the "
             "last checkpoint when admitted",
-            "Preempted" if reason in ("Preempted", "InCohortReclamation", "InClusterQueue") else "Evicted",
+            "Preempted" if reason in _PREEMPTED else "Evicted",
             warning=True,
         )
     else:
-        go("Queued", f"queued in LocalQueue {queue}: {reason}: {message}", "Queued")
-    st["message"] = f"queued in LocalQueue {queue}: {reason}: {message}"
-    st["conditions"] = set_condition(conds, "Queued", True, reason, message, now)
-    return d
+        d.go("Queued", f"queued in LocalQueue {queue}: {reason}: {message}", "Queued")
+    st.message = f"queued in LocalQueue {queue}: {reason}: {message}"
+    d.cond("Queued", True, reason, message, r.now)
+    return True
 
 
-def apply_metrics(job: RLHFJob, observed: Observed, d: Decision) -> None:
-    """Copy the scraped trainer metrics into the status; missing metrics set MetricsUnavailable."""
-    st = d.status
-    conds: list[dict[str, Any]] = st.get("conditions", [])
-    m = observed.metrics
-    if m is None:
-        reason = observed.metrics_error or "no metrics yet"
-        st["conditions"] = set_condition(
-            conds, "MetricsUnavailable", True, "ScrapeFailed", reason, observed.now
+def _released(r: Round, d: Draft) -> bool:
+    """Not held: un-suspend the cluster we suspended, and say the job is no longer suspended or queued."""
+    cluster = r.cluster
+    if cluster and cluster.get("spec", {}).get("suspend") and not r.observed.cluster_patch_pending:
+        d.add(SetClusterSuspend(r.spec.run_policy.suspend))  # false: un-suspend
+    if d.has("Suspended"):
+        d.cond("Suspended", False, "NotSuspended", "", r.now)
+    if r.queue and d.has("Queued", "True"):
+        d.cond("Queued", False, "Admitted", f"admitted by Kueue from {r.queue}", r.now)
+    return False
+
+
+def _admitted(r: Round, d: Draft) -> bool:
+    """Queued -> Provisioning: Kueue admitted the job; the deadline counts from now, as after an
+    unsuspension."""
+    d.st.active_since = second(r.now)
+    d.go("Provisioning", f"admitted by Kueue from LocalQueue {r.queue}: starting the RayCluster", "Admitted")
+    d.phase = "Provisioning"
+    return False
+
+
+def _deadline(r: Round, d: Draft) -> bool:
+    """-> Failed past runPolicy.activeDeadlineSeconds, counted like a Kubernetes Job's: from the job's
+    creation, or its last unsuspension, so time stuck provisioning counts too."""
+    st = d.st
+    if st.active_since is None:  # a new job: its creation; a resumed one: now; an older one: its start
+        created = parse_time(r.job.metadata.get("creationTimestamp"))
+        since = created if d.phase == "Pending" else r.now if d.phase == "Suspended" else r.cur.start_time
+        st.active_since = second(since or r.now)
+    deadline = r.spec.run_policy.active_deadline_seconds
+    if deadline is None or (r.now - st.active_since).total_seconds() <= deadline:
+        return False
+    where = "" if d.phase in ("Running", "Stalled") else f" ({st.message or d.phase})"
+    message = f"active longer than runPolicy.activeDeadlineSeconds={deadline}{where}"
+    return _finish(r, d, "Failed", "DeadlineExceeded", message)
+
+
+# --------------------------------------------------------------------------- the attempt's RayCluster
+
+
+def _provisioning_timeout(r: Round, d: Draft) -> bool:
+    """-> Restarting or Failed (runPolicy.onProvisioningTimeout): this attempt has not reached a running
+    trainer within runPolicy.provisioningTimeoutSeconds."""
+    timeout, st = r.spec.run_policy.provisioning_timeout_seconds, d.st
+    attempt_start = max(t for t in (st.active_since, r.cur.last_restart_time) if t is not None)
+    if timeout is None or (r.now - attempt_start).total_seconds() <= timeout:
+        return False
+    why = f"not running after runPolicy.provisioningTimeoutSeconds={timeout}: {st.message or d.phase}"
+    if r.spec.run_policy.on_provisioning_timeout != "Restart":
+        return _finish(r, d, "Failed", "ProvisioningTimeout", why)
+    if r.cluster:
+        d.add(DeleteCluster())  # new pods, perhaps on other nodes
+    return _restart_or_fail(r, d, why, "ProvisioningTimeout")
+
+
+def _missing_cluster(r: Round, d: Draft) -> bool:
+    """No RayCluster: create it. Suspended -> Pending (resumed); a running job's -> Provisioning."""
+    if r.cluster is not None:
+        return False
+    d.st.head_pod = None  # the next attempt's head is the new cluster's
+    d.add(CreateCluster())
+    if d.phase == "Suspended":
+        d.go(
+            "Pending", "resumed: creating the RayCluster; the trainer resumes from its checkpoint", "Resumed"
         )
-        return
-    st["conditions"] = set_condition(conds, "MetricsUnavailable", False, "Scraped", "", observed.now)
-    # Throughput between two observed step completions: generated tokens per wall-clock second, from the
-    # previous status (so it survives an operator restart). Computed before step/lastStepTime move on.
-    prev_step, prev_tokens = int(st.get("step") or 0), st.get("generatedTokens")
-    prev_time = parse_time(st.get("lastStepTime"))
-    if m.last_step_completed_ts and m.steps_completed > prev_step and prev_tokens is not None and prev_time:
-        new_time = datetime.fromtimestamp(m.last_step_completed_ts, UTC)
-        delta = m.generated_tokens_total - float(prev_tokens)
-        if new_time > prev_time and delta >= 0:
-            st["tokensPerSecond"] = round(delta / (new_time - prev_time).total_seconds(), 1)
-    if m.steps_completed != prev_step or prev_tokens is None:
-        st["generatedTokens"] = int(m.generated_tokens_total)
-    st["step"] = m.steps_completed
-    st["conditions"], degraded = fabric_condition(
-        st["conditions"], asks_rdma(job.spec), m.nccl_networks, observed.now
+    elif d.phase not in ("Pending", "Restarting"):
+        message = "RayCluster missing: recreating it; the trainer resumes from its checkpoint"
+        d.go("Provisioning", message, "ClusterRecreated", warning=True)
+    else:
+        d.go(d.phase, "creating the RayCluster")
+    return True
+
+
+def _head_lost(r: Round, d: Draft) -> bool:
+    """Running or Stalled -> Restarting: the attempt's head pod was replaced or is gone; its driver and the
+    GCS went with it, whatever the RayCluster's state says."""
+    lost = head_lost(r.cluster, r.cur.head_pod)
+    if not lost:
+        return False
+    d.st.head_pod = None
+    return _restart_or_fail(
+        r, d, f"{lost}: the trainer's driver and the GCS went with it", "BackoffLimitExceeded"
     )
+
+
+def _unready_cluster(r: Round, d: Draft) -> bool:
+    """The RayCluster is not ready: Pending -> Provisioning with KubeRay's or the pods' reason."""
+    name = d.st.ray_cluster_name
+    if cluster_ready(r.cluster):
+        d.cond("ClusterReady", True, "ClusterReady", "RayCluster is ready", r.now)
+        return False
+    problem, pod_problem = cluster_problem(r.cluster), diagnose(r.observed.pods or [])
+    msg = f"waiting for RayCluster {name} to be ready"
+    if problem:
+        msg = f"RayCluster {name} is not ready: {problem}"
+    elif pod_problem:
+        msg = f"RayCluster {name} is not ready: {pod_problem.describe()}"
+    d.cond("ClusterReady", False, "ClusterNotReady", msg, r.now)
+    before = d.has("PodsReady")
+    if pod_problem:
+        if not before or before.status != "False" or before.reason != pod_problem.reason:
+            d.events.append(event(pod_problem.reason, pod_problem.describe(), warning=True))  # once a reason
+        d.cond("PodsReady", False, pod_problem.reason, pod_problem.describe(), r.now)
+    elif before is not None and before.status == "False":
+        d.cond("PodsReady", True, "PodsScheduled", "no pod problem found", r.now)
+    if d.phase in ("Pending", "Provisioning", "Restarting"):
+        d.go("Provisioning" if d.phase != "Restarting" else "Restarting", msg)
+    return True
+
+
+# --------------------------------------------------------------------------------- the attempt's Ray job
+
+
+def _attempt(r: Round, d: Draft) -> bool:
+    """The cluster is ready: follow the attempt's Ray job."""
+    info = r.observed.ray_job
+    if info is None:
+        return _no_ray_job(r, d)
+    d.st.submission_id = info.submission_id
+    if info.status == rayjobs.SUCCEEDED:
+        return _succeeded(r, d)
+    bad_input = input_error(info)
+    if bad_input is not None:
+        message = f"the trainer refused its input (not restarted): {bad_input}"
+        return _finish(r, d, "Failed", "InvalidInput", message)
+    if info.status in (rayjobs.FAILED, rayjobs.STOPPED):
+        reason = f"Ray job {info.submission_id} {info.status.lower()}: {info.message[-300:]}".strip()
+        return _restart_or_fail(r, d, reason, "BackoffLimitExceeded")
+    if info.status == rayjobs.PENDING:
+        if d.phase in ("Pending", "Provisioning"):
+            d.go("Provisioning", f"trainer job {info.submission_id} is pending on the Ray cluster")
+        return True
+    return _running(r, d, info)
+
+
+def _no_ray_job(r: Round, d: Draft) -> bool:
+    """No Ray job for the attempt: submit it, once the dashboard answers and the previous one has ended."""
+    error, previous = r.observed.ray_job_error, r.observed.previous_running
+    if error:
+        d.cond("JobSubmitted", False, "RayDashboardUnavailable", error, r.now)
+        if d.phase in ("Pending", "Provisioning"):
+            d.go("Provisioning", f"cannot reach the Ray dashboard: {error}")
+        return True
+    if previous and _may_wait_for_previous(r):
+        # Never two attempts at once: they would share the checkpoint directory and the metrics port.
+        d.st.message = (
+            f"waiting for the previous attempt {previous} to stop (it finishes its step and "
+            "may save a checkpoint, within runPolicy.terminationGracePeriodSeconds)"
+        )
+        return True
+    d.add(SubmitTrainer(r.submission_id))
+    d.st.submission_id = r.submission_id
+    d.st.head_pod = head_pod_name(r.cluster)
+    d.cond("JobSubmitted", True, "Submitted", f"submitted {r.submission_id}", r.now)
+    if d.phase in ("Pending", "Provisioning"):
+        d.go("Provisioning", f"submitting trainer job {r.submission_id}")
+    return True
+
+
+def _may_wait_for_previous(r: Round) -> bool:
+    """Whether to go on waiting for a stopping previous attempt: for its stop budget and 30 s more after
+    the restart (or admission) that ended it; past that Ray's own SIGKILL has failed, and waiting longer
+    would hang the job."""
+    since = r.cur.last_restart_time or r.cur.active_since
+    limit = r.spec.run_policy.termination_grace_period_seconds + 30
+    return since is None or (r.now - since).total_seconds() < limit
+
+
+def _succeeded(r: Round, d: Draft) -> bool:
+    """-> Succeeded. The driver exits 0 only after its last step (and its end-of-run export), and its
+    /metrics ends with it: the final step is usually completed between two scrapes, so the count comes
+    from that contract."""
+    total = r.spec.algorithm.total_steps
+    d.st.step, d.st.progress, d.st.current_phase = total, f"{total}/{total}", None
+    exported = r.spec.checkpoint.export_dir()
+    if exported:
+        d.st.export_path = exported
+    message = f"trained {total} steps" + (f"; model exported to {exported}" if exported else "")
+    return _finish(r, d, "Succeeded", "TrainingComplete", message)
+
+
+# ------------------------------------------------------------------------------ running: metrics, stalls
+
+
+def _running(r: Round, d: Draft, info: rayjobs.RayJobInfo) -> bool:
+    """The Ray job runs: -> Running; the metrics into the status; a stall -> Stalled (or Restarting)."""
+    st = d.st
+    if not r.cur.start_time:
+        st.start_time = second(r.now)
+    if not st.head_pod:
+        st.head_pod = head_pod_name(r.cluster)
+    if d.phase in ("Pending", "Provisioning", "Restarting", "Suspended"):
+        d.go("Running", f"trainer job {info.submission_id} is running", "Running")
+    d.cond("Running", True, "Running", f"Ray job {info.submission_id} running", r.now)
+    d.st, degraded = apply_metrics(st, r.spec, r.observed.metrics, r.observed.metrics_error, r.now)
     if degraded:
-        d.event("FabricDegraded", degraded, warning=True)
-    total = m.total_steps or job.spec.algorithm.total_steps
-    st["totalSteps"] = total
-    st["progress"] = f"{m.steps_completed}/{total}"
-    # Before a run's first step the trainer's timestamp holds the driver's start (so the step-stall alert
-    # covers step 1); that is not a step completion, so lastStepTime only moves when the step count does.
-    if m.last_step_completed_ts and (m.steps_completed > prev_step or (m.steps_completed and not prev_time)):
-        st["lastStepTime"] = iso(datetime.fromtimestamp(m.last_step_completed_ts, UTC))
-    if m.step_phase_seconds:
-        st["phaseSeconds"] = {k: round(v, 3) for k, v in sorted(m.step_phase_seconds.items())}
-    share = m.generation_share
-    if share is not None:
-        st["generationShare"] = round(share, 3)
-    st["currentPhase"] = m.in_progress_step_phase  # None (removed) between phases
-    if m.reward_mean is not None and math.isfinite(m.reward_mean):
-        st["rewardMean"] = round(m.reward_mean, 4)
-    if m.kl is not None and math.isfinite(m.kl):
-        st["kl"] = round(m.kl, 6)
-    if m.steps_completed:  # the idle gauges read 0 until a step of this attempt completes
-        for key, ratio in (
-            ("trainerIdleRatio", m.trainer_idle_ratio),
-            ("rolloutIdleRatio", m.rollout_idle_ratio),
-        ):
-            if ratio is not None and math.isfinite(ratio):
-                st[key] = round(ratio, 3)
-    if m.sample_staleness is not None:
-        st["sampleStaleness"] = round(m.sample_staleness, 3)
-    if m.stale_samples_total is not None:
-        st["staleSamples"] = int(m.stale_samples_total)
-    if m.last_checkpoint_step is not None:  # absent: keep the last known (checkpoints outlive attempts)
-        st["lastCheckpointStep"] = m.last_checkpoint_step
-    if m.engines:
-        rollout = dict(st.get("rollout") or {})
-        rollout["readyEngines"] = int(m.engines.get("ready", 0))
-        st["rollout"] = rollout
+        d.events.append(event("FabricDegraded", degraded, warning=True))
+    open_stall = d.st.open_stall
+    if open_stall and (d.st.step or 0) > open_stall.step:
+        d.st.open_stall = None  # a step completed after the stall: it is over (through a restart, too)
+    return _stall(r, d, info)
+
+
+def _stall(r: Round, d: Draft, info: rayjobs.RayJobInfo) -> bool:
+    """Stall detection: no completed step within stallTimeoutSeconds of the latest progress. The clock of
+    an attempt starts when it starts, so a restart gets a full timeout. Stalled -> Running when it clears."""
+    st, monitoring = d.st, r.spec.monitoring
+    started = max(t for t in (r.cur.start_time or r.now, r.cur.last_restart_time) if t is not None)
+    stall = detect_stall(monitoring, r.observed.metrics, started, r.cur.last_step_time, r.now)
+    before = d.has("Stalled", "True")
+    if stall is not None or d.has("Stalled"):  # else set_stalled_condition changes nothing
+        stalled = set_stalled_condition(conditions_wire(st.conditions), stall, r.now, r.generation)
+        st.conditions = conditions_typed(stalled)
+    if stall is None:
+        if d.phase == "Stalled":
+            d.go("Running", f"step {st.step or 0} completed: no longer stalled", "StallCleared")
+        return True
+    if before is None or before.reason != stall.reason:  # a new stall, or now the step phase is known
+        d.events.append(event("Stalled", f"{stall.reason}: {stall.message}", warning=True))
+        d.new_stall = stall
+        st.open_stall = OpenStall(
+            phase=stall.step_phase_label, step=st.step or 0, since=second(stall.last_progress)
+        )
+    waiting = _diagnose(r, d, stall.reason, info.submission_id)
+    cond = d.has("Stalled")
+    assert cond is not None
+    if monitoring.on_stall == "Restart" and not waiting:
+        d.add(StopRayJob(info.submission_id))
+        why = f"stalled ({stall.reason}): {cond.message}"
+        return _restart_or_fail(r, d, why, "StalledBackoffLimitExceeded")
+    # The condition keeps its message while the same stall lasts; so does the status message (no patch
+    # every reconcile just because the durations in it grew).
+    st.phase, st.message = "Stalled", f"{cond.reason}: {cond.message}"
+    if waiting and monitoring.on_stall == "Restart":
+        st.message += "; taking a stack snapshot before the restart"
+    return True
+
+
+def _diagnose(r: Round, d: Draft, reason: str, attempt: str) -> bool:
+    """The stall's stack snapshot (diagnosis.step) into the draft; True while it is being taken. Once taken,
+    its verdict ends the Stalled condition's message."""
+    st = d.st
+    since = st.open_stall.since if st.open_stall else None
+    if since is None:
+        return False
+    current = st.diagnosis.model_dump(by_alias=True, exclude_none=True, mode="json") if st.diagnosis else None
+    timeout = r.spec.monitoring.stack_snapshot_timeout_seconds
+    step = diagnosis.step(current, since, reason, attempt, r.observed.stacks, r.now, timeout)
+    if step.status is not None:
+        st.diagnosis = StallDiagnosis.model_validate(step.status)
+    if step.submit:
+        d.add(SubmitSnapshot(step.submit))
+    if step.stop:
+        d.add(StopSnapshot(step.stop))
+    if step.record is not None:
+        d.add(RecordStacks(step.record))
+    d.events.extend(event(event_reason, message, warning=True) for event_reason, message in step.events)
+    taken = st.diagnosis if st.diagnosis and st.diagnosis.state != "Taking" else None
+    if taken and taken.summary and taken.stall_since == since and taken.reason in (None, reason):
+        st.conditions = [
+            c.model_copy(update={"message": f"{c.message}; stacks: {taken.summary}"})
+            if c.type == "Stalled" and c.status == "True" and "; stacks: " not in c.message
+            else c
+            for c in st.conditions or []
+        ]
+    return step.waiting
+
+
+# ------------------------------------------------------------------------------------- the engine plan
+
+
+def _engines(r: Round, d: Draft) -> None:
+    """The engine count (scaling.plan_engines) while the job has a cluster and goes on, unless Kueue holds
+    the cluster's replicas (kueue.holds_replicas): then a fixed-size admitted workload says so, once."""
+    cluster = r.cluster
+    if cluster is None or d.st.phase in TERMINAL_JOB_PHASES:
+        return
+    if any(isinstance(a, DeleteCluster) for a in d.actions):
+        return
+    if r.queue and kueue.holds_replicas(cluster):
+        if not kueue.suspended_by_kueue(cluster, True):
+            engines = d.st.rollout.desired_engines if d.st.rollout else None
+            conds, said = kueue.fixed_size_condition(conditions_wire(d.st.conditions), engines, r.now)
+            d.st.conditions = conditions_typed(conds)
+            if said:
+                d.events.append(event("EngineScalingOff", said, warning=True))
+        return
+    plan, conditions = _plan(r, d.st)
+    if plan.write_spec:
+        d.actions.insert(0, WriteEngines(plan.requested, plan.engines, plan.direction))
+    _merge_plan(d, plan.status, conditions)
+    d.events.extend(Event(*e) for e in plan.events)
+    replicas = rollout_replicas(r.spec, plan.engines)
+    ops = scale_patch(cluster, replicas)
+    suspending = any(isinstance(a, SetClusterSuspend) for a in d.actions)
+    if ops and not r.observed.cluster_patch_pending and not suspending:
+        d.add(ScaleRolloutGroup(replicas, tuple(ops)))
+
+
+def _plan(r: Round, st: RLHFJobStatus) -> tuple[scaling.EnginePlan, list[dict[str, Any]] | None]:
+    """scaling.plan_engines over the fields it reads of the stored and the next status (not whole dumps:
+    this runs every round of every job); with the conditions it was given, if any."""
+    cur = r.cur
+    previous = {
+        "rollout": {"desiredEngines": cur.rollout.desired_engines} if cur.rollout else {},
+        "lastScaleTime": cur.last_scale_time,
+        "lastScaleStep": cur.last_scale_step,
+    }
+    rollout = st.rollout.model_dump(by_alias=True, exclude_none=True, mode="json") if st.rollout else {}
+    now: dict[str, Any] = {
+        "step": st.step,
+        "phase": st.phase,
+        "generationShare": st.generation_share,
+        "rollout": rollout,
+    }
+    conditions = conditions_wire(st.conditions) if r.observed.rollout_pods is not None else None
+    if conditions is not None:
+        now["conditions"] = conditions
+    return scaling.plan_engines(r.spec, previous, now, r.now, r.observed.rollout_pods), conditions
+
+
+def _merge_plan(d: Draft, plan_status: Mapping[str, Any], conditions: list[dict[str, Any]] | None) -> None:
+    """The plan's status fields (rollout, lastScaleTime, lastScaleStep, conditions) into the draft."""
+    update: dict[str, Any] = {"rollout": RolloutStatus.model_validate(plan_status["rollout"])}
+    if "lastScaleTime" in plan_status:
+        update["last_scale_time"] = parse_time(plan_status["lastScaleTime"])
+        update["last_scale_step"] = plan_status["lastScaleStep"]
+    if "conditions" in plan_status and plan_status["conditions"] != conditions:
+        update["conditions"] = conditions_typed(plan_status["conditions"])
+    d.st = d.st.model_copy(update=update)
+
+
+# The state machine: the steps of each phase, in order; the first that decides ends the round.
+_RUNNING: tuple[Step, ...] = (
+    _held,
+    _released,
+    _deadline,
+    _missing_cluster,
+    _head_lost,
+    _unready_cluster,
+    _attempt,
+)
+_STARTING: tuple[Step, ...] = (
+    _held, _released, _deadline, _provisioning_timeout, _missing_cluster, _unready_cluster, _attempt,
+)  # fmt: skip
+PHASE_STEPS: Mapping[JobPhase, tuple[Step, ...]] = {
+    "Pending": _STARTING,
+    "Provisioning": _STARTING,
+    "Restarting": _STARTING,
+    "Queued": (_held, _released, _admitted, *_STARTING[2:]),
+    "Suspended": (_held, _released, _deadline, _missing_cluster, _unready_cluster, _attempt),
+    "Running": _RUNNING,
+    "Stalled": _RUNNING,
+    "Succeeded": (_finished,),
+    "Failed": (_finished,),
+}
 
 
 def status_patch(current: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -605,29 +732,21 @@ def cluster_rejected(job: RLHFJob, code: int | None, message: str, now: datetime
     retrying cannot help until the job or the cluster's policy changes. A transient one keeps the job
     waiting, with the server's words in status.message while the handler retries with backoff.
     """
-    cur: dict[str, Any] = (
-        job.status.model_dump(by_alias=True, exclude_none=True, mode="json") if job.status else {}
-    )
-    st = dict(cur)
+    cur = job.status or RLHFJobStatus()
     # The create handler may be refused before any status exists: the fields a new job always has.
-    st.setdefault("restarts", 0)
-    st.setdefault("totalSteps", job.spec.algorithm.total_steps)
-    d = Decision(status=st)
-    name = raycluster_name(job.name)
-    permanent = rejection_is_permanent(code, message)
-    text = f"the API server refused RayCluster {name} ({code}): {message}"
-    conds = list(cur.get("conditions", []))
-    if permanent:
-        st.update(phase="Failed", message=text, completionTime=iso(now))
-        st.pop("openStall", None)
-        conds = set_condition(conds, "Failed", True, "RayClusterRejected", text, now)
-        conds = set_condition(conds, "Running", False, "RayClusterRejected", text, now)
-        d.event("RayClusterRejected", text, warning=True)
+    total = job.spec.algorithm.total_steps if cur.total_steps is None else cur.total_steps
+    st = cur.model_copy(update={"restarts": cur.restarts or 0, "total_steps": total})
+    d = Draft(st, cur.phase or "Provisioning")
+    text = f"the API server refused RayCluster {raycluster_name(job.name)} ({code}): {message}"
+    if rejection_is_permanent(code, message):
+        st.phase, st.message, st.completion_time, st.open_stall = "Failed", text, second(now), None
+        d.events.append(event("RayClusterRejected", text, warning=True))
+        d.cond("Failed", True, "RayClusterRejected", text, now)
+        d.cond("Running", False, "RayClusterRejected", text, now)
     else:
         retry = f"{text}; retrying"
-        if cur.get("message") != retry:
-            d.event("RayClusterCreateFailed", retry, warning=True)
-        st.update(phase=cur.get("phase") or "Provisioning", message=retry)
-        conds = set_condition(conds, "ClusterReady", False, "RayClusterCreateFailed", retry, now)
-    st["conditions"] = conds
-    return d
+        if cur.message != retry:
+            d.events.append(event("RayClusterCreateFailed", retry, warning=True))
+        st.phase, st.message = cur.phase or "Provisioning", retry
+        d.cond("ClusterReady", False, "RayClusterCreateFailed", retry, now)
+    return d.decision()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from rlhf_api.spec import RLHFJob
 from rlhf_operator import kueue, manifests
+from rlhf_operator.actions import StopRayJob, SubmitTrainer
 from rlhf_operator.conditions import iso
 from rlhf_operator.status import decide
 from testkit.status_inputs import NOW, SID, job, obs, ray
@@ -64,7 +65,7 @@ PREEMPTED = workload(
 def test_a_job_kueue_holds_is_queued_with_kueues_reason_and_no_write_to_suspend() -> None:
     d = decide(queued_job({"phase": "Pending"}), obs(raycluster=kcluster(True), workload=PENDING), SID)
     assert d.status["phase"] == "Queued"
-    assert d.actions == []  # no suspend_cluster: spec.suspend is Kueue's
+    assert d.action_kinds == []  # no suspend_cluster: spec.suspend is Kueue's
     cond = next(c for c in d.status["conditions"] if c["type"] == "Queued")
     assert (cond["status"], cond["reason"], cond["message"]) == ("True", "Pending", PENDING_MSG)
     assert QUEUE in d.status["message"] and "insufficient unused quota" in d.status["message"]
@@ -75,7 +76,7 @@ def test_a_job_kueue_holds_is_queued_with_kueues_reason_and_no_write_to_suspend(
 def test_a_new_job_first_written_provisioning_is_queued_not_evicted() -> None:
     # The create handler's first phase is Provisioning, before any round has seen Kueue's suspension.
     d = decide(queued_job({"phase": "Provisioning"}), obs(raycluster=kcluster(True), workload=PENDING), SID)
-    assert d.status["phase"] == "Queued" and "preemptions" not in d.status and d.actions == []
+    assert d.status["phase"] == "Queued" and "preemptions" not in d.status and d.action_kinds == []
     assert [(t, r) for t, r, _ in d.events] == [("Normal", "Queued")]
 
 
@@ -91,7 +92,7 @@ def test_admission_starts_the_deadline_clock_and_provisions() -> None:
     d = decide(queued, obs(raycluster=kcluster(False, state=None)), SID)
     assert d.status["phase"] == "Provisioning", d.status
     assert d.status["activeSince"] == iso(NOW)
-    assert "suspend_cluster" not in d.actions
+    assert "suspend_cluster" not in d.action_kinds
     assert ("Normal", "Admitted") in [(t, r) for t, r, _ in d.events]
     # The admitted job then runs past its creation + deadline, within activeSince + deadline.
     later = decide(
@@ -116,7 +117,7 @@ def test_eviction_of_a_running_job_stops_its_trainer_and_counts_a_preemption_not
     )
     assert d.status["phase"] == "Queued"
     assert d.status["preemptions"] == 1 and d.status["restarts"] == 1
-    assert d.actions == ["stop"] and d.stop_submission_id == SID
+    assert d.actions == (StopRayJob(SID),)
     assert "submissionId" not in d.status and "headPod" not in d.status
     cond = next(c for c in d.status["conditions"] if c["type"] == "Queued")
     assert cond["reason"] == "Preempted"
@@ -124,7 +125,7 @@ def test_eviction_of_a_running_job_stops_its_trainer_and_counts_a_preemption_not
     assert ("Warning", "Preempted") in warned
     # The next round: still queued, no second stop, no second count.
     again = decide(queued_job(d.status), obs(raycluster=kcluster(True), workload=PREEMPTED), SID)
-    assert again.status["preemptions"] == 1 and again.actions == [] and again.events == []
+    assert again.status["preemptions"] == 1 and again.action_kinds == [] and again.events == ()
 
 
 def test_a_readmitted_job_submits_a_new_attempt_id() -> None:
@@ -137,15 +138,15 @@ def test_a_readmitted_job_submits_a_new_attempt_id() -> None:
         obs(raycluster=kcluster(False)),
         second,
     )
-    assert readmitted.actions == ["submit"] and readmitted.submission_id == second
+    assert readmitted.actions == (SubmitTrainer(second),)
 
 
 def test_run_policy_suspend_of_a_kueue_job_deletes_its_cluster_instead_of_writing_suspend() -> None:
     d = decide(queued_job({"phase": "Running"}, suspend=True), obs(raycluster=kcluster(False)), SID)
-    assert "delete_cluster" in d.actions and "suspend_cluster" not in d.actions
+    assert "delete_cluster" in d.action_kinds and "suspend_cluster" not in d.action_kinds
     assert d.status["phase"] == "Suspended"
     resumed = decide(queued_job(d.status), obs(raycluster=None), SID)
-    assert resumed.actions == ["create_cluster"] and resumed.status["phase"] == "Pending"
+    assert resumed.action_kinds == ["create_cluster"] and resumed.status["phase"] == "Pending"
     assert resumed.status["activeSince"] == iso(NOW)
 
 
@@ -153,7 +154,7 @@ def test_without_a_queue_label_the_operator_still_unsuspends_its_own_cluster() -
     plain = kcluster(True)
     plain["metadata"]["labels"] = {}
     d = decide(job({"phase": "Running"}), obs(raycluster=plain), SID)
-    assert "suspend_cluster" in d.actions
+    assert "suspend_cluster" in d.action_kinds
 
 
 def test_replicas_are_held_while_queued_and_while_admitted_unless_elastic() -> None:

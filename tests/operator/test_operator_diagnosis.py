@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 from rlhf_operator import diagnosis
+from rlhf_operator.actions import Decision, RecordStacks, StopSnapshot, SubmitSnapshot
 from rlhf_operator.conditions import iso
 from rlhf_operator.diagnose_cli import render
 from rlhf_operator.scrape import ScrapedMetrics
-from rlhf_operator.status import Decision, decide
+from rlhf_operator.status import decide
 from testkit.status_inputs import NOW, SID, obs, ray, running_job
 
 pytestmark = pytest.mark.unit
@@ -67,8 +68,8 @@ def round_(j: Any, later: float = 0.0, **kw: Any) -> Decision:
 def test_a_restart_waits_for_the_snapshot_then_carries_its_verdict() -> None:
     first = round_(stuck("Restart"))
     sid = diagnosis.submission_id(SID, SINCE, "PhaseStuck:actor_train")
-    assert first.actions == ["snapshot"] and first.snapshot_submission_id == sid
-    assert first.status["phase"] == "Stalled" and "stop" not in first.actions  # not restarted yet
+    assert first.actions == (SubmitSnapshot(sid),)
+    assert first.status["phase"] == "Stalled" and "stop" not in first.action_kinds  # not restarted yet
     assert sid.endswith("-actor-train")
     assert first.status["diagnosis"] == {
         "state": "Taking",
@@ -80,10 +81,12 @@ def test_a_restart_waits_for_the_snapshot_then_carries_its_verdict() -> None:
     assert first.status["message"].endswith("taking a stack snapshot before the restart")
     # Next round: the snapshot job still runs, within its limit: still waiting, nothing asked again.
     waiting = round_(stuck("Restart", first.status), 10, stacks=diagnosis.SnapshotResult(False))
-    assert waiting.actions == [] and waiting.status["diagnosis"]["state"] == "Taking"
+    assert waiting.action_kinds == [] and waiting.status["diagnosis"]["state"] == "Taking"
     # It ended with a snapshot: the ConfigMap is written, the verdict said, and the attempt restarts.
     done = round_(stuck("Restart", waiting.status), 12, stacks=diagnosis.SnapshotResult(True, SNAP))
-    assert done.actions == ["record_stacks", "stop"] and done.stacks is SNAP
+    assert done.action_kinds == ["record_stacks", "stop"]
+    recorded = done.find(RecordStacks)
+    assert recorded is not None and recorded.stacks is SNAP
     assert done.status["phase"] == "Restarting" and done.status["restarts"] == 1
     d = done.status["diagnosis"]
     assert (d["state"], d["seconds"], d["summary"]) == ("Taken", 12.0, " | ".join(SNAP["verdict"]))
@@ -98,7 +101,9 @@ def test_a_restart_waits_for_the_snapshot_then_carries_its_verdict() -> None:
 def test_a_snapshot_past_its_limit_is_stopped_and_the_restart_goes_on() -> None:
     first = round_(stuck("Restart", snapshot=30))
     late = round_(stuck("Restart", first.status, snapshot=30), 31, stacks=diagnosis.SnapshotResult(False))
-    assert late.actions == ["stop_snapshot", "stop"] and late.stop_snapshot_id == first.snapshot_submission_id
+    assert late.action_kinds == ["stop_snapshot", "stop"] and late.find(StopSnapshot) == StopSnapshot(
+        first.actions[0].submission_id
+    )
     assert (
         late.status["diagnosis"]["state"] == "TimedOut"
         and "stackSnapshotTimeoutSeconds=30" in late.status["diagnosis"]["summary"]
@@ -120,7 +125,7 @@ def test_a_snapshot_job_without_a_snapshot_fails_the_diagnosis_not_the_job() -> 
     assert any(r == "StallDiagnosisFailed" and "boom" in m for _, r, m in failed.events)
     # A later round of the same stall asks for nothing again.
     again = round_(stuck("Alert", failed.status), 60)
-    assert again.actions == [] and again.status["diagnosis"] == failed.status["diagnosis"]
+    assert again.action_kinds == [] and again.status["diagnosis"] == failed.status["diagnosis"]
 
 
 def test_a_snapshot_the_head_refused_lets_the_restart_go_on() -> None:
@@ -129,7 +134,7 @@ def test_a_snapshot_the_head_refused_lets_the_restart_go_on() -> None:
     first = round_(stuck("Restart"))
     refused = {**first.status["diagnosis"], "state": "Failed", "summary": "no stack snapshot: HTTP 500"}
     after = round_(stuck("Restart", {**first.status, "diagnosis": refused}), 3)
-    assert after.actions == ["stop"] and after.status["phase"] == "Restarting"
+    assert after.action_kinds == ["stop"] and after.status["phase"] == "Restarting"
     assert after.status["diagnosis"] == refused
 
 
@@ -147,7 +152,7 @@ def test_a_stall_that_moves_to_another_phase_gets_a_new_snapshot() -> None:
     )
     j = stuck("Alert", taken.status)
     again = decide(j, obs(now=NOW + timedelta(seconds=30), ray_job=ray("RUNNING"), metrics=moved), SID)
-    assert again.actions == ["snapshot"] and again.snapshot_submission_id != first.snapshot_submission_id
+    assert again.action_kinds == ["snapshot"] and again.actions != first.actions
     assert again.status["diagnosis"]["reason"] == "PhaseStuck:reward"
     assert again.status["diagnosis"]["stallSince"] == iso(SINCE)  # the same stall
     cond = next(c for c in again.status["conditions"] if c["type"] == "Stalled")
@@ -156,7 +161,7 @@ def test_a_stall_that_moves_to_another_phase_gets_a_new_snapshot() -> None:
 
 def test_no_snapshot_when_switched_off() -> None:
     d = round_(stuck("Restart", snapshot=0))
-    assert d.actions == ["stop"] and "diagnosis" not in d.status and d.status["phase"] == "Restarting"
+    assert d.action_kinds == ["stop"] and "diagnosis" not in d.status and d.status["phase"] == "Restarting"
 
 
 def test_the_snapshot_is_read_from_the_log_and_bounded_for_the_config_map() -> None:

@@ -99,10 +99,10 @@ def test_provisioning_timeout(action: str) -> None:
         assert d.status["phase"] == "Failed" and d.status["restarts"] == 0
     else:
         assert d.status["phase"] == "Restarting" and d.status["restarts"] == 1
-        assert "delete_cluster" in d.actions
+        assert "delete_cluster" in d.action_kinds
         # The next attempt gets a full timeout of its own.
         nxt = decide(job(d.status, **policy), obs(raycluster=None), SID)
-        assert nxt.status["phase"] == "Restarting" and nxt.actions == ["create_cluster"]
+        assert nxt.status["phase"] == "Restarting" and nxt.action_kinds == ["create_cluster"]
 
 
 def test_a_running_job_is_past_provisioning() -> None:

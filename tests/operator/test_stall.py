@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from rlhf_api.spec import MonitoringSpec
+from rlhf_operator.actions import StopRayJob
 from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.stall import STEP_STALLED, Stall, detect_stall, set_stalled_condition
@@ -84,7 +85,7 @@ def test_alert_policy_sets_phase_stalled_with_an_event_naming_the_phase() -> Non
     assert d.status["phase"] == "Stalled"
     assert "PhaseStuck:reward" in d.status["message"]
     assert any(t == "Warning" and r == "Stalled" and "reward" in m for t, r, m in d.events)
-    assert "stop" not in d.actions
+    assert "stop" not in d.action_kinds
     cond = next(c for c in d.status["conditions"] if c["type"] == "Stalled")
     assert cond["status"] == "True" and cond["reason"] == "PhaseStuck:reward"
     # The handler counts the stall by its phase from this typed verdict, not from the Event's text.
@@ -103,7 +104,7 @@ def test_restart_policy_stops_the_stuck_attempt_and_restarts() -> None:
     d = decide(running("Restart", restarts=1), obs(ray_job=ray("RUNNING"), metrics=stuck_metrics()), SID)
     assert d.status["phase"] == "Restarting"
     assert d.status["restarts"] == 2
-    assert "stop" in d.actions and d.stop_submission_id == SID
+    assert StopRayJob(SID) in d.actions
     assert "submissionId" not in d.status
 
 
@@ -114,7 +115,7 @@ def test_restart_policy_fails_after_the_backoff_limit() -> None:
     assert any(
         c["type"] == "Failed" and c["reason"] == "StalledBackoffLimitExceeded" for c in d.status["conditions"]
     )
-    assert "delete_cluster" in d.actions and "stop" in d.actions
+    assert "delete_cluster" in d.action_kinds and "stop" in d.action_kinds
 
 
 def test_progress_clears_a_stall() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from rlhf_operator import manifests
+from rlhf_operator.actions import StopRayJob, SubmitTrainer
 from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import ScrapedMetrics, parse_metrics
 from rlhf_operator.status import decide, status_patch
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_missing_cluster_is_created() -> None:
     d = decide(job(), obs(raycluster=None), SID)
-    assert d.actions == ["create_cluster"]
+    assert d.action_kinds == ["create_cluster"]
     assert d.status["phase"] == "Pending"
 
 
@@ -30,13 +31,13 @@ def test_unready_cluster_is_provisioning_with_kuberay_reason() -> None:
     d = decide(job({"phase": "Provisioning"}), obs(raycluster=cluster(None, conditions=failure)), SID)
     assert d.status["phase"] == "Provisioning"
     assert "FailedCreateWorkerPod" in d.status["message"] and "quota" in d.status["message"]
-    assert "submit" not in d.actions
+    assert "submit" not in d.action_kinds
 
 
 def test_ready_cluster_without_job_submits_the_attempts_id() -> None:
     d = decide(job({"phase": "Provisioning"}), obs(), SID)
-    assert d.actions == ["submit"]
-    assert d.submission_id == SID
+    assert d.action_kinds == ["submit"]
+    assert d.find(SubmitTrainer) == SubmitTrainer(SID)
     assert d.status["submissionId"] == SID
 
 
@@ -80,6 +81,26 @@ def test_a_resumed_attempt_keeps_the_last_real_step_time() -> None:
     current = {"phase": "Running", "startTime": earlier, "step": 2, "lastStepTime": earlier}
     d = decide(job(current), obs(ray_job=ray("RUNNING"), metrics=m), SID)
     assert d.status["lastStepTime"] == earlier
+
+
+def test_the_evaluation_splits_reward_reaches_status_only_once_reported() -> None:
+    """spec.evaluation: the trainer's eval gauges (absent before the first evaluation) into status."""
+    running = {"phase": "Running", "startTime": iso(NOW), "step": 4}
+    before = ScrapedMetrics(steps_completed=4, total_steps=10, last_step_completed_ts=NOW.timestamp())
+    st = decide(job(running), obs(ray_job=ray("RUNNING"), metrics=before), SID).status
+    assert not {"evalRewardMean", "evalRewardMeanByDataSource", "evalStep"} & set(st)
+    m = ScrapedMetrics(
+        steps_completed=4,
+        total_steps=10,
+        last_step_completed_ts=NOW.timestamp(),
+        eval_reward_mean=0.43219,
+        eval_reward_mean_by_data_source={"short": 0.5, "long": float("nan"), "gsm8k": 0.36438},
+        eval_step=4,
+    )
+    st = decide(job(running), obs(ray_job=ray("RUNNING"), metrics=m), SID).status
+    assert st["evalRewardMean"] == 0.4322
+    assert st["evalRewardMeanByDataSource"] == {"gsm8k": 0.3644, "short": 0.5}  # NaN is not written
+    assert st["evalStep"] == 4
 
 
 def test_reward_kl_and_throughput_between_two_observed_steps() -> None:
@@ -142,7 +163,7 @@ def test_success_releases_the_cluster() -> None:
     assert d.status["phase"] == "Succeeded"
     assert d.status["completionTime"] == iso(NOW)
     assert (d.status["step"], d.status["progress"]) == (20, "20/20")
-    assert "delete_cluster" in d.actions
+    assert "delete_cluster" in d.action_kinds
 
 
 def test_success_names_where_the_trained_model_was_exported() -> None:
@@ -201,7 +222,7 @@ def test_bad_input_found_at_run_time_fails_at_once_with_the_drivers_words() -> N
     cond = next(c for c in d.status["conditions"] if c["type"] == "Failed")
     assert cond["reason"] == "InvalidInput"
     assert any(e[0] == "Warning" and "rlhf_no_such_module" in e[2] for e in d.events), d.events
-    assert "delete_cluster" in d.actions  # a failed job releases its GPUs
+    assert "delete_cluster" in d.action_kinds  # a failed job releases its GPUs
 
 
 @pytest.mark.parametrize(
@@ -223,13 +244,13 @@ def test_other_failures_still_restart(status: str, code: int | None) -> None:
 def test_suspend_stops_the_trainer_and_suspends_the_cluster() -> None:
     d = decide(job({"phase": "Running"}, suspend=True), obs(ray_job=ray("RUNNING")), SID)
     assert d.status["phase"] == "Suspended"
-    assert {"suspend_cluster", "stop"} <= set(d.actions)
-    assert d.stop_submission_id == SID
+    assert {"suspend_cluster", "stop"} <= set(d.action_kinds)
+    assert StopRayJob(SID) in d.actions
 
 
 def test_resume_unsuspends_the_cluster() -> None:
     d = decide(job({"phase": "Suspended"}), obs(raycluster=cluster(None, suspend=True)), SID)
-    assert "suspend_cluster" in d.actions
+    assert "suspend_cluster" in d.action_kinds
     assert d.status["phase"] == "Suspended"  # until the new attempt runs
 
 
@@ -242,7 +263,7 @@ def test_active_deadline_fails_and_stops() -> None:
     )
     assert d.status["phase"] == "Failed"
     assert "activeDeadlineSeconds=60" in d.status["message"]
-    assert {"stop", "delete_cluster"} <= set(d.actions)
+    assert {"stop", "delete_cluster"} <= set(d.action_kinds)
 
 
 def test_ttl_deletes_a_finished_job_only_after_it_elapses() -> None:
@@ -252,13 +273,13 @@ def test_ttl_deletes_a_finished_job_only_after_it_elapses() -> None:
         obs(raycluster=None),
         SID,
     )
-    assert "delete_job" not in early.actions
+    assert "delete_job" not in early.action_kinds
     late = decide(
         job({"phase": "Succeeded", "completionTime": done}, ttlSecondsAfterFinished=10),
         obs(raycluster=None),
         SID,
     )
-    assert late.actions == ["delete_job"]
+    assert late.action_kinds == ["delete_job"]
 
 
 def test_status_patch_holds_only_changes() -> None:
@@ -286,13 +307,13 @@ def test_a_running_jobs_lost_cluster_is_recreated_then_the_same_attempt_resubmit
     (the trainer resumes from its checkpoint) and no restart is counted."""
     running = {"phase": "Running", "submissionId": SID, "restarts": 0, "startTime": iso(NOW)}
     gone = decide(job(running), obs(raycluster=None), SID)
-    assert gone.actions == ["create_cluster"]
+    assert gone.action_kinds == ["create_cluster"]
     assert gone.status["phase"] == "Provisioning"
     assert [(t, r) for t, r, _ in gone.events] == [("Warning", "ClusterRecreated")]
     unready = decide(job(gone.status), obs(raycluster=cluster(None)), SID)
-    assert unready.status["phase"] == "Provisioning" and unready.actions == []
+    assert unready.status["phase"] == "Provisioning" and unready.action_kinds == []
     ready = decide(job(unready.status), obs(), SID)
-    assert ready.actions == ["submit"] and ready.submission_id == SID
+    assert ready.actions == (SubmitTrainer(SID),)
     assert ready.status.get("restarts", 0) == 0
     back = decide(job(ready.status), obs(ray_job=ray("RUNNING"), metrics_error="refused"), SID)
     assert back.status["phase"] == "Running" and back.status.get("restarts", 0) == 0
@@ -304,7 +325,7 @@ def with_head(pod: str | None) -> dict[str, Any]:
 
 def test_the_submitted_attempt_records_its_head_pod() -> None:
     d = decide(job({"phase": "Provisioning", "restarts": 0}), obs(raycluster=with_head("tiny-head-a")), SID)
-    assert d.actions == ["submit"] and d.status["headPod"] == "tiny-head-a"
+    assert d.action_kinds == ["submit"] and d.status["headPod"] == "tiny-head-a"
 
 
 @pytest.mark.parametrize(
@@ -331,9 +352,7 @@ def test_a_running_attempts_lost_head_pod_restarts_it_from_the_checkpoint(
     assert [(t, r) for t, r, _ in d.events] == [("Warning", "Restarting")]
     # The next attempt is submitted on the new head, and records it.
     nxt = decide(job(d.status), obs(raycluster=with_head("tiny-head-b")), "sid-1")
-    assert (
-        nxt.actions == ["submit"] and nxt.submission_id == "sid-1" and nxt.status["headPod"] == "tiny-head-b"
-    )
+    assert nxt.actions == (SubmitTrainer("sid-1"),) and nxt.status["headPod"] == "tiny-head-b"
 
 
 def test_the_same_head_pod_is_no_loss_and_a_job_from_before_the_field_adopts_its_head() -> None:
@@ -364,11 +383,11 @@ def test_the_next_attempt_waits_for_the_previous_one_to_stop() -> None:
     restarted = {"phase": "Restarting", "restarts": 1, "lastRestartTime": iso(NOW - timedelta(seconds=5))}
     previous = "rlhf-ns-tiny-0123abcd-0"
     d = decide(job(restarted), obs(previous_running=previous), SID)
-    assert d.actions == [] and previous in d.status["message"]
-    assert decide(job(restarted), obs(), SID).actions == ["submit"]
+    assert d.action_kinds == [] and previous in d.status["message"]
+    assert decide(job(restarted), obs(), SID).action_kinds == ["submit"]
     # Past its grace period and 30 s more, Ray's SIGKILL has failed: go on rather than hang.
     late = {**restarted, "lastRestartTime": iso(NOW - timedelta(seconds=61))}
-    assert decide(job(late), obs(previous_running=previous), SID).actions == ["submit"]
+    assert decide(job(late), obs(previous_running=previous), SID).action_kinds == ["submit"]
 
 
 def test_the_previous_attempt_is_one_restart_or_one_readmission_ago() -> None:

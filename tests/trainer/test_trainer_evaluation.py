@@ -57,7 +57,12 @@ def test_defaults_are_greedy_one_response_at_the_end_only() -> None:
         "n": 1, "temperature": 0.0, "top_p": 1.0, "max_tokens": 1024, "max_prompt_tokens": 1024,
     }  # fmt: skip
     assert _spec(eval_split=False).evaluation_plan() is None  # no split: no evaluation at all
-    s = _spec({"everySteps": 5, "sampling": {"temperature": 0.7, "topP": 0.9, "maxTokens": 64, "samplesPerPrompt": 4}})
+    s = _spec(
+        {
+            "everySteps": 5,
+            "sampling": {"temperature": 0.7, "topP": 0.9, "maxTokens": 64, "samplesPerPrompt": 4},
+        }
+    )
     assert eval_sampling(s) == {
         "n": 4,
         "temperature": 0.7,
