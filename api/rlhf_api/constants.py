@@ -14,6 +14,12 @@ DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/rlhf-operator/trainer:0.1.0"
 TRAINER_RESOURCE: Final = "rlhf_trainer_slot"
 # Advertised by the rollout worker group's pods; the engine pool counts them to size itself.
 ROLLOUT_RESOURCE: Final = "rlhf_rollout_slot"
+# Set ("1") by the operator on the driver of a job in its own RayCluster, whose worker pods advertise the
+# two resources above: the driver's placement groups then always ask for them, so a trainer rank never
+# lands on a rollout pod (or an engine on a trainer pod) while the pods are still joining a new head
+# (after the head pod's loss they rejoin one by one). Unset under the development head override, whose
+# local Ray head advertises neither.
+POD_SLOTS_ENV: Final = "RLHF_POD_SLOTS"
 # The trainer driver's exit status for bad input it found at run time (a model path that does not exist,
 # a reward function that does not import, a checkpoint of another run): the operator fails the job with
 # the driver's `error:` line and does not restart it, since every attempt would fail the same way.

@@ -94,7 +94,11 @@ def _on_cluster(
                 rj.submit(
                     sid,
                     manifests.trainer_entrypoint(job),
-                    runtime_env=manifests.trainer_runtime_env(job, gpu_standin=runtime.CONFIG.gpu_standin),
+                    runtime_env=manifests.trainer_runtime_env(
+                        job,
+                        gpu_standin=runtime.CONFIG.gpu_standin,
+                        pod_slots=not runtime.CONFIG.dev_head_host,
+                    ),
                     metadata={"rlhfjob": job.name, "namespace": body.metadata.namespace or "default"},
                 )
             failpoints.hit("after_submit")
@@ -130,7 +134,9 @@ def _submit_snapshot(
             rj.submit(
                 sid,
                 diagnosis.entrypoint(job.spec.monitoring.stack_snapshot_timeout_seconds),
-                runtime_env=manifests.trainer_runtime_env(job, gpu_standin=runtime.CONFIG.gpu_standin),
+                runtime_env=manifests.trainer_runtime_env(
+                    job, gpu_standin=runtime.CONFIG.gpu_standin, pod_slots=not runtime.CONFIG.dev_head_host
+                ),
                 metadata={"rlhfjob": job.name, "namespace": namespace, "purpose": "stack-snapshot"},
             )
     except rayjobs.RayJobsError as e:

@@ -17,6 +17,7 @@ from rlhf_api import pod_settings
 from rlhf_api.constants import (
     DEFAULT_TRAINER_IMAGE,
     GPU_STANDIN_ENV,
+    POD_SLOTS_ENV,
     ROLLOUT_RESOURCE,
     SHUTDOWN_MARGIN_SECONDS,
     STOP_BUDGET_ENV,
@@ -376,10 +377,11 @@ def trainer_entrypoint(job: RLHFJob) -> str:
 
 
 def trainer_runtime_env(
-    job: RLHFJob, extra_env: dict[str, str] | None = None, gpu_standin: str = ""
+    job: RLHFJob, extra_env: dict[str, str] | None = None, gpu_standin: str = "", pod_slots: bool = False
 ) -> dict[str, Any]:
     """The Ray job's runtime env: the spec, the job's identity, `spec.pods.env`'s literal values, and the
-    operator's GPU stand-in setting (`RLHF_GPU_STANDIN`, which a job's own env may override).
+    operator's GPU stand-in setting (`RLHF_GPU_STANDIN`, which a job's own env may override), and, for a
+    job in its own RayCluster (`pod_slots`), that its pods advertise their role's slots (`RLHF_POD_SLOTS`).
 
     The pods' env also reaches every Ray actor this way (Ray workers do not inherit a container's env
     when their raylet was started elsewhere), and under the dev override, where the pods are KWOK's and
@@ -390,6 +392,7 @@ def trainer_runtime_env(
     }
     env = {
         **({GPU_STANDIN_ENV: gpu_standin} if gpu_standin else {}),
+        **({POD_SLOTS_ENV: "1"} if pod_slots else {}),
         **literal,
         "RLHF_SPEC_JSON": job.spec.model_dump_json(by_alias=True, exclude_none=True),
         "RLHF_JOB_NAME": job.name,

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+from rlhf_api.constants import POD_SLOTS_ENV
 from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests
 from testkit.support import set_dotted
@@ -278,6 +279,14 @@ def test_runtime_env_carries_literal_pod_env_but_never_overrides_the_spec() -> N
     assert env["HF_HUB_OFFLINE"] == "1"
     assert "TOKEN" not in env  # a secret reference exists only in the pods
     assert env["RLHF_JOB_NAME"] == "tiny"
+
+
+def test_a_job_in_its_own_raycluster_tells_its_driver_that_pods_advertise_their_slots() -> None:
+    """RLHF_POD_SLOTS: set for the operator's RayCluster (its pods advertise rlhf_*_slot), unset under the
+    development override (a local Ray head advertises none)."""
+    job = load("rlhfjob-tiny.yaml")
+    assert manifests.trainer_runtime_env(job, pod_slots=True)["env_vars"][POD_SLOTS_ENV] == "1"
+    assert POD_SLOTS_ENV not in manifests.trainer_runtime_env(job)["env_vars"]
 
 
 def test_head_url_is_the_kuberay_head_service_or_the_development_host() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
-from rlhf_api.constants import ROLLOUT_RESOURCE, TRAINER_RESOURCE
+from rlhf_api.constants import POD_SLOTS_ENV, ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from rlhf_api.spec import RLHFJobSpec
 
 from rlhf_trainer import device_plan
@@ -118,13 +118,16 @@ def cpus_per_process(spec: RLHFJobSpec) -> float:
 
 def pool_bundles(pool: Pool, users: Mapping[int, int], cpus: float) -> list[dict[str, float]]:
     """One bundle per GPU of `pool`: the GPU, a CPU share per process placed in it, and the pod role's
-    custom resource (`trainer` per GPU; `rollout` once per engine) where the cluster advertises it."""
+    custom resource (`trainer` per GPU; `rollout` once per engine) where the job's pods advertise it:
+    always in the operator's RayCluster (POD_SLOTS_ENV), so a group waits for its own pods instead of
+    taking another role's GPU while pods rejoin; otherwise where the cluster advertises it now."""
     have = ray.cluster_resources()  # type: ignore[no-untyped-call]
     custom = TRAINER_RESOURCE if pool.pod_role == "trainer" else ROLLOUT_RESOURCE
+    required = os.environ.get(POD_SLOTS_ENV) == "1" or have.get(custom, 0) > 0
     bundles: list[dict[str, float]] = []
     for b in range(pool.bundles):
         bundle = {"CPU": cpus * max(1, users.get(b, 1)), "GPU": 1.0}
-        if have.get(custom, 0) > 0 and (pool.pod_role == "trainer" or b == 0):
+        if required and (pool.pod_role == "trainer" or b == 0):
             bundle[custom] = 1.0
         bundles.append(bundle)
     return bundles

@@ -169,6 +169,7 @@ def retired_engines(cluster: Cluster, namespace: str) -> list[str]:
 # the loss, a scale-down's pod goes after its 30 s grace; the head was lost at step 16 in the first run),
 # with some left for the restarted attempt: the test fails, saying so, if too few are left.
 STEPS = 40
+INTERVAL = 4  # checkpoint.intervalSteps
 
 
 # Its own limit: 40 steps, a pod loss, a scale-down and a head loss took 489 s from apply to Succeeded
@@ -186,7 +187,7 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     tmp_path: Path,
 ) -> None:
     t0 = time.monotonic()
-    job = realnode_job("tiny", local_data, steps=STEPS, interval=4, rollout={"engines": 2})
+    job = realnode_job("tiny", local_data, steps=STEPS, interval=INTERVAL, rollout={"engines": 2})
     # The device map `rlhf plan` gives this spec (before the pods start: it runs a Ray of its own).
     manifest = tmp_path / "tiny.yaml"
     manifest.write_text(json.dumps(job))
@@ -357,12 +358,16 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     assert warnings, [e.get("reason") for e in events]
     print("warnings:", [(e["reason"], e["message"]) for e in warnings])
     # The restarted attempt resumed from a checkpoint: its first step in the new head pod's log follows
-    # one, at or after the last before the loss (or the step in flight, which the dying head's driver
-    # saves when its preStop hook tells it to stop: a force-deleted pod's containers still get the hook),
-    # and it ran every step to the end on the one engine left after the scale-down.
+    # one, at or after the last before the loss (no checkpoint lost), and it ran every step to the end
+    # on the one engine left after the scale-down. The checkpoint may be newer than the steps the old
+    # head had logged at the delete: a force delete removes the pod from the API at once, not its
+    # containers, which get the preStop hook (the driver saves the step in flight) and run on until the
+    # kubelet kills them. In the rehearsal of 2026-11-28 the old head had logged 18 steps at the delete
+    # and the new attempt resumed from step 20's checkpoint; the bound allows one interval past.
     reports = head_steps(cluster, namespace)
     steps = [r["step"] for r in reports]
-    assert steps and before["lastCheckpointStep"] <= steps[0] - 1 <= logged + 1, (len(first), logged, steps)
+    resumed = steps[0] - 1 if steps else -1
+    assert before["lastCheckpointStep"] <= resumed <= logged + 1 + INTERVAL, (len(first), logged, steps)
     assert steps == list(range(steps[0], STEPS + 1)), steps
     assert {len(r["engines"]) for r in reports} == {1}, reports
 
