@@ -78,35 +78,19 @@ def run(*cmd: str, quiet: bool = False, timeout: float = 1800) -> str:
 PROGRESS_LINES = ("[build]", "[images]", "[up]", "operator-image:", "trainer-image:", "error")
 
 
-def run_live(*cmd: str, timeout: float = 5400) -> str:
-    """Runs a long command, showing its progress lines as they come (a cold build is many minutes)."""
-    out: list[str] = []
-    proc = subprocess.Popen(
-        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        out.append(line)
-        if line.startswith(PROGRESS_LINES):
-            console.print(f"  [dim]{escape(line.rstrip())}[/]", highlight=False)
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise DemoError(f"`{' '.join(cmd)}` took longer than {timeout:.0f}s")
-    if proc.wait() != 0:
-        raise DemoError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{''.join(out[-40:])}")
-    return "".join(out)
-
-
-AFTER_BUILDS_S = 330  # control plane up ~30 s, helm install ~40 s, the tiny job to Succeeded ~260 s
+def show_progress(line: str) -> None:
+    """A long command's progress line (PROGRESS_LINES), shown dimmed; other lines are kept, not shown."""
+    if line.startswith(PROGRESS_LINES):
+        console.print(f"  [dim]{escape(line.rstrip())}[/]", highlight=False)
 
 
 class Background:
-    """A long command beside the foreground (the images beside the Go builds: one mostly waits on the
-    disk and the network, the other on the CPU), its progress lines shown as they come."""
+    """A long command, its progress lines shown as they come (a cold build is many minutes); it runs
+    beside the foreground until joined (the images beside the Go builds: one mostly waits on the disk
+    and the network, the other on the CPU)."""
 
     def __init__(self, name: str, *cmd: str) -> None:
-        self.name, self.cmd = name, cmd
+        self.cmd = cmd
         self.lines: list[str] = []
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
@@ -119,11 +103,7 @@ class Background:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.startswith(PROGRESS_LINES):
-                console.print(f"  [dim]{escape(line.rstrip())}[/]", highlight=False)
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
+            show_progress(line)
 
     def join(self, timeout: float = 5400) -> str:
         try:
@@ -137,6 +117,14 @@ class Background:
                 f"`{' '.join(self.cmd)}` failed ({self.proc.returncode}):\n{''.join(self.lines[-40:])}"
             )
         return "".join(self.lines)
+
+
+def run_live(*cmd: str, timeout: float = 5400) -> str:
+    """Runs a long command in the foreground, showing its progress lines as they come."""
+    return Background(cmd[0], *cmd).join(timeout)
+
+
+AFTER_BUILDS_S = 330  # control plane up ~30 s, helm install ~40 s, the tiny job to Succeeded ~260 s
 
 
 class Estimate:
@@ -188,8 +176,7 @@ def plan_seconds(*cmd: str, key: str) -> float:
     """A build's `plan`: the seconds its cold parts are estimated at (0 when all is cached)."""
     out = run(*cmd, quiet=True, timeout=300)
     for line in out.splitlines():
-        if line.startswith(PROGRESS_LINES):
-            console.print(f"  [dim]{escape(line.rstrip())}[/]", highlight=False)
+        show_progress(line)
         if line.startswith(f"{key}: "):
             return float(line.split(": ", 1)[1])
     return 0.0
