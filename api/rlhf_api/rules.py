@@ -139,7 +139,16 @@ def _split_role_rules() -> tuple[Rule, ...]:
 
 _CEL_GROUP_ESTIMATORS = "[" + ", ".join(f"'{e}'" for e in GROUP_ESTIMATORS) + "]"
 
+
 # CEL escapes property names that are CEL reserved words: `function` is reached as `__function__`.
+def _has_s3_storage(spec: RLHFJobSpec, url: str | None) -> bool:
+    """An s3:// URL has the store's credentials: spec.storage.s3, or a runtime that may give them (the
+    merged spec is checked again when the job binds to it)."""
+    if not url or not url.startswith("s3://"):
+        return True
+    return spec.storage.s3 is not None or spec.runtime_ref is not None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         name="reward-function-matches-type",
@@ -491,6 +500,28 @@ RULES: tuple[Rule, ...] = (
             or s.evaluation.sampling.max_tokens is None
             or s.evaluation.sampling.max_tokens <= s.algorithm.max_response_length
         ),
+    ),
+    Rule(
+        name="s3-prompts-need-storage",
+        scope="",
+        cel="!self.data.prompts.startsWith('s3://') || has(self.runtimeRef) || "
+        "(has(self.storage) && has(self.storage.s3))",
+        field="data.prompts",
+        message="an s3:// data.prompts needs the object store's credentials: set "
+        "spec.storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: _has_s3_storage(s, s.data.prompts),
+    ),
+    Rule(
+        name="s3-eval-prompts-need-storage",
+        scope="",
+        cel="!has(self.data.eval) || !self.data.eval.prompts.startsWith('s3://') || has(self.runtimeRef) || "
+        "(has(self.storage) && has(self.storage.s3))",
+        field="data.eval.prompts",
+        message="an s3:// data.eval.prompts needs the object store's credentials: set "
+        "spec.storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: s.data.eval is None or _has_s3_storage(s, s.data.eval.prompts),
     ),
     Rule(
         name="stall-timeout-spans-scrapes",
