@@ -524,6 +524,23 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: s.data.eval is None or _has_s3_storage(s, s.data.eval.prompts),
     ),
     Rule(
+        name="export-to-needs-storage",
+        scope="",
+        cel="!has(self.checkpoint.exportTo) || has(self.runtimeRef) || (has(self.storage) && has(self.storage.s3))",
+        field="checkpoint.exportTo",
+        message="checkpoint.exportTo needs the object store's credentials: set spec.storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: _has_s3_storage(s, s.checkpoint.export_to),
+    ),
+    Rule(
+        name="export-to-needs-an-export",
+        scope="checkpoint",
+        cel="!has(self.exportTo) || (has(self.path) && self.export != 'never')",
+        field="checkpoint.exportTo",
+        message="checkpoint.exportTo uploads the export: it needs checkpoint.path and an export other than never",
+        check=lambda s: s.checkpoint.export_to is None or s.checkpoint.export_dir() is not None,
+    ),
+    Rule(
         name="stall-timeout-spans-scrapes",
         scope="monitoring",
         cel="self.stallTimeoutSeconds >= 2 * self.scrapeIntervalSeconds",

@@ -844,6 +844,15 @@ class CheckpointSpec(_Spec):
         min_length=1,
         description="Where the exported model goes (replaced at each export); default <path>/model.",
     )
+    export_to: str | None = Field(
+        default=None,
+        pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/\S+$",
+        description="Also upload each export to this object-store prefix, s3://bucket/prefix (needs "
+        "spec.storage.s3): every file first, then the marker object rlhf-export-complete.json (the files, "
+        "their sizes and sha256) last; a prefix without the marker is not a model. Progress in "
+        "status.export; a failed upload is retried, then reported there, and the local export is kept "
+        "(docs/trainer.md).",
+    )
     on_preemption: Literal["Save", "KeepLast"] = Field(
         default="Save",
         description="When the trainer is told to stop (Kueue preemption, suspension, a drained node): `Save` "
@@ -1353,6 +1362,20 @@ class RuntimeBinding(_Status):
     )
 
 
+class ExportStatus(_Status):
+    """The upload of the exported model to checkpoint.exportTo (docs/trainer.md)."""
+
+    uri: str = Field(description="checkpoint.exportTo: the prefix the model goes to.")
+    bytes_done: int = Field(ge=0, description="Bytes uploaded (or found there already, the same) so far.")
+    bytes_total: int = Field(ge=0, description="Bytes of the export.")
+    done: bool = Field(description="The marker is written: the prefix holds the complete model.")
+    failed: bool = Field(
+        default=False,
+        description="The upload failed for good (after its retries): the model is only at exportPath; the "
+        "driver's log says why.",
+    )
+
+
 class RLHFJobStatus(_Status):
     """Observed state, written by the operator."""
 
@@ -1410,6 +1433,9 @@ class RLHFJobStatus(_Status):
         description="The last evaluation's mean reward per data_source, when data.eval has that column.",
     )
     eval_step: int | None = Field(default=None, ge=0, description="Step after which the last evaluation ran.")
+    export: ExportStatus | None = Field(
+        default=None, description="The export's upload to checkpoint.exportTo (unset before one starts)."
+    )
     kl: float | None = Field(default=None, description="KL divergence to the reference model, last step.")
     trainer_idle_ratio: float | None = Field(
         default=None, ge=0, le=1, description="Share of the last step the trainer waited for rollouts."

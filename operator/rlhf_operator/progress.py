@@ -9,7 +9,7 @@ import math
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from rlhf_api.spec import Condition, RLHFJobSpec, RLHFJobStatus, RolloutStatus
+from rlhf_api.spec import Condition, ExportStatus, RLHFJobSpec, RLHFJobStatus, RolloutStatus
 
 from rlhf_operator.fabric import asks_rdma, fabric_condition
 from rlhf_operator.scrape import ScrapedMetrics
@@ -65,7 +65,12 @@ def apply_metrics(
     if metrics.nccl_networks and asks_rdma(spec):  # else fabric_condition changes nothing
         wire, degraded = fabric_condition(conditions_wire(conds), True, metrics.nccl_networks, now)
         conds = conditions_typed(wire)
-    changes = {**_step_fields(st, spec, metrics), **_gauges(metrics), "conditions": conds}
+    changes = {
+        **_step_fields(st, spec, metrics),
+        **_gauges(metrics),
+        **_export(spec, metrics),
+        "conditions": conds,
+    }
     if metrics.engines:
         rollout = st.rollout or RolloutStatus()
         changes["rollout"] = rollout.model_copy(
@@ -101,6 +106,21 @@ def _step_fields(st: RLHFJobStatus, spec: RLHFJobSpec, m: ScrapedMetrics) -> dic
     if completed and (m.steps_completed > prev_step or (m.steps_completed and not prev_time)):
         out["last_step_time"] = completed
     return out
+
+
+def _export(spec: RLHFJobSpec, m: ScrapedMetrics) -> dict[str, Any]:
+    """status.export from the upload's series, once an upload to checkpoint.exportTo has started (absent
+    from a scrape: keep the last known, which outlives the driver)."""
+    if spec.checkpoint.export_to is None or m.export_bytes_total is None:
+        return {}
+    export = ExportStatus(
+        uri=spec.checkpoint.export_to,
+        bytes_done=m.export_bytes_done or 0,
+        bytes_total=m.export_bytes_total,
+        done=bool(m.export_done),
+        failed=bool(m.export_failed),
+    )
+    return {"export": export}
 
 
 def _gauges(m: ScrapedMetrics) -> dict[str, Any]:

@@ -55,6 +55,11 @@ class ScrapedMetrics:
     staleness_count: float = 0.0
     stale_samples_total: float | None = None
     nccl_networks: dict[str, str] = field(default_factory=dict)  # NCCL process -> network (GPU path)
+    # checkpoint.exportTo's upload (None: none started)
+    export_bytes_done: int | None = None
+    export_bytes_total: int | None = None
+    export_done: bool | None = None
+    export_failed: bool | None = None
 
     @property
     def sample_staleness(self) -> float | None:
@@ -97,6 +102,8 @@ _FIELDS: dict[str, tuple[str, Callable[[float], Any]]] = {
     "rlhf_rollout_idle_ratio": ("rollout_idle_ratio", float),
     "rlhf_sample_staleness_sum": ("staleness_sum", float),
     "rlhf_sample_staleness_count": ("staleness_count", float),
+    "rlhf_export_upload_done": ("export_done", lambda v: v >= 1),
+    "rlhf_export_upload_failed": ("export_failed", lambda v: v >= 1),
 }
 
 
@@ -146,6 +153,8 @@ def _take(
         out.eval_reward_mean_by_data_source[labels["data_source"]] = value
     elif name == "rlhf_nccl_transport" and value >= 1 and "process" in labels:
         out.nccl_networks[labels["process"]] = labels.get("network", "unknown")
+    elif name == "rlhf_export_upload_bytes" and labels.get("state") in ("done", "total"):
+        setattr(out, f"export_bytes_{labels['state']}", int(value))
     elif name == "rlhf_rollout_engines" and "state" in labels:
         out.engines[labels["state"]] = int(value)
 

@@ -398,3 +398,36 @@ def test_the_previous_attempt_is_one_restart_or_one_readmission_ago() -> None:
         manifests.submission_id(j, uid, 0, 1),
         manifests.submission_id(j, uid, 1, 0),
     ]
+
+
+def test_the_export_uploads_progress_reaches_status_from_the_trainers_series() -> None:
+    """checkpoint.exportTo: the trainer's rlhf_export_upload_* series (absent before an upload starts), as
+    exported by its TrainerExporter and scraped, into status.export; a failure is kept there."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from rlhf_trainer.metrics import TrainerExporter
+
+    running = {"phase": "Running", "startTime": iso(NOW), "step": 4}
+    base = job(running)
+    checkpoint = base.spec.checkpoint.model_copy(update={"export_to": "s3://models/run-1"})
+    uploading = base.model_copy(update={"spec": base.spec.model_copy(update={"checkpoint": checkpoint})})
+    registry = CollectorRegistry()
+    trainer = TrainerExporter("tiny", registry)
+    trainer.steps_completed.labels("tiny").inc(4)
+
+    def status_now() -> dict[str, Any]:
+        scraped = parse_metrics(generate_latest(registry).decode(), "tiny")
+        return decide(uploading, obs(ray_job=ray("RUNNING"), metrics=scraped), SID).status
+
+    assert "export" not in status_now()
+    trainer.export_uploading(3 * 2**20, 10 * 2**20, done=False, failed=False)
+    assert status_now()["export"] == {
+        "uri": "s3://models/run-1",
+        "bytesDone": 3 * 2**20,
+        "bytesTotal": 10 * 2**20,
+        "done": False,
+        "failed": False,
+    }
+    trainer.export_uploading(10 * 2**20, 10 * 2**20, done=True, failed=False)
+    assert status_now()["export"]["done"] is True
+    trainer.export_uploading(2**20, 10 * 2**20, done=False, failed=True)
+    assert status_now()["export"]["failed"] is True

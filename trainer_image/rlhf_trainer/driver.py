@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
@@ -28,7 +29,7 @@ from rlhf_trainer import container_log, device, device_plan
 from rlhf_trainer.checkpoint import Checkpointer, resume_point
 from rlhf_trainer.config import InputError, load_spec_arg, preflight
 from rlhf_trainer.data import PromptDataset
-from rlhf_trainer.export import EXPORT_INFO, export_on_trainer
+from rlhf_trainer.export import EXPORT_INFO, export_on_trainer, upload_on_trainer
 from rlhf_trainer.faults import FaultInjector, fail_at_start
 from rlhf_trainer.loop import ObjectiveState, StepContext, StepReport, abandon, run_step
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
@@ -128,7 +129,7 @@ def run(
         )
         log(done)
         nothing: dict[str, Any] = {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced}
-        exported = _export_if_stale(spec, announced, log)  # a run killed mid-export finishes it here
+        exported = _export_if_stale(spec, announced, log, metrics)  # a run killed mid-export finishes it here
         return {**nothing, "message": done, **({"export": exported} if exported else {})}
     metrics.resumed(announced)
     if announced:
@@ -191,7 +192,7 @@ def run(
             completed = step
             summary["steps"].append(step_summary(report))
             if report.checkpoint and spec.checkpoint.export == "everyCheckpoint":
-                summary["export"] = _export(spec, log)
+                summary["export"] = _export(spec, log, metrics)
             if on_step is not None:
                 on_step(report)
             if stop is not None and stop.requested:
@@ -202,7 +203,7 @@ def run(
             summary["data_position"] = checkpointer.trained_position or data.position.to_dict()
             return summary
         if last == spec.algorithm.total_steps and spec.checkpoint.export == "onFinish":
-            summary["export"] = _export(spec, log)
+            summary["export"] = _export(spec, log, metrics)
         summary["data_position"] = checkpointer.trained_position or data.position.to_dict()
         return summary
     finally:
@@ -255,8 +256,11 @@ def stop_at_boundary(
     return out
 
 
-def _export(spec: RLHFJobSpec, log: Callable[[str], None]) -> str | None:
-    """The newest checkpoint's actor to checkpoint.exportDir(), as a Hugging Face model directory."""
+def _export(
+    spec: RLHFJobSpec, log: Callable[[str], None], metrics: TrainerExporter | None = None
+) -> str | None:
+    """The newest checkpoint's actor to checkpoint.exportDir(), as a Hugging Face model directory, then
+    uploaded to checkpoint.exportTo when set."""
     target, root = spec.checkpoint.export_dir(), spec.checkpoint.path
     if target is None or root is None:
         return None
@@ -267,27 +271,61 @@ def _export(spec: RLHFJobSpec, log: Callable[[str], None]) -> str | None:
     started = False if ray.is_initialized() else connect_ray(1)
     try:
         out = export_on_trainer(Path(root), Path(target))
+        log(
+            f"exported the actor of step {out.step} to {out.path} ({out.tensors} tensors in {out.shards} "
+            f"shard(s), {out.dtype}; by pid {out.pid} on {out.host})"
+        )
+        if spec.checkpoint.export_to:
+            _upload(spec, out.path, out.step, log, metrics)
     finally:
         if started:
             ray.shutdown()
-    log(
-        f"exported the actor of step {out.step} to {out.path} ({out.tensors} tensors in {out.shards} "
-        f"shard(s), {out.dtype}; by pid {out.pid} on {out.host})"
-    )
     return str(out.path)
 
 
-def _export_if_stale(spec: RLHFJobSpec, step: int, log: Callable[[str], None]) -> str | None:
+def _upload(
+    spec: RLHFJobSpec, path: Path, step: int, log: Callable[[str], None], metrics: TrainerExporter | None
+) -> None:
+    """The export to checkpoint.exportTo, its progress in the metrics; a failure is logged and kept in the
+    metrics (status.export.failed), never raised: the local export stands. Then /metrics is held one
+    scrape interval more, so that the operator reads the final state before the driver exits."""
+    uri = str(spec.checkpoint.export_to)
+
+    def report(p: dict[str, Any]) -> None:
+        if metrics is not None:
+            metrics.export_uploading(p["bytes_done"], p["bytes_total"], p["done"], p["error"] is not None)
+
+    result = upload_on_trainer(path, uri, step, report)
+    if result["error"]:
+        log(f"export upload failed, the local export at {path} is kept: {result['error']}")
+    else:
+        sent, total = result["bytes_sent"], result["bytes_total"]
+        log(f"uploaded {path} to {uri} ({sent} of {total} bytes sent, the rest there already)")
+    if metrics is not None:
+        time.sleep(spec.monitoring.scrape_interval_seconds + 1)
+
+
+def _export_if_stale(
+    spec: RLHFJobSpec, step: int, log: Callable[[str], None], metrics: TrainerExporter | None = None
+) -> str | None:
     target = spec.checkpoint.export_dir()
     if target is None:
         return None
     info = Path(target) / EXPORT_INFO
     try:
-        if json.loads(info.read_text()).get("step") == step:
-            return target
+        current = json.loads(info.read_text()).get("step") == step
     except (OSError, ValueError):
-        pass
-    return _export(spec, log)
+        current = False
+    if not current:
+        return _export(spec, log, metrics)
+    if spec.checkpoint.export_to:  # the export is there; its upload may not have finished (idempotent)
+        started = False if ray.is_initialized() else connect_ray(1)
+        try:
+            _upload(spec, Path(target), step, log, metrics)
+        finally:
+            if started:
+                ray.shutdown()
+    return target
 
 
 def report_fabric(placed: Placed, metrics: TrainerExporter, job: str, log: Callable[[str], None]) -> None:

@@ -15,8 +15,8 @@ import shutil
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,10 @@ from rlhf_api.constants import TRAINER_RESOURCE
 
 from rlhf_trainer.checkpoint import STATE_FILE, CheckpointStore
 from rlhf_trainer.config import InputError
+from rlhf_trainer.export_upload import FIELD as UPLOAD_FIELD
+from rlhf_trainer.export_upload import Progress, UploadError, upload_export
+from rlhf_trainer.object_store import ObjectStoreError, parse_s3_url
+from rlhf_trainer.object_store import client as object_store_client
 
 EXPORT_INFO = "rlhf_export.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -166,17 +170,10 @@ def export_on_trainer(
     one would never be granted. Without such a node (a local Ray), it goes wherever Ray puts it.
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    trainers = [
-        n["NodeID"]
-        for n in ray.nodes()  # type: ignore[no-untyped-call]
-        if n.get("Alive") and n.get("Resources", {}).get(TRAINER_RESOURCE, 0) > 0
-    ]
-    strategy: Any = NodeAffinitySchedulingStrategy(trainers[0], soft=False) if trainers else "DEFAULT"
     task = ray.remote(export_actor).options(  # type: ignore[attr-defined]
         num_cpus=EXPORT_TASK_CPUS,
-        scheduling_strategy=strategy,
+        scheduling_strategy=_trainer_node(),
         max_retries=0,  # a failed export is reported, not silently run twice
         runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}},  # it reads files: no device needed
     )
@@ -187,6 +184,68 @@ def export_on_trainer(
         if isinstance(e.cause, InputError):  # a bad checkpoint or base: the same error as in-process
             raise e.cause from None
         raise
+
+
+def _trainer_node() -> Any:
+    """A node with the trainer resource (a KubeRay trainer worker: the checkpoint volume is mounted
+    there), pinned to rather than asked a share of; without one (a local Ray), Ray's default."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    trainers = [
+        n["NodeID"]
+        for n in ray.nodes()  # type: ignore[no-untyped-call]
+        if n.get("Alive") and n.get("Resources", {}).get(TRAINER_RESOURCE, 0) > 0
+    ]
+    return NodeAffinitySchedulingStrategy(trainers[0], soft=False) if trainers else "DEFAULT"
+
+
+class _Uploader:
+    """The upload of an export directory, in a Ray actor on a trainer node (where the export is): one
+    thread uploads, another answers `progress` for the driver's metrics."""
+
+    def __init__(self, uri: str) -> None:
+        self.state = Progress(uri)
+
+    def upload(self, directory: str, step: int) -> dict[str, Any]:
+        try:
+            prefix = parse_s3_url(self.state.uri, UPLOAD_FIELD)
+            upload_export(object_store_client(), Path(directory), prefix, step=step, progress=self.state)
+        except (UploadError, ObjectStoreError) as e:
+            self.state.error = str(e)
+        return asdict(self.state)
+
+    def progress(self) -> dict[str, Any]:
+        return asdict(self.state)
+
+
+def upload_on_trainer(
+    directory: Path,
+    uri: str,
+    step: int,
+    on_progress: Callable[[dict[str, Any]], None],
+    poll_seconds: float = 1.0,
+) -> dict[str, Any]:
+    """Upload an export directory to `uri` (checkpoint.exportTo) from a trainer node, `on_progress`
+    called with the progress (export_upload.Progress as a dict) every `poll_seconds` and at the end.
+    Never raises for a failed upload: the result's `error` says why, and the local export is untouched."""
+    import ray
+
+    actor_class: Any = ray.remote(_Uploader).options(  # type: ignore[attr-defined]
+        num_cpus=EXPORT_TASK_CPUS, scheduling_strategy=_trainer_node(), max_concurrency=2, max_restarts=0
+    )
+    actor: Any = actor_class.remote(uri)
+    try:
+        ref = actor.upload.remote(str(directory), step)
+        while not ray.wait([ref], timeout=poll_seconds)[0]:
+            on_progress(ray.get(actor.progress.remote()))
+        result: dict[str, Any] = ray.get(ref)
+    except ray.exceptions.RayError as e:  # the actor or its node died: reported like a failed upload
+        result = asdict(Progress(uri, error=f"{UPLOAD_FIELD} {uri}: the upload's Ray actor failed: {e}"))
+    finally:
+        ray.kill(actor)
+    on_progress(result)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,6 +124,26 @@ class TrainerExporter:
             [L],
             registry=r,
         )
+        # checkpoint.exportTo: absent until an upload starts (the operator copies them into status.export)
+        self.export_upload_bytes = Gauge(
+            "rlhf_export_upload_bytes",
+            "Bytes of the export's upload to checkpoint.exportTo: state done (uploaded or already there) "
+            "or total",
+            [L, "state"],
+            registry=r,
+        )
+        self.export_upload_done = Gauge(
+            "rlhf_export_upload_done",
+            "1 once the export's upload wrote its marker (the prefix is a complete model), else 0",
+            [L],
+            registry=r,
+        )
+        self.export_upload_failed = Gauge(
+            "rlhf_export_upload_failed",
+            "1 when the export's upload failed for good (after its retries); the local export is kept",
+            [L],
+            registry=r,
+        )
         # Asynchronous RL (algorithm.async); the idle ratios are exported in both modes.
         self.sample_staleness = Histogram(
             "rlhf_sample_staleness",
@@ -267,6 +287,13 @@ class TrainerExporter:
             self.eval_source_reward_mean.labels(self.job, source).set(mean)
         self.eval_step.labels(self.job).set(step)
         self.eval_reward_errors.labels(self.job).inc(errors)
+
+    def export_uploading(self, bytes_done: int, bytes_total: int, done: bool, failed: bool) -> None:
+        """The export upload's progress (export_upload.Progress)."""
+        self.export_upload_bytes.labels(self.job, "done").set(bytes_done)
+        self.export_upload_bytes.labels(self.job, "total").set(bytes_total)
+        self.export_upload_done.labels(self.job).set(1 if done else 0)
+        self.export_upload_failed.labels(self.job).set(1 if failed else 0)
 
     def step_done(self, phase_seconds: dict[str, float], seconds: float) -> None:
         """A step ended: its phases' own wall times (which may overlap) and the step's."""
