@@ -238,11 +238,9 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
 def _normalised(r: Round) -> RLHFJobStatus:
     """The stored status with what every round writes: generation, total steps, cluster name, selector."""
     cur, spec = r.cur, r.spec
+    # desiredEngines is not here: `_engines` writes it, once a round (the plan's count, or the request's)
     rollout = (cur.rollout or RolloutStatus()).model_copy(
-        update={
-            "desired_engines": effective_engines(spec),
-            "selector": f"{JOB_LABEL}={r.job.name},{ROLE_LABEL}=rollout",
-        }
+        update={"selector": f"{JOB_LABEL}={r.job.name},{ROLE_LABEL}=rollout"}
     )
     update: dict[str, Any] = {
         "observed_generation": r.generation,
@@ -630,17 +628,23 @@ def _diagnose(r: Round, d: Draft, reason: str, attempt: str) -> bool:
 
 
 def _engines(r: Round, d: Draft) -> None:
-    """The engine count (scaling.plan_engines) while the job has a cluster and goes on, unless Kueue holds
-    the cluster's replicas (kueue.holds_replicas): then a fixed-size admitted workload says so, once."""
+    """`status.rollout.desiredEngines`, written here only: the engine count of scaling.plan_engines while
+    the job has a cluster and goes on, else the request's (clamped: manifests.effective_engines), also
+    while Kueue holds the cluster's replicas (kueue.holds_replicas; a fixed-size admitted workload then
+    says so, once)."""
     cluster = r.cluster
-    if cluster is None or d.st.phase in TERMINAL_JOB_PHASES:
-        return
-    if any(isinstance(a, DeleteCluster) for a in d.actions):
+    requested = effective_engines(r.spec)
+    if (
+        cluster is None
+        or d.st.phase in TERMINAL_JOB_PHASES
+        or any(isinstance(a, DeleteCluster) for a in d.actions)
+    ):
+        _set_desired(d, requested)
         return
     if r.queue and kueue.holds_replicas(cluster):
+        _set_desired(d, requested)
         if not kueue.suspended_by_kueue(cluster, True):
-            engines = d.st.rollout.desired_engines if d.st.rollout else None
-            conds, said = kueue.fixed_size_condition(conditions_wire(d.st.conditions), engines, r.now)
+            conds, said = kueue.fixed_size_condition(conditions_wire(d.st.conditions), requested, r.now)
             d.st.conditions = conditions_typed(conds)
             if said:
                 d.events.append(event("EngineScalingOff", said, warning=True))
@@ -655,6 +659,11 @@ def _engines(r: Round, d: Draft) -> None:
     suspending = any(isinstance(a, SetClusterSuspend) for a in d.actions)
     if ops and not r.observed.cluster_patch_pending and not suspending:
         d.add(ScaleRolloutGroup(replicas, tuple(ops)))
+
+
+def _set_desired(d: Draft, engines: int) -> None:
+    rollout = d.st.rollout or RolloutStatus()
+    d.st.rollout = rollout.model_copy(update={"desired_engines": engines})
 
 
 def _plan(r: Round, st: RLHFJobStatus) -> tuple[scaling.EnginePlan, list[dict[str, Any]] | None]:

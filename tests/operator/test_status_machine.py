@@ -284,6 +284,19 @@ def test_the_engine_plan_is_part_of_the_decision() -> None:
     assert any(reason == "EnginesClamped" for _, reason, _ in d.events)
 
 
+def test_desired_engines_is_the_clamped_request_in_rounds_without_the_plan() -> None:
+    """status.rollout.desiredEngines has one writer a round: where the engine plan does not run (a finished
+    job, a job with no cluster, replicas Kueue holds) it is the request clamped into the autoscaling range."""
+    stored = {"rollout": {"desiredEngines": 3}}
+    finished = autoscaled(job({"phase": "Succeeded", **stored}), minEngines=2, maxEngines=4)
+    assert decide(finished, obs(), SID).status["rollout"]["desiredEngines"] == 2
+    pending = autoscaled(job({"phase": "Pending", **stored}), minEngines=2, maxEngines=4)
+    assert decide(pending, obs(raycluster=None), SID).status["rollout"]["desiredEngines"] == 2
+    held = autoscaled(queued(job(running(**stored))), minEngines=2, maxEngines=4)
+    d = decide(held, obs(raycluster=kueue_cluster(suspend=False), ray_job=ray("RUNNING")), SID)
+    assert d.status["rollout"]["desiredEngines"] == 2 and d.find(WriteEngines) is None
+
+
 def test_the_group_already_at_size_gets_no_patch_and_a_patch_in_flight_none_again() -> None:
     j = job(running(startTime=iso(NOW)))
     at_size = with_rollout_group(cluster(), j.spec.rollout.replicas())
