@@ -38,3 +38,11 @@ GPU_STANDIN_ENV: Final = "RLHF_GPU_STANDIN"
 # carries the snapshot as JSON (the operator reads it back); each process gets this long to answer.
 STACKS_LOG_MARKER: Final = "RLHF_STACKS "
 STACK_PROCESS_LIMIT_SECONDS: Final = 5
+# What the operator tells the trainer through the environment (the driver's Ray runtime env; the role's
+# container): the spec as JSON (the driver's --spec-env names it), the job's name and namespace, the
+# metrics port (spec.monitoring.metricsPort), and each pod's role (head, trainer, rollout).
+SPEC_JSON_ENV: Final = "RLHF_SPEC_JSON"
+JOB_NAME_ENV: Final = "RLHF_JOB_NAME"
+NAMESPACE_ENV: Final = "RLHF_NAMESPACE"
+METRICS_PORT_ENV: Final = "RLHF_METRICS_PORT"
+ROLE_ENV: Final = "RLHF_ROLE"

@@ -17,9 +17,14 @@ from rlhf_api import pod_settings
 from rlhf_api.constants import (
     DEFAULT_TRAINER_IMAGE,
     GPU_STANDIN_ENV,
+    JOB_NAME_ENV,
+    METRICS_PORT_ENV,
+    NAMESPACE_ENV,
     POD_SLOTS_ENV,
+    ROLE_ENV,
     ROLLOUT_RESOURCE,
     SHUTDOWN_MARGIN_SECONDS,
+    SPEC_JSON_ENV,
     STOP_BUDGET_ENV,
     TRAINER_RESOURCE,
 )
@@ -162,8 +167,8 @@ def _container(
 ) -> dict[str, Any]:
     """The role's Ray container."""
     env = [
-        {"name": "RLHF_JOB_NAME", "value": job.name},
-        {"name": "RLHF_ROLE", "value": role},
+        {"name": JOB_NAME_ENV, "value": job.name},
+        {"name": ROLE_ENV, "value": role},
         {"name": STOP_BUDGET_ENV, "value": str(stop_budget_seconds(job))},
         *security.auth_env(job),
         *(pods.env or []),
@@ -371,7 +376,7 @@ def trainer_entrypoint(job: RLHFJob) -> str:
             "--job-name",
             job.name,
             "--spec-env",
-            "RLHF_SPEC_JSON",
+            SPEC_JSON_ENV,
         ]
     )
 
@@ -394,10 +399,10 @@ def trainer_runtime_env(
         **({GPU_STANDIN_ENV: gpu_standin} if gpu_standin else {}),
         **({POD_SLOTS_ENV: "1"} if pod_slots else {}),
         **literal,
-        "RLHF_SPEC_JSON": job.spec.model_dump_json(by_alias=True, exclude_none=True),
-        "RLHF_JOB_NAME": job.name,
-        "RLHF_NAMESPACE": job.namespace,
-        "RLHF_METRICS_PORT": str(job.spec.monitoring.metrics_port),
+        SPEC_JSON_ENV: job.spec.model_dump_json(by_alias=True, exclude_none=True),
+        JOB_NAME_ENV: job.name,
+        NAMESPACE_ENV: job.namespace,
+        METRICS_PORT_ENV: str(job.spec.monitoring.metrics_port),
         STOP_BUDGET_ENV: str(stop_budget_seconds(job)),
         # Ray's job supervisor reads this for a stop (SIGTERM, then SIGKILL after it): the trainer's budget.
         "RAY_JOB_STOP_WAIT_TIME_S": str(stop_budget_seconds(job)),
