@@ -103,10 +103,11 @@ def classify_s3(error: Exception, field: str, source: ModelSource) -> FetchError
 
 
 def s3_client() -> Any:
-    """boto3's S3 client from the standard variables (AWS_ACCESS_KEY_ID, ..., AWS_ENDPOINT_URL)."""
+    """boto3's S3 client from the standard variables (AWS_ACCESS_KEY_ID, ..., AWS_ENDPOINT_URL), read now:
+    a new session each fetch (boto3's default session keeps the first credentials it resolved)."""
     import boto3
 
-    return boto3.client("s3")
+    return boto3.session.Session().client("s3")
 
 
 def resolve_s3(client: Any, field: str, source: ModelSource, cache_root: str) -> Resolved:
