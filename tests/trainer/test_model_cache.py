@@ -148,3 +148,28 @@ def test_hub_failures_are_classified(
 def test_termination_message_carries_reason_and_field() -> None:
     body = json.loads(termination_message("ModelNotFound", "model.actor", "spec.model.actor: gone"))
     assert body == {"reason": "ModelNotFound", "field": "model.actor", "message": "spec.model.actor: gone"}
+
+
+def test_the_trainer_loads_remote_models_from_their_cache_paths() -> None:
+    """config.localized: the trainer's paths are the fetcher's (one rule, model_source.local_model_path)."""
+    from rlhf_api.model_source import local_model_path
+    from rlhf_api.spec import RLHFJobSpec
+    from rlhf_trainer.config import localized
+    from testkit.support import minimal_job
+
+    job = minimal_job("x")["spec"]
+    job["model"] = {
+        "actor": "hf://org/actor@v2",
+        "reference": "/models/ref",
+        "reward": {"type": "model", "model": "s3://bkt/rm"},
+    }
+    job["algorithm"] = {"klCoef": 0.01}
+    job["storage"] = {
+        "s3": {"credentialsSecret": "s3"},
+        "modelCache": {"claimName": "cache", "mountPath": "/mc"},
+    }
+    spec = localized(RLHFJobSpec.model_validate(job))
+    assert spec.model.actor == local_model_path(parse_source("hf://org/actor@v2"), "/mc")
+    assert spec.model.actor.startswith("/mc/hf/")
+    assert spec.model.reward.model == local_model_path(parse_source("s3://bkt/rm"), "/mc")
+    assert (spec.model.reference, spec.model.critic) == ("/models/ref", None)  # a path passes through
