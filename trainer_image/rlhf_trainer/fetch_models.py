@@ -296,20 +296,22 @@ class _Reporter:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The step: `--cache DIR --source FIELD=URI ...` (what the operator's init container runs), or the
+    sources and cache of a spec (--spec-json/--spec-env/--spec-file). Exit 0 when every model is in the
+    cache; 2 on a permanent failure (the operator fails the job); 1 otherwise (the pod retries)."""
     p = argparse.ArgumentParser(prog="python -m rlhf_trainer.fetch_models", description=__doc__)
+    p.add_argument("--cache", help="the model cache's mount path")
+    p.add_argument("--source", action="append", default=[], metavar="FIELD=URI")
     p.add_argument("--spec-json")
-    p.add_argument("--spec-env", default="RLHF_SPEC_JSON")
+    p.add_argument("--spec-env")
     p.add_argument("--spec-file")
     p.add_argument("--termination-log", default=TERMINATION_LOG)
     args = p.parse_args(argv)
     say: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        spec = load_spec_arg(args)
-        cache = spec.storage.model_cache
-        if cache is None:
-            raise InputError("spec.storage.modelCache: needed by hf:// and s3:// model sources")
+        cache, sources = _what_to_fetch(args)
         token = os.environ.get("HF_TOKEN") or None
-        summary = fetch(spec.model_sources(), cache.mount_path, hf_token=token, report=_Reporter(say))
+        summary = fetch(sources, cache, hf_token=token, report=_Reporter(say))
     except FetchError as e:
         _terminate(args.termination_log, termination_message(e.reason, e.field, e.message))
         say(f"error: {e.reason}: {e.message}")
@@ -322,6 +324,18 @@ def main(argv: list[str] | None = None) -> int:
     say(FETCH_LOG_MARKER + json.dumps({**done, "done": True}))
     _terminate(args.termination_log, json.dumps(done))
     return 0
+
+
+def _what_to_fetch(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
+    if args.cache:
+        pairs = [s.partition("=") for s in args.source]
+        if any(not sep or not field for field, sep, _ in pairs):
+            raise InputError("--source takes FIELD=URI, e.g. model.actor=hf://org/name")
+        return args.cache, {field: uri for field, _, uri in pairs}
+    spec = load_spec_arg(args)
+    if spec.storage.model_cache is None:
+        raise InputError("spec.storage.modelCache: needed by hf:// and s3:// model sources")
+    return spec.storage.model_cache.mount_path, spec.model_sources()
 
 
 def _terminate(path: str, message: str) -> None:
