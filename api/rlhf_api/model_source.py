@@ -19,6 +19,8 @@ HF_PATTERN: Final = (
 )
 S3_PATTERN: Final = r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?"
 MODEL_SOURCE_PATTERN: Final = rf"^({HF_PATTERN}|{S3_PATTERN}|/\S*|[^:\s][^:]*)$"
+# Bounded so that the admission rules' regular expressions over these fields have a small CEL cost.
+MODEL_SOURCE_MAX_LENGTH: Final = 1024
 MODEL_SOURCE_HELP: Final = (
     "an HF-format directory on a mounted volume (see pods.volumes), `hf://org/name[@revision]` (the "
     "Hugging Face Hub; revision a branch, tag or commit, default main) or `s3://bucket/prefix` (an "

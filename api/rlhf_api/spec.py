@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from pydantic.alias_generators import to_camel
 
 from rlhf_api import k8s_schemas
-from rlhf_api.model_source import MODEL_SOURCE_HELP, MODEL_SOURCE_PATTERN
+from rlhf_api.model_source import MODEL_SOURCE_HELP, MODEL_SOURCE_MAX_LENGTH, MODEL_SOURCE_PATTERN
 
 GROUP: Final = "rlhf.dev"
 VERSION: Final = "v1alpha1"
@@ -106,6 +106,7 @@ class RewardSpec(_Spec):
     model: str | None = Field(
         default=None,
         min_length=1,
+        max_length=MODEL_SOURCE_MAX_LENGTH,
         pattern=MODEL_SOURCE_PATTERN,
         description=f"Reward model: {MODEL_SOURCE_HELP}. Set only when type is model.",
     )
@@ -138,12 +139,14 @@ class ModelSpec(_Spec):
 
     actor: str = Field(
         min_length=1,
+        max_length=MODEL_SOURCE_MAX_LENGTH,
         pattern=MODEL_SOURCE_PATTERN,
         description=f"Policy model being trained: {MODEL_SOURCE_HELP}.",
     )
     critic: str | None = Field(
         default=None,
         min_length=1,
+        max_length=MODEL_SOURCE_MAX_LENGTH,
         pattern=MODEL_SOURCE_PATTERN,
         description=f"Value model (usually initialised from a reward model): {MODEL_SOURCE_HELP}. Required by "
         "the gae estimator; leave it unset for the critic-free estimators (grpo, rloo, reinforce_pp, "
@@ -152,6 +155,7 @@ class ModelSpec(_Spec):
     reference: str | None = Field(
         default=None,
         min_length=1,
+        max_length=MODEL_SOURCE_MAX_LENGTH,
         pattern=MODEL_SOURCE_PATTERN,
         description=f"Frozen reference policy for the KL penalty: {MODEL_SOURCE_HELP}; defaults to the "
         "initial actor.",
