@@ -252,14 +252,14 @@ def fetch_models_container(job: RLHFJob, head: dict[str, Any]) -> dict[str, Any]
     for field, uri in sources.items():
         args += ["--source", f"{field}={uri}"]
     hub = spec.storage.hugging_face
-    token = (
+    token: list[dict[str, Any]] = (
         [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": hub.token_secret, "key": "HF_TOKEN"}}}]
         if hub is not None and hub.token_secret
         else []
     )
     # huggingface_hub's own cache and lock files go to the cache volume: the root file system is read-only.
     hf_home = {"name": "HF_HOME", "value": f"{spec.storage.model_cache.mount_path}/.hf-home"}
-    container = {
+    container: dict[str, Any] = {
         "name": FETCH_CONTAINER,
         "image": head["image"],
         "command": args,
