@@ -134,7 +134,7 @@ def _pod_template(
     shm_mount = [] if own_shm else [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     shm_volume = [] if own_shm else [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
     resources = _resources(pods, gpus)
-    cache_volume, cache_mount = model_cache_volume(spec)
+    cache_volume, cache_mount = model_cache_volume(spec, pods)
     container = _container(
         job, role, pods, resources, ports, default_image, container_security, [*shm_mount, *cache_mount]
     )
@@ -228,11 +228,14 @@ def remote_models(spec: RLHFJobSpec) -> dict[str, str]:
     return {field: uri for field, uri in spec.model_sources().items() if parse_source(uri).remote}
 
 
-def model_cache_volume(spec: RLHFJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def model_cache_volume(
+    spec: RLHFJobSpec, pods: PodSettings
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The model cache's claim as a pod volume and its mount (in every container of the job, so every
-    rank loads a fetched model from the same path), or nothing without storage.modelCache."""
+    rank loads a fetched model from the same path), or nothing without storage.modelCache, or when the
+    pods already mount something there (a runtime's model cache volume, the job's own mount)."""
     cache = spec.storage.model_cache
-    if cache is None:
+    if cache is None or any(m.get("mountPath") == cache.mount_path for m in pods.volume_mounts or []):
         return [], []
     volume = {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.claim_name}}
     return [volume], [{"name": MODEL_CACHE_VOLUME, "mountPath": cache.mount_path}]

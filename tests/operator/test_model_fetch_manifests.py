@@ -78,3 +78,15 @@ def test_the_token_never_appears_in_clear() -> None:
     rc = json.dumps(manifests.build_raycluster(load(**REMOTE)))
     assert '"HF_TOKEN", "value"' not in rc and "hub-token" in rc
     assert "HF_TOKEN" not in json.dumps(manifests.trainer_runtime_env(load(**REMOTE)))
+
+
+def test_a_cache_already_mounted_there_is_not_mounted_twice() -> None:
+    """A runtime's model-cache volume (or the job's own mount) at the cache's path: no second mount."""
+    own = {
+        "spec.pods.volumes": [{"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}],
+        "spec.pods.volumeMounts": [{"name": "model-cache", "mountPath": "/mc"}],
+    }
+    head = manifests.build_raycluster(load(**REMOTE, **own))["spec"]["headGroupSpec"]["template"]["spec"]
+    for container in head["containers"] + head["initContainers"]:
+        assert [m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/mc"] == ["model-cache"]
+    assert "rlhf-model-cache" not in json.dumps(head)
