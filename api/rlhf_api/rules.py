@@ -163,6 +163,14 @@ def _model_uris(spec: RLHFJobSpec) -> list[str]:
 
 
 # CEL escapes property names that are CEL reserved words: `function` is reached as `__function__`.
+def _has_s3_storage(spec: RLHFJobSpec, url: str | None) -> bool:
+    """An s3:// URL has the store's credentials: spec.storage.s3, or a runtime that may give them (the
+    merged spec is checked again when the job binds to it)."""
+    if not url or not url.startswith("s3://"):
+        return True
+    return spec.storage.s3 is not None or spec.runtime_ref is not None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         name="reward-function-matches-type",
@@ -516,6 +524,28 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        name="s3-prompts-need-storage",
+        scope="",
+        cel="!self.data.prompts.startsWith('s3://') || has(self.runtimeRef) || "
+        "(has(self.storage) && has(self.storage.s3))",
+        field="data.prompts",
+        message="an s3:// data.prompts needs the object store's credentials: set "
+        "spec.storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: _has_s3_storage(s, s.data.prompts),
+    ),
+    Rule(
+        name="s3-eval-prompts-need-storage",
+        scope="",
+        cel="!has(self.data.eval) || !self.data.eval.prompts.startsWith('s3://') || has(self.runtimeRef) || "
+        "(has(self.storage) && has(self.storage.s3))",
+        field="data.eval.prompts",
+        message="an s3:// data.eval.prompts needs the object store's credentials: set "
+        "spec.storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: s.data.eval is None or _has_s3_storage(s, s.data.eval.prompts),
+    ),
+    Rule(
         name="stall-timeout-spans-scrapes",
         scope="monitoring",
         cel="self.stallTimeoutSeconds >= 2 * self.scrapeIntervalSeconds",
@@ -538,11 +568,11 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="s3-model-needs-credentials",
         scope="",
-        cel=f"!{_CEL_ANY_S3} || (has(self.storage) && has(self.storage.s3))",
+        cel=f"!{_CEL_ANY_S3} || has(self.runtimeRef) || (has(self.storage) && has(self.storage.s3))",
         field="storage.s3",
         message="a model from s3:// needs the object store's credentials: set storage.s3.credentialsSecret",
         reason="FieldValueRequired",
-        check=lambda s: s.storage.s3 is not None or not any(u.startswith("s3://") for u in _model_uris(s)),
+        check=lambda s: all(_has_s3_storage(s, u) for u in _model_uris(s)),
     ),
 )
 

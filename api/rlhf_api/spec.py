@@ -463,7 +463,8 @@ class EvalDataSpec(_Spec):
 
     prompts: str = Field(
         min_length=1,
-        description="Evaluation prompts: a local .jsonl or .parquet file on a mounted volume, in the form of "
+        description="Evaluation prompts: a .jsonl or .parquet file on a mounted volume or an s3://bucket/key "
+        "object (needs spec.storage.s3), in the form of "
         "data.prompts (the same inputKey and labelKey; every other column reaches the reward function, and "
         "`data_source`, when present, splits eval_reward_mean by source). Streamed in file order, never "
         "shuffled (docs/data.md).",
@@ -480,9 +481,9 @@ class DataSpec(_Spec):
 
     prompts: str = Field(
         min_length=1,
-        description="Prompt dataset: a local .jsonl file (one JSON object per line) or a .parquet file on "
-        "a mounted volume, chosen by its extension (docs/data.md). The driver streams it (an index, not the "
-        "rows).",
+        description="Prompt dataset: a .jsonl file (one JSON object per line) or a .parquet file, chosen by "
+        "its extension, on a mounted volume or as an s3://bucket/key object (needs spec.storage.s3; "
+        "docs/data.md). The driver streams it (an index, not the rows; ranged reads from the object store).",
     )
     input_key: str = Field(
         default="prompt",
