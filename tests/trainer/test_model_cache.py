@@ -173,3 +173,22 @@ def test_the_trainer_loads_remote_models_from_their_cache_paths() -> None:
     assert spec.model.actor.startswith("/mc/hf/")
     assert spec.model.reward.model == local_model_path(parse_source("s3://bkt/rm"), "/mc")
     assert (spec.model.reference, spec.model.critic) == ("/models/ref", None)  # a path passes through
+
+
+def test_the_operators_init_container_command_is_the_fetchers() -> None:
+    """The command rlhf_operator.manifests writes parses with the fetcher's own parser into the job's
+    remote sources and cache path; the same spec given to the command yields the same."""
+    from rlhf_api.spec import RLHFJob
+    from rlhf_operator import manifests
+    from rlhf_trainer.fetch_models import parser, what_to_fetch
+    from testkit.support import minimal_job
+
+    doc = minimal_job("x")
+    doc["spec"]["model"]["actor"] = "hf://org/actor@v1"
+    doc["spec"]["storage"] = {"modelCache": {"claimName": "cache", "mountPath": "/mc"}}
+    fetch = manifests.build_raycluster(RLHFJob.model_validate(doc))["spec"]["headGroupSpec"]["template"]
+    command = fetch["spec"]["initContainers"][0]["command"]
+    assert command[:3] == ["python", "-m", "rlhf_trainer.fetch_models"]
+    expected = ("/mc", {"model.actor": "hf://org/actor@v1"})
+    assert what_to_fetch(parser().parse_args(command[3:])) == expected
+    assert what_to_fetch(parser().parse_args(["--spec-json", json.dumps(doc["spec"])])) == expected

@@ -299,17 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     """The step: `--cache DIR --source FIELD=URI ...` (what the operator's init container runs), or the
     sources and cache of a spec (--spec-json/--spec-env/--spec-file). Exit 0 when every model is in the
     cache; 2 on a permanent failure (the operator fails the job); 1 otherwise (the pod retries)."""
-    p = argparse.ArgumentParser(prog="python -m rlhf_trainer.fetch_models", description=__doc__)
-    p.add_argument("--cache", help="the model cache's mount path")
-    p.add_argument("--source", action="append", default=[], metavar="FIELD=URI")
-    p.add_argument("--spec-json")
-    p.add_argument("--spec-env")
-    p.add_argument("--spec-file")
-    p.add_argument("--termination-log", default=TERMINATION_LOG)
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     say: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        cache, sources = _what_to_fetch(args)
+        cache, sources = what_to_fetch(args)
         token = os.environ.get("HF_TOKEN") or None
         summary = fetch(sources, cache, hf_token=token, report=_Reporter(say))
     except FetchError as e:
@@ -326,7 +319,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _what_to_fetch(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments (the operator's init container passes --cache and --source)."""
+    p = argparse.ArgumentParser(prog="python -m rlhf_trainer.fetch_models", description=__doc__)
+    p.add_argument("--cache", help="the model cache's mount path")
+    p.add_argument("--source", action="append", default=[], metavar="FIELD=URI")
+    p.add_argument("--spec-json")
+    p.add_argument("--spec-env")
+    p.add_argument("--spec-file")
+    p.add_argument("--termination-log", default=TERMINATION_LOG)
+    return p
+
+
+def what_to_fetch(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
+    """The cache path and {field: uri} to fetch, from --cache/--source or from a spec."""
     if args.cache:
         pairs = [s.partition("=") for s in args.source]
         if any(not sep or not field for field, sep, _ in pairs):

@@ -14,7 +14,6 @@ from rlhf_api.model_source import COMPLETE_MARKER
 from rlhf_trainer import fetch_models
 from rlhf_trainer.fetch_models import fetch
 from rlhf_trainer.model_cache import FetchError
-from testkit.support import minimal_job
 
 if TYPE_CHECKING:
     from testkit.object_store import ObjectStore
@@ -117,16 +116,18 @@ def test_a_wrong_key_is_credentials_refused(
 def test_the_command_ends_a_missing_model_with_its_reason(
     object_store: ObjectStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """What the operator reads: exit status 2 (no retry helps), the classified termination message."""
+    """What the operator reads: exit status 2 (no retry helps), the classified termination message; run
+    as the operator's init container runs it (--cache, --source)."""
     object_store.bucket(BUCKET)
-    job = minimal_job("x")["spec"]
-    job["model"]["actor"] = f"s3://{BUCKET}/gone"
-    job["storage"] = {
-        "s3": {"credentialsSecret": "s3-creds"},
-        "modelCache": {"claimName": "models", "mountPath": str(tmp_path)},
-    }
     log = tmp_path / "termination-log"
-    rc = fetch_models.main(["--spec-json", json.dumps(job), "--termination-log", str(log)])
-    assert rc == 2
+    argv = [
+        "--cache",
+        str(tmp_path),
+        "--source",
+        f"model.actor=s3://{BUCKET}/gone",
+        "--termination-log",
+        str(log),
+    ]
+    assert fetch_models.main(argv) == 2
     assert json.loads(log.read_text())["reason"] == "ModelNotFound"
     assert "error: ModelNotFound: spec.model.actor" in capsys.readouterr().out
