@@ -46,3 +46,8 @@ JOB_NAME_ENV: Final = "RLHF_JOB_NAME"
 NAMESPACE_ENV: Final = "RLHF_NAMESPACE"
 METRICS_PORT_ENV: Final = "RLHF_METRICS_PORT"
 ROLE_ENV: Final = "RLHF_ROLE"
+# The keys of the Secret named by spec.storage.s3.credentialsSecret, each given to every container of the
+# job (and so to its driver and Ray workers) as the environment variable of the same name, which boto3
+# and pyarrow read natively. The first two are required; the others optional (docs/data.md).
+S3_CREDENTIAL_KEYS: Final = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+S3_OPTIONAL_KEYS: Final = ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_SESSION_TOKEN")

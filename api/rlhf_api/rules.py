@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rlhf_api.model_source import parse_source
 from rlhf_api.spec import GROUP_ESTIMATORS, Placement, RLHFJobSpec, Role
 
 Reason = Literal["FieldValueInvalid", "FieldValueRequired", "FieldValueForbidden"]
@@ -139,7 +140,37 @@ def _split_role_rules() -> tuple[Rule, ...]:
 
 _CEL_GROUP_ESTIMATORS = "[" + ", ".join(f"'{e}'" for e in GROUP_ESTIMATORS) + "]"
 
+# The model fields (camelCase under spec.model) that may name a remote source; CEL sees unset ones as absent.
+_MODEL_FIELDS = (("actor", True), ("critic", False), ("reference", False), ("reward.model", False))
+
+
+def _cel_any_model(regex: str) -> str:
+    """CEL: some set model field matches `regex` (CEL's global `matches`, RE2)."""
+    terms = []
+    for name, required in _MODEL_FIELDS:
+        term = f"matches(self.model.{name}, '{regex}')"
+        terms.append(term if required else f"(has(self.model.{name}) && {term})")
+    return "(" + " || ".join(terms) + ")"
+
+
+_CEL_ANY_REMOTE = _cel_any_model("^(hf|s3)://")
+_CEL_ANY_S3 = _cel_any_model("^s3://")
+
+
+def _model_uris(spec: RLHFJobSpec) -> list[str]:
+    m = spec.model
+    return [u for u in (m.actor, m.critic, m.reference, m.reward.model) if u is not None]
+
+
 # CEL escapes property names that are CEL reserved words: `function` is reached as `__function__`.
+def _has_s3_storage(spec: RLHFJobSpec, url: str | None) -> bool:
+    """An s3:// URL has the store's credentials: spec.storage.s3, or a runtime that may give them (the
+    merged spec is checked again when the job binds to it)."""
+    if not url or not url.startswith("s3://"):
+        return True
+    return spec.storage.s3 is not None or spec.runtime_ref is not None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         name="reward-function-matches-type",
@@ -493,12 +524,55 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        name="s3-prompts-need-storage",
+        scope="",
+        cel="!self.data.prompts.startsWith('s3://') || has(self.runtimeRef) || "
+        "(has(self.storage) && has(self.storage.s3))",
+        field="data.prompts",
+        message="an s3:// data.prompts needs the object store's credentials: set "
+        "spec.storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: _has_s3_storage(s, s.data.prompts),
+    ),
+    Rule(
+        name="s3-eval-prompts-need-storage",
+        scope="",
+        cel="!has(self.data.eval) || !self.data.eval.prompts.startsWith('s3://') || has(self.runtimeRef) || "
+        "(has(self.storage) && has(self.storage.s3))",
+        field="data.eval.prompts",
+        message="an s3:// data.eval.prompts needs the object store's credentials: set "
+        "spec.storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: s.data.eval is None or _has_s3_storage(s, s.data.eval.prompts),
+    ),
+    Rule(
         name="stall-timeout-spans-scrapes",
         scope="monitoring",
         cel="self.stallTimeoutSeconds >= 2 * self.scrapeIntervalSeconds",
         field="monitoring.stallTimeoutSeconds",
         message="stallTimeoutSeconds must be at least 2 x scrapeIntervalSeconds",
         check=lambda s: s.monitoring.stall_timeout_seconds >= 2 * s.monitoring.scrape_interval_seconds,
+    ),
+    Rule(
+        name="remote-model-needs-cache",
+        scope="",
+        cel=f"!{_CEL_ANY_REMOTE} || (has(self.storage) && has(self.storage.modelCache))",
+        field="storage.modelCache",
+        message="a model from hf:// or s3:// is fetched into the model cache before the trainer starts: set "
+        "storage.modelCache (a PersistentVolumeClaim and its mount path)",
+        reason="FieldValueRequired",
+        check=lambda s: (
+            s.storage.model_cache is not None or not any(parse_source(u).remote for u in _model_uris(s))
+        ),
+    ),
+    Rule(
+        name="s3-model-needs-credentials",
+        scope="",
+        cel=f"!{_CEL_ANY_S3} || has(self.runtimeRef) || (has(self.storage) && has(self.storage.s3))",
+        field="storage.s3",
+        message="a model from s3:// needs the object store's credentials: set storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: all(_has_s3_storage(s, u) for u in _model_uris(s)),
     ),
 )
 

@@ -28,7 +28,7 @@ from rlhf_api.spec import (
     StallDiagnosis,
 )
 
-from rlhf_operator import diagnosis, kueue, rayjobs, scaling
+from rlhf_operator import diagnosis, kueue, model_fetch, rayjobs, scaling
 from rlhf_operator.actions import (
     Action,
     AwaitCreateBackoff,
@@ -53,6 +53,7 @@ from rlhf_operator.manifests import (
     ROLE_LABEL,
     effective_engines,
     raycluster_name,
+    remote_models,
     rollout_replicas,
     scale_patch,
 )
@@ -108,6 +109,8 @@ class Observed:
     cluster_patch_pending: bool = False
     # A transient refusal of the RayCluster's create is backing off (cache.create_backing_off).
     create_backoff: bool = False
+    # The last lines of the head's fetch-models log, read while it runs (model_fetch.fetching_pod).
+    fetch_log: str | None = None
 
 
 @dataclass(frozen=True)
@@ -441,6 +444,29 @@ def _head_lost(r: Round, d: Draft) -> bool:
     )
 
 
+def _models(r: Round, d: Draft) -> bool:
+    """Remote models (hf://, s3://): ModelsReady follows the head's fetch step; a permanent failure (a
+    missing model or revision, refused credentials) fails the job at once: every attempt would fail alike.
+    Once the cluster is ready the step has succeeded (the head's Ray container runs only after it)."""
+    if not remote_models(r.spec):
+        return False
+    if cluster_ready(r.cluster):
+        if not d.has("ModelsReady", "True"):
+            d.cond("ModelsReady", True, "ModelsFetched", "models fetched into the cache", r.now)
+        return False
+    state = model_fetch.fetch_state(r.observed.pods or [], r.observed.fetch_log)
+    if state is None:
+        return False
+    if state.permanent:
+        d.cond("ModelsReady", False, state.reason, state.message, r.now)
+        return _finish(
+            r, d, "Failed", state.reason, f"the models cannot be fetched (not restarted): {state.message}"
+        )
+    status, reason, message = model_fetch.models_condition(state)
+    d.cond("ModelsReady", status, reason, message, r.now)
+    return False
+
+
 def _unready_cluster(r: Round, d: Draft) -> bool:
     """The RayCluster is not ready: Pending -> Provisioning with KubeRay's or the pods' reason."""
     name = d.st.ray_cluster_name
@@ -710,7 +736,7 @@ _RUNNING: tuple[Step, ...] = (
     _attempt,
 )
 _STARTING: tuple[Step, ...] = (
-    _held, _released, _deadline, _provisioning_timeout, _missing_cluster, _unready_cluster, _attempt,
+    _held, _released, _deadline, _provisioning_timeout, _missing_cluster, _models, _unready_cluster, _attempt,
 )  # fmt: skip
 PHASE_STEPS: Mapping[JobPhase, tuple[Step, ...]] = {
     "Pending": _STARTING,

@@ -380,10 +380,14 @@ def test_every_rule_is_attached_once_at_its_scope(root_schema: dict[str, Any]) -
             assert "oldSelf" not in validation["rule"] and "optionalOldSelf" not in validation
 
 
+# A field chain under `self` in a CEL rule, without a string method called on its end (`.startsWith(`).
+CEL_FIELD_CHAIN = re.compile(r"\bself((?:\.[A-Za-z_][A-Za-z0-9_]*)+?)(?=\.[A-Za-z_][A-Za-z0-9_]*\(|[^.\w]|$)")
+
+
 @pytest.mark.parametrize("rule", RULES, ids=[rule.name for rule in RULES])
 def test_cel_references_only_existing_fields(root_schema: dict[str, Any], rule: Any) -> None:
     scope = node_at(node_at(root_schema, "spec"), rule.scope)
-    chains = re.findall(r"\bself((?:\.[A-Za-z_][A-Za-z0-9_]*)+)", rule.cel)
+    chains = CEL_FIELD_CHAIN.findall(rule.cel)
     assert chains, rule.cel
     for chain in chains:
         node = scope
@@ -399,7 +403,7 @@ def test_cel_references_only_existing_fields(root_schema: dict[str, Any], rule: 
 def test_optional_fields_in_cel_are_guarded_by_has(root_schema: dict[str, Any], rule: Any) -> None:
     """Reading an unset field without a default is a CEL runtime error: guard it with has()."""
     scope = node_at(node_at(root_schema, "spec"), rule.scope)
-    for chain in re.findall(r"\bself((?:\.[A-Za-z_][A-Za-z0-9_]*)+)", rule.cel):
+    for chain in CEL_FIELD_CHAIN.findall(rule.cel):
         node, walked = scope, "self"
         for raw in chain.strip(".").split("."):
             name = raw[2:-2] if raw.startswith("__") else raw

@@ -28,7 +28,18 @@ from rlhf_operator.actions import (
 from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.status import PHASE_STEPS, decide
-from testkit.status_inputs import NOW, SID, cluster, job, obs, ray, running_job
+from testkit.status_inputs import (
+    NOW,
+    SID,
+    cluster,
+    fetch_failed,
+    head_pod,
+    job,
+    obs,
+    ray,
+    remote_job,
+    running_job,
+)
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,6 +219,12 @@ CASES = [
          ("delete_cluster",)),
     Case("stalled-cluster-gone-recreated", "Stalled", "Provisioning", job(running(phase="Stalled")),
          {"raycluster": None}, ("create_cluster",)),
+    # Remote models: the head's fetch step failed for good (tests/operator/test_model_fetch.py).
+    Case("provisioning-model-not-found-fails", "Provisioning", "Failed", remote_job({"phase": "Provisioning"}),
+         {"raycluster": cluster("unknown"), "pods": [head_pod(fetch_failed("ModelNotFound"))]}, ("delete_cluster",)),
+    Case("restarting-credentials-refused-fails", "Restarting", "Failed",
+         remote_job({"phase": "Restarting", "restarts": 1}),
+         {"raycluster": cluster(None), "pods": [head_pod(fetch_failed("CredentialsRefused"))]}, ("delete_cluster",)),
 ]  # fmt: skip
 
 

@@ -215,9 +215,20 @@ def test_a_path_that_is_not_a_readable_jsonl_or_parquet_file_is_named(
         PromptDataset(str(path), "prompt", None, seed=0)
 
 
-def test_an_object_store_url_is_refused_for_now() -> None:
-    with pytest.raises(DatasetError, match=r"data.prompts s3://b/p\.parquet: only local files"):
-        PromptDataset("s3://b/p.parquet", "prompt", None, seed=0)
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("gs://bucket/p.parquet", "a local path or an s3://bucket/key URL"),
+        ("https://host/p.jsonl", "a local path or an s3://bucket/key URL"),
+        ("s3://b/p.parquet", "'b' is not an S3 bucket name"),
+        ("s3://bucket/", "no object key after the bucket"),
+    ],
+)
+def test_a_url_other_than_an_s3_object_is_refused_naming_the_field(url: str, needle: str) -> None:
+    """s3:// objects are read (tests/e2e/io); other schemes and malformed s3:// URLs are refused before any
+    request, naming the field."""
+    with pytest.raises(DatasetError, match=f"data.prompts {re.escape(url)}: {re.escape(needle)}"):
+        PromptDataset(url, "prompt", None, seed=0)
 
 
 def test_preflight_refuses_chat_prompts_when_the_actor_has_no_chat_template(tmp_path: Path) -> None:

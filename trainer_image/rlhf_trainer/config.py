@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rlhf_api.model_source import local_model_path, parse_source
 from rlhf_api.rules import violated
 from rlhf_api.spec import RLHFJobSpec
 from rlhf_api.validate import has_chat_template, runtime_issues, schema_issues, validate_manifest
@@ -67,6 +68,28 @@ def load_spec_arg(args: argparse.Namespace) -> RLHFJobSpec:
         return parse_spec(json.loads(raw))
     except json.JSONDecodeError as e:
         raise InputError(f"spec JSON is malformed: {e}") from e
+
+
+def localized(spec: RLHFJobSpec) -> RLHFJobSpec:
+    """The spec with each `hf://` and `s3://` model replaced by its path in the model cache, where the
+    fetch step put it (model_source.local_model_path, the fetcher's own rule): what the trainer loads.
+    Paths on a volume pass through; without a model cache there is nothing remote (an admission rule)."""
+    cache = spec.storage.model_cache
+    if cache is None:
+        return spec
+
+    def local(uri: str | None) -> str | None:
+        return None if uri is None else local_model_path(parse_source(uri), cache.mount_path)
+
+    m = spec.model
+    reward = m.reward.model_copy(update={"model": local(m.reward.model)})
+    update = {
+        "actor": local(m.actor),
+        "critic": local(m.critic),
+        "reference": local(m.reference),
+        "reward": reward,
+    }
+    return spec.model_copy(update={"model": m.model_copy(update=update)})
 
 
 def preflight(spec: RLHFJobSpec) -> PromptDataset:

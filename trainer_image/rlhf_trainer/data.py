@@ -1,22 +1,28 @@
-"""The prompt dataset: a .jsonl or .parquet file, indexed once and read on demand, served in a seeded
-order with a resumable position.
+"""The prompt dataset: a .jsonl or .parquet file, local or s3://, indexed once and read on demand, served
+in a seeded order with a resumable position.
 
 Owns reading and validating the file (errors name the field, data.prompts or data.eval.prompts, the path
 and the line or row), the order rows are served in, and the data position saved in checkpoints. The driver keeps an index, never the
 rows: a JSONL file's byte offsets, a Parquet file's row-group sizes (and at most two row groups decoded).
-Pure Python and pyarrow; no Ray, no tokenizer.
+An s3:// file is read the same way through ranged GETs (rlhf_trainer.object_store): the same index, the
+same rows, the same order. Pure Python, pyarrow and boto3; no Ray, no tokenizer.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from rlhf_trainer import object_store
+from rlhf_trainer.object_store import ObjectStoreError, S3RangeReader
 
 Message = dict[str, str]
 Prompt = str | list[Message]  # a text, or chat messages rendered by the actor tokenizer's chat template
@@ -26,6 +32,7 @@ ROLES = ("system", "user", "assistant")
 # each row group is read once per epoch, and the driver decodes at most this many at a time.
 SHUFFLE_WINDOW_ROW_GROUPS = 2
 CHECK_BATCH_ROWS = 1024  # Parquet prompts checked at open this many rows at a time
+REMOTE_LINE_BUFFER = 64 * 1024  # bytes of an s3:// JSONL file fetched per row read (one ranged GET)
 
 
 class DatasetError(ValueError):
@@ -111,10 +118,17 @@ class JsonlRows:
 
     def __init__(self, path: str, input_key: str, field: str = "data.prompts") -> None:
         self.path = path
+        self.field = field
         self.source = f"{field} {path}"  # what errors name
         self.offsets = array("q")
         self.lines = array("q")  # each row's line number, for messages
         self.first_chat: str | None = None
+        self._remote: S3RangeReader | None = None
+        if object_store.is_s3(path):
+            with _remote_errors(field, path):
+                self._remote = _open_remote(path, field)
+                self._index(object_store.iter_lines(self._remote.stream()), input_key)
+            return
         try:
             with open(path, "rb") as f:
                 self._index(f, input_key)
@@ -141,7 +155,7 @@ class JsonlRows:
 
     def read(self, rows: Sequence[int]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        with open(self.path, "rb") as f:
+        with _remote_errors(self.field, self.path), self._open() as f:
             for i in rows:
                 f.seek(self.offsets[i])
                 obj = _parse_line(f.readline(), self.source, self.lines[i])
@@ -149,6 +163,13 @@ class JsonlRows:
                     raise DatasetError(f"{self.source}: line {self.lines[i]}: changed since read")
                 out.append(obj)
         return out
+
+    def _open(self) -> Any:
+        """The file, or the object through a small buffer: one ranged GET per row read (a row's line
+        longer than the buffer takes more)."""
+        if self._remote is None:
+            return open(self.path, "rb")
+        return io.BufferedReader(self._remote.reopen(), buffer_size=REMOTE_LINE_BUFFER)
 
 
 def _parse_line(raw: bytes, source: str, lineno: int) -> dict[str, Any] | None:
@@ -185,9 +206,18 @@ class ParquetRows:
         import pyarrow.parquet as pq
 
         self.path = path
+        self.field = field
         self.source = f"{field} {path}"  # what errors name
+        self.source_reader: S3RangeReader | None = None  # the object's reader, for an s3:// file
+        if object_store.is_s3(path):
+            with _remote_errors(field, path):
+                self.source_reader = _open_remote(path, field)
+        source: Any = self.source_reader or path
         try:
-            self.file = pq.ParquetFile(path)
+            with _remote_errors(field, path):
+                self.file = pq.ParquetFile(source)
+        except DatasetError:
+            raise
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (not Parquet) is a ValueError
             raise DatasetError(f"{self.source}: cannot read as Parquet: {e}") from e
         schema = self.file.schema_arrow
@@ -258,12 +288,32 @@ class ParquetRows:
         if g in self._cache:
             self._cache.move_to_end(g)
             return self._cache[g]
-        table = self.file.read_row_group(g)
+        with _remote_errors(self.field, self.path):
+            table = self.file.read_row_group(g)
         self._cache[g] = table
         if len(self._cache) > SHUFFLE_WINDOW_ROW_GROUPS:
             self._cache.popitem(last=False)
             _release_arrow_memory()
         return table
+
+
+def _open_remote(path: str, field: str) -> S3RangeReader:
+    """The object at s3:// `path`, its existence and size checked (a HEAD)."""
+    return S3RangeReader(object_store.client(), object_store.parse_s3_url(path, field))
+
+
+@contextmanager
+def _remote_errors(field: str, path: str) -> Iterator[None]:
+    """An S3 failure as a DatasetError naming the field and URL (what it means: no such object, refused
+    keys, no credentials, an unreachable store); anything else passes through."""
+    try:
+        yield
+    except ObjectStoreError as e:
+        raise DatasetError(str(e)) from e
+    except Exception as e:
+        if not type(e).__module__.startswith(("botocore", "boto3", "urllib3")):
+            raise
+        raise DatasetError(object_store.describe_error(e, field, path)) from e
 
 
 def _release_arrow_memory() -> None:
@@ -295,8 +345,11 @@ def _json_typed(t: Any) -> bool:
 
 def open_rows(path: str, input_key: str, field: str = "data.prompts") -> JsonlRows | ParquetRows:
     """The file's reader, chosen by its extension; `field` is the spec field errors name."""
-    if "://" in path:
-        raise DatasetError(f"{field} {path}: only local files are supported (a path on a volume)")
+    if "://" in path and not object_store.is_s3(path):
+        raise DatasetError(f"{field} {path}: a local path or an s3://bucket/key URL (no other scheme)")
+    if object_store.is_s3(path):
+        with _remote_errors(field, path):
+            object_store.parse_s3_url(path, field)
     suffix = Path(path).suffix.lower()
     if suffix == ".jsonl":
         return JsonlRows(path, input_key, field)

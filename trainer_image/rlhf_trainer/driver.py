@@ -26,7 +26,7 @@ from rlhf_api.spec import RLHFJobSpec
 
 from rlhf_trainer import container_log, device, device_plan
 from rlhf_trainer.checkpoint import Checkpointer, resume_point
-from rlhf_trainer.config import InputError, load_spec_arg, preflight
+from rlhf_trainer.config import InputError, load_spec_arg, localized, preflight
 from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.export import EXPORT_INFO, export_on_trainer
 from rlhf_trainer.faults import FaultInjector, fail_at_start
@@ -100,6 +100,7 @@ def run(
 
     With `stop` (installed by the front door), a SIGTERM ends the run at the next step boundary, and the
     summary then holds `preempted` (its `line` is what the front door prints; the exit is 143)."""
+    spec = localized(spec)  # hf:// and s3:// models load from the cache the fetch step filled
     data = data or preflight(spec)
     try:
         info = device.for_job(os.environ)  # the job's pods asked for GPUs; never the head's hardware
