@@ -38,6 +38,14 @@ GPU_STANDIN_ENV: Final = "RLHF_GPU_STANDIN"
 # carries the snapshot as JSON (the operator reads it back); each process gets this long to answer.
 STACKS_LOG_MARKER: Final = "RLHF_STACKS "
 STACK_PROCESS_LIMIT_SECONDS: Final = 5
+# What the operator tells the trainer through the environment (the driver's Ray runtime env; the role's
+# container): the spec as JSON (the driver's --spec-env names it), the job's name and namespace, the
+# metrics port (spec.monitoring.metricsPort), and each pod's role (head, trainer, rollout).
+SPEC_JSON_ENV: Final = "RLHF_SPEC_JSON"
+JOB_NAME_ENV: Final = "RLHF_JOB_NAME"
+NAMESPACE_ENV: Final = "RLHF_NAMESPACE"
+METRICS_PORT_ENV: Final = "RLHF_METRICS_PORT"
+ROLE_ENV: Final = "RLHF_ROLE"
 # The keys of the Secret named by spec.storage.s3.credentialsSecret, each given to every container of the
 # job (and so to its driver and Ray workers) as the environment variable of the same name, which boto3
 # and pyarrow read natively. The first two are required; the others optional (docs/data.md).

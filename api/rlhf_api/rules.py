@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rlhf_api.model_source import parse_source
 from rlhf_api.spec import GROUP_ESTIMATORS, Placement, RLHFJobSpec, Role
 
 Reason = Literal["FieldValueInvalid", "FieldValueRequired", "FieldValueForbidden"]
@@ -138,6 +139,27 @@ def _split_role_rules() -> tuple[Rule, ...]:
 
 
 _CEL_GROUP_ESTIMATORS = "[" + ", ".join(f"'{e}'" for e in GROUP_ESTIMATORS) + "]"
+
+# The model fields (camelCase under spec.model) that may name a remote source; CEL sees unset ones as absent.
+_MODEL_FIELDS = (("actor", True), ("critic", False), ("reference", False), ("reward.model", False))
+
+
+def _cel_any_model(regex: str) -> str:
+    """CEL: some set model field matches `regex` (CEL's global `matches`, RE2)."""
+    terms = []
+    for name, required in _MODEL_FIELDS:
+        term = f"matches(self.model.{name}, '{regex}')"
+        terms.append(term if required else f"(has(self.model.{name}) && {term})")
+    return "(" + " || ".join(terms) + ")"
+
+
+_CEL_ANY_REMOTE = _cel_any_model("^(hf|s3)://")
+_CEL_ANY_S3 = _cel_any_model("^s3://")
+
+
+def _model_uris(spec: RLHFJobSpec) -> list[str]:
+    m = spec.model
+    return [u for u in (m.actor, m.critic, m.reference, m.reward.model) if u is not None]
 
 
 # CEL escapes property names that are CEL reserved words: `function` is reached as `__function__`.
@@ -547,6 +569,27 @@ RULES: tuple[Rule, ...] = (
         field="monitoring.stallTimeoutSeconds",
         message="stallTimeoutSeconds must be at least 2 x scrapeIntervalSeconds",
         check=lambda s: s.monitoring.stall_timeout_seconds >= 2 * s.monitoring.scrape_interval_seconds,
+    ),
+    Rule(
+        name="remote-model-needs-cache",
+        scope="",
+        cel=f"!{_CEL_ANY_REMOTE} || (has(self.storage) && has(self.storage.modelCache))",
+        field="storage.modelCache",
+        message="a model from hf:// or s3:// is fetched into the model cache before the trainer starts: set "
+        "storage.modelCache (a PersistentVolumeClaim and its mount path)",
+        reason="FieldValueRequired",
+        check=lambda s: (
+            s.storage.model_cache is not None or not any(parse_source(u).remote for u in _model_uris(s))
+        ),
+    ),
+    Rule(
+        name="s3-model-needs-credentials",
+        scope="",
+        cel=f"!{_CEL_ANY_S3} || has(self.runtimeRef) || (has(self.storage) && has(self.storage.s3))",
+        field="storage.s3",
+        message="a model from s3:// needs the object store's credentials: set storage.s3.credentialsSecret",
+        reason="FieldValueRequired",
+        check=lambda s: all(_has_s3_storage(s, u) for u in _model_uris(s)),
     ),
 )
 

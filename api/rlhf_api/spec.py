@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from pydantic.alias_generators import to_camel
 
 from rlhf_api import k8s_schemas
+from rlhf_api.model_source import MODEL_SOURCE_HELP, MODEL_SOURCE_MAX_LENGTH, MODEL_SOURCE_PATTERN
 
 GROUP: Final = "rlhf.dev"
 VERSION: Final = "v1alpha1"
@@ -105,8 +106,9 @@ class RewardSpec(_Spec):
     model: str | None = Field(
         default=None,
         min_length=1,
-        description="Reward model: an HF-format directory on a mounted volume (see pods.volumes). "
-        "Set only when type is model.",
+        max_length=MODEL_SOURCE_MAX_LENGTH,
+        pattern=MODEL_SOURCE_PATTERN,
+        description=f"Reward model: {MODEL_SOURCE_HELP}. Set only when type is model.",
     )
     url: str | None = Field(
         default=None,
@@ -132,20 +134,31 @@ class RewardSpec(_Spec):
 
 
 class ModelSpec(_Spec):
-    """The models of the run. Paths are HF-format directories on a volume mounted in the pods."""
+    """The models of the run: each an HF-format directory on a volume mounted in the pods, a Hub repository
+    (`hf://`) or an S3 prefix (`s3://`), fetched into the model cache before the trainer starts."""
 
-    actor: str = Field(min_length=1, description="Policy model being trained (HF-format directory).")
+    actor: str = Field(
+        min_length=1,
+        max_length=MODEL_SOURCE_MAX_LENGTH,
+        pattern=MODEL_SOURCE_PATTERN,
+        description=f"Policy model being trained: {MODEL_SOURCE_HELP}.",
+    )
     critic: str | None = Field(
         default=None,
         min_length=1,
-        description="Value model (HF-format directory, usually initialised from a reward model). Required by "
+        max_length=MODEL_SOURCE_MAX_LENGTH,
+        pattern=MODEL_SOURCE_PATTERN,
+        description=f"Value model (usually initialised from a reward model): {MODEL_SOURCE_HELP}. Required by "
         "the gae estimator; leave it unset for the critic-free estimators (grpo, rloo, reinforce_pp, "
         "reinforce_pp_baseline).",
     )
     reference: str | None = Field(
         default=None,
         min_length=1,
-        description="Frozen reference policy for the KL penalty; defaults to the initial actor.",
+        max_length=MODEL_SOURCE_MAX_LENGTH,
+        pattern=MODEL_SOURCE_PATTERN,
+        description=f"Frozen reference policy for the KL penalty: {MODEL_SOURCE_HELP}; defaults to the "
+        "initial actor.",
     )
     reward: RewardSpec = Field(description="How samples are scored.")
 
@@ -1173,13 +1186,56 @@ class S3StorageSpec(_Spec):
     )
 
 
+class HuggingFaceStorageSpec(_Spec):
+    """Access to the Hugging Face Hub for `hf://` model sources."""
+
+    token_secret: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=OBJECT_NAME_PATTERN,
+        description="Name of a Secret in the job's namespace whose key HF_TOKEN is a Hub token (needed for "
+        "private and gated repositories). The fetch step gets it as the environment variable HF_TOKEN from "
+        "the Secret; it is never copied into the spec or the RayCluster. Unset: public repositories only.",
+    )
+
+
+class ModelCacheSpec(_Spec):
+    """Where `hf://` and `s3://` models are fetched to, once per source and revision (docs/models.md)."""
+
+    claim_name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=OBJECT_NAME_PATTERN,
+        description="Name of the PersistentVolumeClaim (in the job's namespace) holding the cache; the operator "
+        "mounts it in every container of the job. ReadWriteMany, unless all the job's pods run on one node. "
+        "Size it for the sum of the models' safetensors and tokenizer files, plus room for a second "
+        "revision of each.",
+    )
+    mount_path: str = Field(
+        default="/model-cache",
+        pattern=r"^/\S*$",
+        description="Where the operator mounts the claim in every container of the job (the fetch step's "
+        "included); models load from <mountPath>/<hf|s3>/<source>/current.",
+    )
+
+
 class StorageSpec(_Spec):
-    """Where the job's object-store and hub credentials come from (never from the spec itself)."""
+    """Where the job's object-store and hub credentials come from (never from the spec itself), and the
+    cache remote models are fetched into."""
 
     s3: S3StorageSpec | None = Field(
         default=None,
         description="The S3-compatible object store: needed by every `s3://` URL in the spec "
-        "(data.prompts, data.eval.prompts, checkpoint.exportTo).",
+        "(model sources, data.prompts, data.eval.prompts, checkpoint.exportTo).",
+    )
+    hugging_face: HuggingFaceStorageSpec | None = Field(
+        default=None, description="The Hugging Face Hub's token for `hf://` model sources."
+    )
+    model_cache: ModelCacheSpec | None = Field(
+        default=None,
+        description="The claim `hf://` and `s3://` models are fetched into before the trainer starts; "
+        "required when a model field names one.",
     )
 
 
@@ -1226,7 +1282,8 @@ class RLHFJobSpec(_Spec):
     pods: PodsSpec = Field(default_factory=PodsSpec, description="Pod template overrides.")
     storage: StorageSpec = Field(
         default_factory=StorageSpec,
-        description="Credentials for object stores, given to the job's pods from Secrets (docs/data.md).",
+        description="Credentials for object stores and the Hub, given to the job's pods from Secrets, and the "
+        "model cache (docs/data.md, docs/models.md).",
     )
     security: SecuritySpec = Field(
         default_factory=SecuritySpec,
@@ -1250,6 +1307,17 @@ class RLHFJobSpec(_Spec):
         if self.model.reward.type == "model":
             roles.append("reward")
         return roles
+
+    def model_sources(self) -> dict[str, str]:
+        """The model each loaded role names, by spec field (`model.actor`, `model.reward.model`, ...): the
+        sources the fetch step fetches and the trainer loads (model_source.py)."""
+        named: dict[Role, tuple[str, str | None]] = {
+            "actor": ("model.actor", self.model.actor),
+            "critic": ("model.critic", self.model.critic),
+            "reference": ("model.reference", self.model.reference),
+            "reward": ("model.reward.model", self.model.reward.model),
+        }
+        return {name: uri for name, uri in (named[r] for r in self.model_roles()) if uri is not None}
 
     def gpu_groups(self) -> list[tuple[tuple[Role, ...], Placement]]:
         """Models that share GPUs, each group with its placement (that of its first member).

@@ -176,6 +176,15 @@ def cluster_pods(namespace: str, cluster_name: str) -> list[dict[str, Any]]:
     return [cast(dict[str, Any], kube.api().sanitize_for_serialization(p)) for p in pods.items]  # type: ignore[no-untyped-call]
 
 
+def container_log_tail(namespace: str, pod: str, container: str, lines: int) -> str:
+    """The last `lines` lines of a container's log (the fetch step's progress; RBAC: pods/log get)."""
+    return str(
+        k8s.CoreV1Api(kube.api()).read_namespaced_pod_log(
+            pod, namespace, container=container, tail_lines=lines
+        )
+    )
+
+
 def rollout_pods(namespace: str, job: RLHFJob, cluster: dict[str, Any]) -> list[dict[str, Any]]:
     """The rollout worker pods, read only while KubeRay reports fewer ready workers than desired."""
     st = cluster.get("status") or {}

@@ -17,14 +17,20 @@ from rlhf_api import pod_settings
 from rlhf_api.constants import (
     DEFAULT_TRAINER_IMAGE,
     GPU_STANDIN_ENV,
+    JOB_NAME_ENV,
+    METRICS_PORT_ENV,
+    NAMESPACE_ENV,
     POD_SLOTS_ENV,
+    ROLE_ENV,
     ROLLOUT_RESOURCE,
     S3_CREDENTIAL_KEYS,
     S3_OPTIONAL_KEYS,
     SHUTDOWN_MARGIN_SECONDS,
+    SPEC_JSON_ENV,
     STOP_BUDGET_ENV,
     TRAINER_RESOURCE,
 )
+from rlhf_api.model_source import FETCH_CONTAINER, parse_source
 from rlhf_api.pod_settings import PodRole
 from rlhf_api.pod_shape import trainer_pods
 from rlhf_api.spec import GROUP, PodSettings, RLHFJob, RLHFJobSpec, scaled_quantity
@@ -36,6 +42,7 @@ JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "rlhf-operator"}
 SHM_VOLUME = "rlhf-dev-shm"
+MODEL_CACHE_VOLUME = "rlhf-model-cache"
 DASHBOARD_PORT = security.DASHBOARD_PORT
 # Labels of the job that are never copied to children (they describe the RLHFJob object itself).
 _NOT_PROPAGATED_PREFIXES = ("kopf.zalando.org/",)
@@ -132,16 +139,22 @@ def _pod_template(
     shm_mount = [] if own_shm else [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     shm_volume = [] if own_shm else [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
     resources = _resources(pods, gpus)
-    container = _container(job, role, pods, resources, ports, default_image, container_security, shm_mount)
+    cache_volume, cache_mount = model_cache_volume(spec, pods)
+    container = _container(
+        job, role, pods, resources, ports, default_image, container_security, [*shm_mount, *cache_mount]
+    )
     pod_spec: dict[str, Any] = {
         # No Docker-link variables for every Service of the namespace: nothing here reads them.
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
         "containers": [container],
         "securityContext": pod_security,
-        "volumes": [*shm_volume, *(pods.volumes or [])],
+        "volumes": [*shm_volume, *cache_volume, *(pods.volumes or [])],
         **_placement(job, role, pods),
     }
+    fetch = fetch_models_container(job, container) if role == "head" else None
+    if fetch is not None:
+        pod_spec["initContainers"] = [fetch]
     if pods.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pods.image_pull_secrets]
     labels = {**child_labels(job), **(pods.labels or {}), ROLE_LABEL: role}
@@ -164,8 +177,8 @@ def _container(
 ) -> dict[str, Any]:
     """The role's Ray container."""
     env = [
-        {"name": "RLHF_JOB_NAME", "value": job.name},
-        {"name": "RLHF_ROLE", "value": role},
+        {"name": JOB_NAME_ENV, "value": job.name},
+        {"name": ROLE_ENV, "value": role},
         {"name": STOP_BUDGET_ENV, "value": str(stop_budget_seconds(job))},
         *security.auth_env(job),
         *storage_env(job),
@@ -213,6 +226,58 @@ def storage_env(job: RLHFJob) -> list[dict[str, Any]]:
         }
         for key, optional in keys
     ]
+
+
+def remote_models(spec: RLHFJobSpec) -> dict[str, str]:
+    """The loaded models that come from `hf://` or `s3://`, by spec field: what the fetch step fetches."""
+    return {field: uri for field, uri in spec.model_sources().items() if parse_source(uri).remote}
+
+
+def model_cache_volume(
+    spec: RLHFJobSpec, pods: PodSettings
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The model cache's claim as a pod volume and its mount (in every container of the job, so every
+    rank loads a fetched model from the same path), or nothing without storage.modelCache, or when the
+    pods already mount something there (a runtime's model cache volume, the job's own mount)."""
+    cache = spec.storage.model_cache
+    if cache is None or any(m.get("mountPath") == cache.mount_path for m in pods.volume_mounts or []):
+        return [], []
+    volume = {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.claim_name}}
+    return [volume], [{"name": MODEL_CACHE_VOLUME, "mountPath": cache.mount_path}]
+
+
+def fetch_models_container(job: RLHFJob, head: dict[str, Any]) -> dict[str, Any] | None:
+    """The head pod's init container that fetches the job's remote models into the cache before Ray (and
+    so the trainer) starts: the head container's image, security context, resources, env and mounts,
+    plus the Hub token from storage.huggingFace.tokenSecret (this container only; never in a manifest).
+    None when every model is a path. Progress and failure reach the operator through its log and its
+    termination message (rlhf_operator.model_fetch)."""
+    spec = job.spec
+    sources = remote_models(spec)
+    if not sources or spec.storage.model_cache is None:
+        return None
+    args = ["python", "-m", "rlhf_trainer.fetch_models", "--cache", spec.storage.model_cache.mount_path]
+    for field, uri in sources.items():
+        args += ["--source", f"{field}={uri}"]
+    hub = spec.storage.hugging_face
+    token: list[dict[str, Any]] = (
+        [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": hub.token_secret, "key": "HF_TOKEN"}}}]
+        if hub is not None and hub.token_secret
+        else []
+    )
+    # huggingface_hub's own cache and lock files go to the cache volume: the root file system is read-only.
+    hf_home = {"name": "HF_HOME", "value": f"{spec.storage.model_cache.mount_path}/.hf-home"}
+    container: dict[str, Any] = {
+        "name": FETCH_CONTAINER,
+        "image": head["image"],
+        "command": args,
+        "env": [*head["env"], hf_home, *token],
+        "securityContext": head["securityContext"],
+        "volumeMounts": head["volumeMounts"],
+        "terminationMessagePolicy": "File",
+        **{key: head[key] for key in ("envFrom", "resources") if key in head},
+    }
+    return copy.deepcopy(container)  # shares nothing with the head container
 
 
 def _placement(job: RLHFJob, role: PodRole, pods: PodSettings) -> dict[str, Any]:
@@ -391,7 +456,7 @@ def trainer_entrypoint(job: RLHFJob) -> str:
             "--job-name",
             job.name,
             "--spec-env",
-            "RLHF_SPEC_JSON",
+            SPEC_JSON_ENV,
         ]
     )
 
@@ -414,10 +479,10 @@ def trainer_runtime_env(
         **({GPU_STANDIN_ENV: gpu_standin} if gpu_standin else {}),
         **({POD_SLOTS_ENV: "1"} if pod_slots else {}),
         **literal,
-        "RLHF_SPEC_JSON": job.spec.model_dump_json(by_alias=True, exclude_none=True),
-        "RLHF_JOB_NAME": job.name,
-        "RLHF_NAMESPACE": job.namespace,
-        "RLHF_METRICS_PORT": str(job.spec.monitoring.metrics_port),
+        SPEC_JSON_ENV: job.spec.model_dump_json(by_alias=True, exclude_none=True),
+        JOB_NAME_ENV: job.name,
+        NAMESPACE_ENV: job.namespace,
+        METRICS_PORT_ENV: str(job.spec.monitoring.metrics_port),
         STOP_BUDGET_ENV: str(stop_budget_seconds(job)),
         # Ray's job supervisor reads this for a stop (SIGTERM, then SIGKILL after it): the trainer's budget.
         "RAY_JOB_STOP_WAIT_TIME_S": str(stop_budget_seconds(job)),

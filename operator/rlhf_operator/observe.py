@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import kopf
 from kubernetes.client.exceptions import ApiException
+from rlhf_api.model_source import FETCH_CONTAINER
 from rlhf_api.spec import TERMINAL_JOB_PHASES, RLHFJob
 
 from rlhf_operator import (
@@ -25,6 +26,7 @@ from rlhf_operator import (
     kueue,
     manifests,
     metrics,
+    model_fetch,
     rayjobs,
     runtime,
     scrape,
@@ -97,6 +99,7 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
             obs["rollout_pods"] = cache.rollout_pods(namespace, job, cluster)  # the engine plan's
     if cluster is not None and cluster.get("status", {}).get("state") != "ready":
         obs["pods"] = cache.cluster_pods(namespace, cluster["metadata"]["name"])
+        obs["fetch_log"] = _fetch_log(namespace, obs["pods"])
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":
         try:
             url = dashboard_url(cluster)
@@ -203,3 +206,16 @@ def trainer_metrics(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any]) -> d
         metrics.SCRAPES.labels("malformed").inc()
     state.last_scrape = (now, result)
     return result
+
+
+def _fetch_log(namespace: str, pods: list[dict[str, Any]]) -> str | None:
+    """The last lines of the head's fetch-models log while it runs (its progress for ModelsReady); None
+    when no fetch runs or the log cannot be read (the condition then shows no bytes this round)."""
+    pod = model_fetch.fetching_pod(pods)
+    if pod is None:
+        return None
+    try:
+        return cache.container_log_tail(namespace, pod, FETCH_CONTAINER, lines=5)
+    except ApiException as e:
+        log.debug("cannot read %s/%s's fetch log: %s", namespace, pod, e.reason)
+        return None

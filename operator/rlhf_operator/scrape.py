@@ -1,17 +1,20 @@
-"""Reads the trainer's Prometheus `/metrics` into a typed snapshot (the metric names of docs/monitoring.md).
+"""Reads the trainer's Prometheus `/metrics` into a typed snapshot, by the contract table
+(`rlhf_api.trainer_metrics`): a row that names a `ScrapedMetrics` field is read into it.
 
 `parse_metrics` is pure and tolerant: malformed text raises `MalformedMetrics` (the caller logs and
-ignores it), unknown series are ignored, and series of other jobs (another `rlhfjob` label) are skipped.
+ignores it), series the table lacks are only named in `unknown_series` (a newer trainer), and series of
+other jobs (another `rlhfjob` label) are skipped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_type_hints
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from rlhf_api.trainer_metrics import JOB_LABEL, SERIES, series_of
 
 from rlhf_operator.rayjobs import tls_context
 
@@ -55,11 +58,12 @@ class ScrapedMetrics:
     staleness_count: float = 0.0
     stale_samples_total: float | None = None
     nccl_networks: dict[str, str] = field(default_factory=dict)  # NCCL process -> network (GPU path)
-    # checkpoint.exportTo's upload (None: none started)
+    # checkpoint.exportTo's upload (None: none started); done and failed read 1 or 0
     export_bytes_done: int | None = None
     export_bytes_total: int | None = None
-    export_done: bool | None = None
-    export_failed: bool | None = None
+    export_done: float | None = None
+    export_failed: float | None = None
+    unknown_series: set[str] = field(default_factory=set)  # samples the contract table has no row for
 
     @property
     def sample_staleness(self) -> float | None:
@@ -82,28 +86,20 @@ class ScrapedMetrics:
         return self.step_phase_seconds["generation"] / total
 
 
-# Series whose value is one field of ScrapedMetrics: the field, and how the value converts.
+def _converter(name: str) -> Callable[[float], Any]:
+    """How a sample's value converts into the field `name`: by the field's type; a timestamp's 0 is
+    "not set"."""
+    if name == "last_step_completed_ts":
+        return lambda v: v or None
+    return int if "int" in str(get_type_hints(ScrapedMetrics)[name]) else float
+
+
+# Series whose value is one field of ScrapedMetrics (from the table's `field` column), and how it converts.
 _FIELDS: dict[str, tuple[str, Callable[[float], Any]]] = {
-    "rlhf_step_seconds": ("last_step_seconds", float),
-    "rlhf_steps_completed_total": ("steps_completed", int),
-    "rlhf_total_steps": ("total_steps", int),
-    "rlhf_last_step_completed_timestamp_seconds": ("last_step_completed_ts", lambda v: v or None),
-    "rlhf_stall_timeout_seconds": ("stall_timeout_seconds", float),
-    "rlhf_generated_tokens_total": ("generated_tokens_total", float),
-    "rlhf_trained_tokens_total": ("trained_tokens_total", float),
-    "rlhf_reward_mean": ("reward_mean", float),
-    "rlhf_eval_reward_mean": ("eval_reward_mean", float),
-    "rlhf_eval_step": ("eval_step", int),
-    "rlhf_kl": ("kl", float),
-    "rlhf_reward_errors_total": ("reward_errors_total", float),
-    "rlhf_weight_sync_bytes_total": ("weight_sync_bytes_total", float),
-    "rlhf_last_checkpoint_step": ("last_checkpoint_step", int),
-    "rlhf_trainer_idle_ratio": ("trainer_idle_ratio", float),
-    "rlhf_rollout_idle_ratio": ("rollout_idle_ratio", float),
+    s.name: (s.field, _converter(s.field)) for s in SERIES if s.field is not None
+} | {
     "rlhf_sample_staleness_sum": ("staleness_sum", float),
     "rlhf_sample_staleness_count": ("staleness_count", float),
-    "rlhf_export_upload_done": ("export_done", lambda v: v >= 1),
-    "rlhf_export_upload_failed": ("export_failed", lambda v: v >= 1),
 }
 
 
@@ -117,7 +113,10 @@ def parse_metrics(text: str, rlhfjob: str | None = None) -> ScrapedMetrics:
         raise MalformedMetrics(str(e)) from e
     for fam in families:
         for s in fam.samples:
-            if rlhfjob is not None and s.labels.get("rlhfjob", rlhfjob) != rlhfjob:
+            if rlhfjob is not None and s.labels.get(JOB_LABEL, rlhfjob) != rlhfjob:
+                continue
+            if series_of(s.name) is None:
+                out.unknown_series.add(s.name)
                 continue
             _take(out, s.name, float(s.value), s.labels, started, in_progress)
     if in_progress:

@@ -28,7 +28,7 @@ from rlhf_api.spec import (
     StallDiagnosis,
 )
 
-from rlhf_operator import diagnosis, kueue, rayjobs, scaling
+from rlhf_operator import diagnosis, kueue, model_fetch, rayjobs, scaling
 from rlhf_operator.actions import (
     Action,
     AwaitCreateBackoff,
@@ -53,6 +53,7 @@ from rlhf_operator.manifests import (
     ROLE_LABEL,
     effective_engines,
     raycluster_name,
+    remote_models,
     rollout_replicas,
     scale_patch,
 )
@@ -108,6 +109,8 @@ class Observed:
     cluster_patch_pending: bool = False
     # A transient refusal of the RayCluster's create is backing off (cache.create_backing_off).
     create_backoff: bool = False
+    # The last lines of the head's fetch-models log, read while it runs (model_fetch.fetching_pod).
+    fetch_log: str | None = None
 
 
 @dataclass(frozen=True)
@@ -238,11 +241,9 @@ def decide(job: RLHFJob, observed: Observed, submission_id: str) -> Decision:
 def _normalised(r: Round) -> RLHFJobStatus:
     """The stored status with what every round writes: generation, total steps, cluster name, selector."""
     cur, spec = r.cur, r.spec
+    # desiredEngines is not here: `_engines` writes it, once a round (the plan's count, or the request's)
     rollout = (cur.rollout or RolloutStatus()).model_copy(
-        update={
-            "desired_engines": effective_engines(spec),
-            "selector": f"{JOB_LABEL}={r.job.name},{ROLE_LABEL}=rollout",
-        }
+        update={"selector": f"{JOB_LABEL}={r.job.name},{ROLE_LABEL}=rollout"}
     )
     update: dict[str, Any] = {
         "observed_generation": r.generation,
@@ -443,6 +444,29 @@ def _head_lost(r: Round, d: Draft) -> bool:
     )
 
 
+def _models(r: Round, d: Draft) -> bool:
+    """Remote models (hf://, s3://): ModelsReady follows the head's fetch step; a permanent failure (a
+    missing model or revision, refused credentials) fails the job at once: every attempt would fail alike.
+    Once the cluster is ready the step has succeeded (the head's Ray container runs only after it)."""
+    if not remote_models(r.spec):
+        return False
+    if cluster_ready(r.cluster):
+        if not d.has("ModelsReady", "True"):
+            d.cond("ModelsReady", True, "ModelsFetched", "models fetched into the cache", r.now)
+        return False
+    state = model_fetch.fetch_state(r.observed.pods or [], r.observed.fetch_log)
+    if state is None:
+        return False
+    if state.permanent:
+        d.cond("ModelsReady", False, state.reason, state.message, r.now)
+        return _finish(
+            r, d, "Failed", state.reason, f"the models cannot be fetched (not restarted): {state.message}"
+        )
+    status, reason, message = model_fetch.models_condition(state)
+    d.cond("ModelsReady", status, reason, message, r.now)
+    return False
+
+
 def _unready_cluster(r: Round, d: Draft) -> bool:
     """The RayCluster is not ready: Pending -> Provisioning with KubeRay's or the pods' reason."""
     name = d.st.ray_cluster_name
@@ -630,17 +654,23 @@ def _diagnose(r: Round, d: Draft, reason: str, attempt: str) -> bool:
 
 
 def _engines(r: Round, d: Draft) -> None:
-    """The engine count (scaling.plan_engines) while the job has a cluster and goes on, unless Kueue holds
-    the cluster's replicas (kueue.holds_replicas): then a fixed-size admitted workload says so, once."""
+    """`status.rollout.desiredEngines`, written here only: the engine count of scaling.plan_engines while
+    the job has a cluster and goes on, else the request's (clamped: manifests.effective_engines), also
+    while Kueue holds the cluster's replicas (kueue.holds_replicas; a fixed-size admitted workload then
+    says so, once)."""
     cluster = r.cluster
-    if cluster is None or d.st.phase in TERMINAL_JOB_PHASES:
-        return
-    if any(isinstance(a, DeleteCluster) for a in d.actions):
+    requested = effective_engines(r.spec)
+    if (
+        cluster is None
+        or d.st.phase in TERMINAL_JOB_PHASES
+        or any(isinstance(a, DeleteCluster) for a in d.actions)
+    ):
+        _set_desired(d, requested)
         return
     if r.queue and kueue.holds_replicas(cluster):
+        _set_desired(d, requested)
         if not kueue.suspended_by_kueue(cluster, True):
-            engines = d.st.rollout.desired_engines if d.st.rollout else None
-            conds, said = kueue.fixed_size_condition(conditions_wire(d.st.conditions), engines, r.now)
+            conds, said = kueue.fixed_size_condition(conditions_wire(d.st.conditions), requested, r.now)
             d.st.conditions = conditions_typed(conds)
             if said:
                 d.events.append(event("EngineScalingOff", said, warning=True))
@@ -655,6 +685,11 @@ def _engines(r: Round, d: Draft) -> None:
     suspending = any(isinstance(a, SetClusterSuspend) for a in d.actions)
     if ops and not r.observed.cluster_patch_pending and not suspending:
         d.add(ScaleRolloutGroup(replicas, tuple(ops)))
+
+
+def _set_desired(d: Draft, engines: int) -> None:
+    rollout = d.st.rollout or RolloutStatus()
+    d.st.rollout = rollout.model_copy(update={"desired_engines": engines})
 
 
 def _plan(r: Round, st: RLHFJobStatus) -> tuple[scaling.EnginePlan, list[dict[str, Any]] | None]:
@@ -701,7 +736,7 @@ _RUNNING: tuple[Step, ...] = (
     _attempt,
 )
 _STARTING: tuple[Step, ...] = (
-    _held, _released, _deadline, _provisioning_timeout, _missing_cluster, _unready_cluster, _attempt,
+    _held, _released, _deadline, _provisioning_timeout, _missing_cluster, _models, _unready_cluster, _attempt,
 )  # fmt: skip
 PHASE_STEPS: Mapping[JobPhase, tuple[Step, ...]] = {
     "Pending": _STARTING,

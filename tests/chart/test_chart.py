@@ -52,6 +52,7 @@ OPERATOR_NAMESPACED_RULES = {
     ("ray.io", "rayclusters/status"): {"get"},
     ("kueue.x-k8s.io", "workloads"): {"get", "list"},  # a queued job's reason (docs/kueue.md)
     ("", "pods"): {"get", "list", "watch"},
+    ("", "pods/log"): {"get"},  # the fetch-models step's progress (docs/models.md)
     ("", "services"): {"get", "list", "watch"},
     ("", "secrets"): {"create"},  # each job's Ray token (docs/security.md; tests/e2e/security/test_rbac.py)
     ("networking.k8s.io", "networkpolicies"): {"create"},
@@ -82,6 +83,7 @@ TYPED_RESOURCES = {
     "config_map": ("", "configmaps"),
     "secret": ("", "secrets"),
     "pod": ("", "pods"),
+    "pod_log": ("", "pods/log"),
     "service": ("", "services"),
     "persistent_volume_claim": ("", "persistentvolumeclaims"),
     "network_policy": ("networking.k8s.io", "networkpolicies"),

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from rlhf_api import constants
 from rlhf_api.constants import POD_SLOTS_ENV
 from rlhf_api.spec import RLHFJob
 from rlhf_operator import manifests
@@ -288,6 +289,19 @@ def test_a_job_in_its_own_raycluster_tells_its_driver_that_pods_advertise_their_
     job = load("rlhfjob-tiny.yaml")
     assert manifests.trainer_runtime_env(job, pod_slots=True)["env_vars"][POD_SLOTS_ENV] == "1"
     assert POD_SLOTS_ENV not in manifests.trainer_runtime_env(job)["env_vars"]
+
+
+def test_every_rlhf_variable_the_operator_sets_for_the_trainer_is_a_named_constant() -> None:
+    """The environment is part of the contract: each RLHF_* name the operator sets in the driver's runtime
+    env or a pod's container is one of rlhf_api.constants, which the trainer reads by the same name."""
+    named = {v for k, v in vars(constants).items() if k.endswith("_ENV")}
+    job = load("rlhfjob-tiny.yaml")
+    runtime = manifests.trainer_runtime_env(job, gpu_standin="cpu", pod_slots=True)["env_vars"]
+    pods = [e["name"] for g in manifests.build_raycluster(job)["spec"]["workerGroupSpecs"]
+            for c in g["template"]["spec"]["containers"] for e in c.get("env", [])]  # fmt: skip
+    set_by_operator = {n for n in [*runtime, *pods] if n.startswith("RLHF_")}
+    assert set_by_operator and set_by_operator <= named, set_by_operator - named
+    assert {constants.SPEC_JSON_ENV, constants.JOB_NAME_ENV, constants.ROLE_ENV} <= set_by_operator
 
 
 def test_head_url_is_the_kuberay_head_service_or_the_development_host() -> None:

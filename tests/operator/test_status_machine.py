@@ -28,7 +28,18 @@ from rlhf_operator.actions import (
 from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import ScrapedMetrics
 from rlhf_operator.status import PHASE_STEPS, decide
-from testkit.status_inputs import NOW, SID, cluster, job, obs, ray, running_job
+from testkit.status_inputs import (
+    NOW,
+    SID,
+    cluster,
+    fetch_failed,
+    head_pod,
+    job,
+    obs,
+    ray,
+    remote_job,
+    running_job,
+)
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,6 +219,12 @@ CASES = [
          ("delete_cluster",)),
     Case("stalled-cluster-gone-recreated", "Stalled", "Provisioning", job(running(phase="Stalled")),
          {"raycluster": None}, ("create_cluster",)),
+    # Remote models: the head's fetch step failed for good (tests/operator/test_model_fetch.py).
+    Case("provisioning-model-not-found-fails", "Provisioning", "Failed", remote_job({"phase": "Provisioning"}),
+         {"raycluster": cluster("unknown"), "pods": [head_pod(fetch_failed("ModelNotFound"))]}, ("delete_cluster",)),
+    Case("restarting-credentials-refused-fails", "Restarting", "Failed",
+         remote_job({"phase": "Restarting", "restarts": 1}),
+         {"raycluster": cluster(None), "pods": [head_pod(fetch_failed("CredentialsRefused"))]}, ("delete_cluster",)),
 ]  # fmt: skip
 
 
@@ -282,6 +299,19 @@ def test_the_engine_plan_is_part_of_the_decision() -> None:
     assert scale is not None and scale.replicas == j.spec.rollout.replicas(2)
     assert d.status["rollout"]["desiredEngines"] == 2
     assert any(reason == "EnginesClamped" for _, reason, _ in d.events)
+
+
+def test_desired_engines_is_the_clamped_request_in_rounds_without_the_plan() -> None:
+    """status.rollout.desiredEngines has one writer a round: where the engine plan does not run (a finished
+    job, a job with no cluster, replicas Kueue holds) it is the request clamped into the autoscaling range."""
+    stored = {"rollout": {"desiredEngines": 3}}
+    finished = autoscaled(job({"phase": "Succeeded", **stored}), minEngines=2, maxEngines=4)
+    assert decide(finished, obs(), SID).status["rollout"]["desiredEngines"] == 2
+    pending = autoscaled(job({"phase": "Pending", **stored}), minEngines=2, maxEngines=4)
+    assert decide(pending, obs(raycluster=None), SID).status["rollout"]["desiredEngines"] == 2
+    held = autoscaled(queued(job(running(**stored))), minEngines=2, maxEngines=4)
+    d = decide(held, obs(raycluster=kueue_cluster(suspend=False), ray_job=ray("RUNNING")), SID)
+    assert d.status["rollout"]["desiredEngines"] == 2 and d.find(WriteEngines) is None
 
 
 def test_the_group_already_at_size_gets_no_patch_and_a_patch_in_flight_none_again() -> None:

@@ -5,6 +5,7 @@ status tests."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -55,3 +56,30 @@ def ray(status: str, sid: str = SID, message: str = "", exit_code: int | None = 
 def obs(**kw: Any) -> Observed:
     kw.setdefault("raycluster", cluster())
     return Observed(now=kw.pop("now", NOW), uid="0123abcd-ffff", **kw)
+
+
+def remote_job(status: dict[str, Any] | None = None) -> RLHFJob:
+    """The tiny job with its actor on the Hub (hf://), so the head pod has a fetch-models step."""
+    doc = job(status).model_dump(by_alias=True, exclude_none=True, mode="json")
+    doc["spec"]["model"]["actor"] = "hf://org/tiny@v1"
+    doc["spec"]["storage"] = {"modelCache": {"claimName": "models"}}
+    return RLHFJob.model_validate(doc)
+
+
+def head_pod(fetch_status: dict[str, Any] | None) -> dict[str, Any]:
+    """A head pod of the job's RayCluster whose fetch-models init container is in `fetch_status`."""
+    statuses = [{"name": "fetch-models", **fetch_status}] if fetch_status is not None else []
+    return {
+        "metadata": {"name": "tiny-head-x", "labels": {"ray.io/node-type": "head"}},
+        "status": {"phase": "Pending", "initContainerStatuses": statuses},
+    }
+
+
+def fetch_failed(reason: str, exit_code: int = 2, restarted: bool = False) -> dict[str, Any]:
+    """A fetch-models container that ended with `reason` in its termination message (as the fetcher writes
+    it); `restarted`: the kubelet is about to run it again (the failure in lastState)."""
+    message = json.dumps({"reason": reason, "field": "model.actor", "message": f"spec.model.actor: {reason}"})
+    terminated = {"terminated": {"exitCode": exit_code, "message": message, "reason": "Error"}}
+    if restarted:
+        return {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": terminated}
+    return {"state": terminated}

@@ -71,9 +71,13 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})  # fmt: skip
     torch.set_num_threads(1)
+    from dataclasses import replace
+
+    from rlhf_api.spec import RLHFJobSpec
     from rlhf_trainer import experience
+    from rlhf_trainer.config import algorithm_settings
     from rlhf_trainer.workers.deepspeed_utils import all_reduce_sum, init_distributed
-    from rlhf_trainer.workers.policy import PolicyModel
+    from rlhf_trainer.workers.policy import PolicyLoss, PolicyModel
     from rlhf_trainer.workers.value import ValueModel
 
     init_distributed("gloo")
@@ -93,7 +97,11 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
     actor = PolicyModel(lm, _settings(lm, rank, world, accum))
     old = actor.logprobs(rollout, 4)
     res["actor_grads"] = _first_step_grads(actor)
-    stats = actor.train(rollout, old + noise_all[sl], adv_all[sl], None, valid, micro_batch=1, epochs=1)  # fmt: skip
+    plain = PolicyLoss(
+        policy_loss="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, kl_loss_coef=0.0,
+        kl_estimator="k3", aggregation="token-mean", norm_constant=1.0, correction=None,
+    )  # fmt: skip
+    stats = actor.train(rollout, old + noise_all[sl], adv_all[sl], None, valid, micro_batch=1, epochs=1, loss=plain)  # fmt: skip
     res["policy_loss"] = stats["policy_loss"]
 
     critic_model = ValueModel(critic, _settings(critic, rank, world, accum))
@@ -108,8 +116,21 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
         scores=torch.tensor([SCORES[i] for i in mine]), valid=valid, response_lens=rollout.response_lens,
         group=rollout.group, old_logprobs=old, ref_logprobs=old - 0.1 * noise_all[sl], values=values,
     )  # fmt: skip
+    spec = RLHFJobSpec.model_validate(
+        {
+            "model": {"actor": lm, "reward": {"type": "function", "function": "r:f"}},
+            "data": {"prompts": "/p.jsonl"},
+        }
+    )
     for est in ("gae", "reinforce_pp"):
-        algo = {"estimator": est, "kl_coef": 0.05, "gamma": 1.0, "lam": 0.95}
+        algo = replace(
+            algorithm_settings(spec),
+            estimator=est,
+            kl_coef=0.05,
+            gamma=1.0,
+            lam=0.95,
+            kl_reward_estimator="k1",
+        )
         adv, batch = experience.compute({0: shard}, algo, lambda t: all_reduce_sum(t))
         res[f"adv_{est}"] = adv[0].advantages
         res[f"ev_{est}"] = batch.explained_variance
@@ -118,7 +139,7 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
         # Dropout off: with the data unchanged, the training pass reproduces what eval mode computed.
         fresh = PolicyModel(lm, _settings(lm, rank, world, 4))
         first = fresh.train(rollout, fresh.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1,
-                            epochs=1)  # fmt: skip
+                            epochs=1, loss=plain)  # fmt: skip
         res["first_ratio_deviation"] = first["first_ratio_deviation"]
         fresh_critic = ValueModel(critic, _settings(critic, rank, world, 4))
         v0 = fresh_critic.values(rollout, 4)
@@ -127,14 +148,14 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
         )["first_value_deviation"]
         # Mini-batches: 2 optimizer steps of 2 micro-batches each per epoch.
         mini = PolicyModel(lm, _settings(lm, rank, world, 2))
-        ms = mini.train(rollout, mini.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1, epochs=2, mini_batches=2)  # fmt: skip
+        ms = mini.train(rollout, mini.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1, epochs=2, mini_batches=2, loss=plain)  # fmt: skip
         res["mini_optimizer_steps"] = ms["optimizer_steps"]
         res["mini_scheduler_steps"] = int(mini.scheduler.last_epoch)
         # trainer.offload: ZeRO-Offload of parameters and optimizer, 2 steps with torch's AdamW.
         off = PolicyModel(lm, _settings(lm, rank, world, 4, offload=True))
         before = {n: p.ds_tensor.detach().clone() for n, p in off.engine.module.named_parameters()}
         for _ in range(2):
-            off.train(rollout, off.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1, epochs=1)  # fmt: skip
+            off.train(rollout, off.logprobs(rollout, 4), adv_all[sl], None, valid, micro_batch=1, epochs=1, loss=plain)  # fmt: skip
         after = {n: p.ds_tensor.detach() for n, p in off.engine.module.named_parameters()}
         res["offload_changed"] = sum(not torch.equal(before[n], after[n]) for n in before)
         res["offload_params"] = len(before)

@@ -5,6 +5,8 @@ and the spec's wire to the ranks. The end-to-end run is tests/e2e/ray (the GRPO 
 
 from __future__ import annotations
 
+import pickle
+from dataclasses import MISSING, fields, replace
 from typing import Any
 
 import pytest
@@ -12,8 +14,9 @@ import torch
 from rlhf_api.spec import RLHFJobSpec
 from rlhf_trainer import algorithms, experience
 from rlhf_trainer import dynamic_sampling as dynamic
-from rlhf_trainer.config import algorithm_wire
+from rlhf_trainer.config import algorithm_settings
 from rlhf_trainer.loop import ObjectiveState, advance
+from rlhf_trainer.step_settings import AlgorithmSettings, RewardShaping, RolloutCorrection
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.workers.policy import PolicyLoss
 from rlhf_trainer.workers.reward_results import RewardResult
@@ -122,8 +125,8 @@ def test_shaping_clips_penalises_overlong_then_normalises_over_every_rank() -> N
         rewardShaping={"clip": 1.0, "overlongBuffer": 4, "overlongPenalty": 0.5, "normalize": True},
         advantageEstimator="rloo",
     )
-    algo = algorithm_wire(spec)
-    algo["score_moments"] = {"count": 4.0, "mean": 0.0, "m2": 4.0}  # earlier steps: mean 0, std 1
+    # earlier steps: mean 0, std 1
+    algo = replace(algorithm_settings(spec), score_moments={"count": 4.0, "mean": 0.0, "m2": 4.0})
     shards = {0: _shard([3.0, 0.2], [5, 8], [0, 0]), 1: _shard([-0.5, 0.4], [10, 2], [1, 1])}
     # what both "ranks" contribute: an all-reduce of the two shards' moments is their sum, here
     shaped = [1.0, 0.2 - 0.25, -0.5 - 0.5, 0.4]  # clip 3 -> 1; 8 tokens: (6 - 8) / 4 * 0.5; 10: -0.5
@@ -142,7 +145,7 @@ def test_shaping_clips_penalises_overlong_then_normalises_over_every_rank() -> N
 
 
 def test_the_ranks_count_groups_whose_advantages_are_all_zero() -> None:
-    algo = algorithm_wire(_spec())
+    algo = algorithm_settings(_spec())
     scores = [1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.5, 1.0]
     shard = _shard(scores, [2, 3, 2, 2, 1, 4, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3, 3])
     out, stats = experience.compute({0: shard}, algo)
@@ -158,13 +161,32 @@ def test_the_policy_loss_settings_come_from_the_spec() -> None:
         klEstimatorLoss="k2", lossAggregation="seq-mean-token-sum-norm", maxResponseLength=64,
         rolloutCorrection={"level": "sequence", "mode": "mask", "lowerBound": 0.5, "upperBound": 3.0},
     )  # fmt: skip
-    loss = PolicyLoss.from_wire(algorithm_wire(spec))
+    loss = PolicyLoss.from_settings(algorithm_settings(spec))
     assert loss == PolicyLoss(
         policy_loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0, entropy_coef=0.01, kl_loss_coef=0.05,
         kl_estimator="k2", aggregation="seq-mean-token-sum-norm", norm_constant=64.0,
-        correction={"level": "sequence", "mode": "mask", "lower": 0.5, "upper": 3.0},
+        correction=RolloutCorrection(level="sequence", mode="mask", lower=0.5, upper=3.0),
     )  # fmt: skip
     # gae and the reinforce_pp family put the KL in the reward, not the loss; no correction when off
-    reward_kl = PolicyLoss.from_wire(algorithm_wire(_spec(advantageEstimator="reinforce_pp", klCoef=0.05,
+    reward_kl = PolicyLoss.from_settings(algorithm_settings(_spec(advantageEstimator="reinforce_pp", klCoef=0.05,
                                                           rolloutCorrection={"enabled": False})))  # fmt: skip
     assert (reward_kl.kl_loss_coef, reward_kl.correction) == (0.0, None)
+
+
+@pytest.mark.parametrize("settings", [AlgorithmSettings, RewardShaping, RolloutCorrection, PolicyLoss])
+def test_the_step_settings_have_no_defaults_of_their_own(settings: type) -> None:
+    """The spec model holds the only defaults: a settings class that restated one could drift from it."""
+    assert [
+        f.name for f in fields(settings) if f.default is not MISSING or f.default_factory is not MISSING
+    ] == []
+
+
+def test_the_step_settings_carry_the_specs_values_and_cross_ray_as_they_are() -> None:
+    spec = _spec(miniBatchesPerEpoch=2, lossAggregation="seq-mean-token-mean", klEstimatorReward="k2")
+    algo = algorithm_settings(spec)
+    assert (algo.mini_batches, algo.loss_aggregation, algo.kl_reward_estimator) == (
+        2,
+        "seq-mean-token-mean",
+        "k2",
+    )
+    assert pickle.loads(pickle.dumps(replace(algo, step=3))) == replace(algo, step=3)

@@ -311,7 +311,10 @@ def _run(rank: int, port: int, lm: str, critic: str, out: str) -> None:
 
         actor.engine.step = recording_step
         old = actor.logprobs(r, 2)
-        loss = PolicyLoss(entropy_coef=0.01, kl_loss_coef=0.05, aggregation="seq-mean-token-mean")
+        loss = PolicyLoss(
+            policy_loss="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.01, kl_loss_coef=0.05,
+            kl_estimator="k3", aggregation="seq-mean-token-mean", norm_constant=1.0, correction=None,
+        )  # fmt: skip
         stats = actor.train(r, old + noise, adv, old - noise, valid, micro_batch=2, epochs=2, loss=loss)
         critic_model = ValueModel(critic, settings)
         values = critic_model.values(r, 2)

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rlhf_api.model_source import local_model_path, parse_source
 from rlhf_api.rules import violated
 from rlhf_api.spec import RLHFJobSpec
 from rlhf_api.validate import has_chat_template, runtime_issues, schema_issues, validate_manifest
 
 from rlhf_trainer.data import DatasetError, EvalPrompts, PromptDataset
 from rlhf_trainer.device import DeviceInfo
+from rlhf_trainer.step_settings import AlgorithmSettings, RewardShaping, RolloutCorrection
 from rlhf_trainer.workers.reward import RewardSetupError, load_reward_function
 
 
@@ -66,6 +68,28 @@ def load_spec_arg(args: argparse.Namespace) -> RLHFJobSpec:
         return parse_spec(json.loads(raw))
     except json.JSONDecodeError as e:
         raise InputError(f"spec JSON is malformed: {e}") from e
+
+
+def localized(spec: RLHFJobSpec) -> RLHFJobSpec:
+    """The spec with each `hf://` and `s3://` model replaced by its path in the model cache, where the
+    fetch step put it (model_source.local_model_path, the fetcher's own rule): what the trainer loads.
+    Paths on a volume pass through; without a model cache there is nothing remote (an admission rule)."""
+    cache = spec.storage.model_cache
+    if cache is None:
+        return spec
+
+    def local(uri: str | None) -> str | None:
+        return None if uri is None else local_model_path(parse_source(uri), cache.mount_path)
+
+    m = spec.model
+    reward = m.reward.model_copy(update={"model": local(m.reward.model)})
+    update = {
+        "actor": local(m.actor),
+        "critic": local(m.critic),
+        "reference": local(m.reference),
+        "reward": reward,
+    }
+    return spec.model_copy(update={"model": m.model_copy(update=update)})
 
 
 def preflight(spec: RLHFJobSpec) -> PromptDataset:
@@ -165,46 +189,46 @@ def model_settings(spec: RLHFJobSpec, pad_id: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def algorithm_wire(spec: RLHFJobSpec) -> dict[str, Any]:
+def algorithm_settings(spec: RLHFJobSpec) -> AlgorithmSettings:
     """The advantage and loss settings the actor and critic ranks read each step (the driver replaces
-    `kl_coef` by the adaptive controller's and adds `score_moments` for running normalisation)."""
+    `kl_coef` by the adaptive controller's and sets `score_moments` and `step`)."""
     a = spec.algorithm
     c, shaping = a.rollout_correction, a.reward_shaping
-    return {
-        "estimator": a.advantage_estimator,
-        "grpo_scale": a.grpo_std_normalization,
-        "kl_coef": a.kl_coef if a.uses_reference else 0.0,
-        "kl_in_loss": a.uses_reference and not a.kl_in_reward,
-        "kl_reward_estimator": a.kl_estimator_reward,
-        "kl_loss_estimator": a.kl_estimator_loss,
-        "gamma": a.gamma,
-        "lam": a.lam,
-        "policy_loss": a.policy_loss,
-        "clip_low": a.clip_range_low if a.clip_range_low is not None else a.clip_range,
-        "clip_high": a.clip_range_high if a.clip_range_high is not None else a.clip_range,
-        "dual_clip": a.dual_clip,
-        "entropy_coef": a.entropy_coef,
-        "value_clip": a.value_clip_range,
-        "epochs": a.epochs,
-        "mini_batches": a.mini_batches_per_epoch,
-        "loss_aggregation": a.loss_aggregation,
-        "norm_constant": float(a.max_response_length),  # seq-mean-token-sum-norm (Dr. GRPO)
-        "train_micro_batch": a.train_micro_batch_size,
-        "skip_old_logprobs": a.old_logprobs_redundant,
+    return AlgorithmSettings(
+        estimator=a.advantage_estimator,
+        grpo_scale=a.grpo_std_normalization,
+        kl_coef=a.kl_coef if a.uses_reference else 0.0,
+        kl_in_loss=a.uses_reference and not a.kl_in_reward,
+        kl_reward_estimator=a.kl_estimator_reward,
+        kl_loss_estimator=a.kl_estimator_loss,
+        gamma=a.gamma,
+        lam=a.lam,
+        policy_loss=a.policy_loss,
+        clip_low=a.clip_range_low if a.clip_range_low is not None else a.clip_range,
+        clip_high=a.clip_range_high if a.clip_range_high is not None else a.clip_range,
+        dual_clip=a.dual_clip,
+        entropy_coef=a.entropy_coef,
+        value_clip=a.value_clip_range,
+        epochs=a.epochs,
+        mini_batches=a.mini_batches_per_epoch,
+        loss_aggregation=a.loss_aggregation,
+        norm_constant=float(a.max_response_length),
+        train_micro_batch=a.train_micro_batch_size,
+        skip_old_logprobs=a.old_logprobs_redundant,
         # pi_prox / pi_behav per token (algorithms.rollout_weights): the kernels' gap, and in async mode the
         # weights one step older too
-        "correction": {"level": c.level, "mode": c.mode, "lower": c.lower_bound, "upper": c.upper_bound}
-        if c.enabled
-        else None,
-        "shaping": {
-            "clip": shaping.clip,
-            "overlong_buffer": shaping.overlong_buffer,
-            "overlong_penalty": shaping.overlong_penalty,
-            "max_response_length": a.max_response_length,
-            "normalize": shaping.normalize,
-            "mask_truncated": shaping.truncated == "Mask",
-        },
-    }
+        correction=RolloutCorrection(c.level, c.mode, c.lower_bound, c.upper_bound) if c.enabled else None,
+        shaping=RewardShaping(
+            clip=shaping.clip,
+            overlong_buffer=shaping.overlong_buffer,
+            overlong_penalty=shaping.overlong_penalty,
+            max_response_length=a.max_response_length,
+            normalize=shaping.normalize,
+            mask_truncated=shaping.truncated == "Mask",
+        ),
+        score_moments=None,
+        step=None,
+    )
 
 
 def sampling(spec: RLHFJobSpec) -> dict[str, Any]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import TextIO
 
+from rlhf_api.constants import ROLE_ENV
+
 # The container's first process holds the stream the runtime collects as the pod's log.
 CONTAINER_STDOUT = "/proc/1/fd/1"
 
@@ -20,7 +22,7 @@ def _open(path: str, roles: tuple[str, ...]) -> TextIO | None:
     global _disabled
     if _disabled:
         return None
-    if os.environ.get("RLHF_ROLE") not in roles or os.getpid() == 1:
+    if os.environ.get(ROLE_ENV) not in roles or os.getpid() == 1:
         _disabled = True
         return None
     try:

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import ray
-from rlhf_api.constants import INPUT_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE
+from rlhf_api.constants import INPUT_ERROR_EXIT_CODE, JOB_NAME_ENV, METRICS_PORT_ENV, PREEMPTED_EXIT_CODE
 from rlhf_api.spec import RLHFJobSpec
 
 from rlhf_trainer import container_log, device, device_plan
 from rlhf_trainer.checkpoint import Checkpointer, resume_point
-from rlhf_trainer.config import InputError, load_spec_arg, preflight
+from rlhf_trainer.config import InputError, load_spec_arg, localized, preflight
 from rlhf_trainer.data import PromptDataset
 from rlhf_trainer.export import EXPORT_INFO, export_on_trainer, upload_on_trainer
 from rlhf_trainer.faults import FaultInjector, fail_at_start
@@ -101,6 +101,7 @@ def run(
 
     With `stop` (installed by the front door), a SIGTERM ends the run at the next step boundary, and the
     summary then holds `preempted` (its `line` is what the front door prints; the exit is 143)."""
+    spec = localized(spec)  # hf:// and s3:// models load from the cache the fetch step filled
     data = data or preflight(spec)
     try:
         info = device.for_job(os.environ)  # the job's pods asked for GPUs; never the head's hardware
@@ -117,7 +118,7 @@ def run(
     port = (
         metrics_port
         if metrics_port is not None
-        else int(os.environ.get("RLHF_METRICS_PORT") or spec.monitoring.metrics_port)
+        else int(os.environ.get(METRICS_PORT_ENV) or spec.monitoring.metrics_port)
     )
     # Before /metrics is served: a restarted attempt reports the step it will resume from, not 0, for
     # the minute its start-up takes (`kubectl get rlhf` never shows 0/N mid-run).
@@ -430,7 +431,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
     if given (installed by the caller, and left installed), else through one installed here and put back
     on return (an in-process caller)."""
     p = argparse.ArgumentParser(prog="python -m rlhf_trainer.driver", description=__doc__)
-    p.add_argument("--job-name", default=os.environ.get("RLHF_JOB_NAME", "local"))
+    p.add_argument("--job-name", default=os.environ.get(JOB_NAME_ENV, "local"))
     p.add_argument("--spec-json")
     p.add_argument("--spec-env")
     p.add_argument("--spec-file")

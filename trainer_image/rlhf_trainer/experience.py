@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from rlhf_trainer import algorithms
+from rlhf_trainer.step_settings import AlgorithmSettings, RewardShaping
 from rlhf_trainer.transfer import split_per_response
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -57,36 +57,29 @@ class BatchStats:
     zero_advantage_groups: float = 0.0  # group estimators: groups whose every valid sample's advantage is 0
 
 
-def shaped_scores(x: ShardInputs, shaping: dict[str, Any] | None) -> torch.Tensor:
+def shaped_scores(x: ShardInputs, shaping: RewardShaping) -> torch.Tensor:
     """rewardShaping before normalisation: the score clipped, then DAPO's overlong penalty added."""
-    scores = x.scores.float()
-    if not shaping:
-        return scores
-    scores = algorithms.clip_scores(scores, shaping.get("clip"))
-    if shaping.get("overlong_buffer"):
+    scores = algorithms.clip_scores(x.scores.float(), shaping.clip)
+    if shaping.overlong_buffer:
         scores = scores + algorithms.overlong_penalty(
-            x.response_lens,
-            int(shaping["max_response_length"]),
-            int(shaping["overlong_buffer"]),
-            float(shaping["overlong_penalty"]),
+            x.response_lens, shaping.max_response_length, shaping.overlong_buffer, shaping.overlong_penalty
         )
     return scores
 
 
 def compute(
-    shards: dict[int, ShardInputs], algo: dict[str, Any], reduce: Reduce = no_reduce
+    shards: dict[int, ShardInputs], algo: AlgorithmSettings, reduce: Reduce = no_reduce
 ) -> tuple[dict[int, ShardAdvantages], BatchStats]:
     """Advantages per shard (every actor rank must call this together when `reduce` communicates)."""
-    est, kl_coef, gamma = algo["estimator"], float(algo["kl_coef"]), float(algo["gamma"])
-    kl_kind = str(algo.get("kl_reward_estimator", "k1"))
-    shaping = algo.get("shaping")
+    est, kl_coef, gamma = algo.estimator, algo.kl_coef, algo.gamma
+    kl_kind = algo.kl_reward_estimator
     stats = BatchStats()
-    scores = {s: shaped_scores(x, shaping) for s, x in shards.items()}
-    if shaping and shaping.get("normalize"):  # running moments over every rank's valid scores
+    scores = {s: shaped_scores(x, algo.shaping) for s, x in shards.items()}
+    if algo.shaping.normalize:  # running moments over every rank's valid scores
         local = torch.zeros(3, dtype=torch.float64)
         for s, x in shards.items():
             local += algorithms.whitening_moments([scores[s][x.valid]])
-        before = algorithms.RunningMoments(**(algo.get("score_moments") or {}))
+        before = algorithms.RunningMoments(**(algo.score_moments or {}))
         stats.score_moments = before.merged(reduce(local))
         scores = {s: algorithms.normalise_scores(v, stats.score_moments) for s, v in scores.items()}
     raw: dict[int, list[torch.Tensor]] = {}
@@ -107,14 +100,10 @@ def compute(
             if x.values is None:
                 raise ValueError("gae needs the critic's values")
             rewards = [algorithms.token_rewards(float(score[i]), kls[i], kl_coef) for i in range(len(kls))]
-            adv = algorithms.gae(
-                rewards, split_per_response(x.values, x.response_lens), gamma, float(algo["lam"])
-            )
+            adv = algorithms.gae(rewards, split_per_response(x.values, x.response_lens), gamma, algo.lam)
             raw[s], returns[s] = adv.advantages, adv.returns
         elif est == "grpo":  # groups are whole within a shard: no batch-wide moments needed
-            raw[s] = algorithms.grpo(
-                score, x.group, lens, x.valid, bool(algo.get("grpo_scale", True))
-            ).advantages
+            raw[s] = algorithms.grpo(score, x.group, lens, x.valid, algo.grpo_scale).advantages
         elif est == "rloo":
             raw[s] = algorithms.rloo(score, x.group, lens, x.valid).advantages
         elif est in ("reinforce_pp", "reinforce_pp_baseline"):

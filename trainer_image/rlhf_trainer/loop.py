@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -23,7 +23,7 @@ from rlhf_api.spec import RLHFJobSpec
 from rlhf_trainer import dynamic_sampling as dynamic
 from rlhf_trainer.algorithms import AdaptiveKL
 from rlhf_trainer.checkpoint import Checkpointer
-from rlhf_trainer.config import algorithm_wire, eval_sampling, sampling
+from rlhf_trainer.config import algorithm_settings, eval_sampling, sampling
 from rlhf_trainer.data import PromptBatch, PromptDataset
 from rlhf_trainer.evaluation import evaluate
 from rlhf_trainer.faults import FaultInjector
@@ -397,11 +397,11 @@ def train_on(
     chunks = balanced(chunks, rollout.metas)  # chunks to ranks by tokens, each rank's sample count kept
     shards = by_shard(chunks, rollout.packed)  # {shard: [packed chunk refs]}; refs only
     rewards = by_shard(chunks, [result for _, result in rollout.reward_calls])
-    micro, algo = spec.algorithm.rollout_micro_batch_size, algorithm_wire(spec)
+    micro = spec.algorithm.rollout_micro_batch_size
     if ctx.objective is None:  # a context built without the driver's restore: a fresh run's state
         ctx.objective = ObjectiveState.restore(spec, None)
     objective = ctx.objective
-    algo["kl_coef"], algo["score_moments"] = objective.kl_coef, objective.score_moments
+    algo = replace(algorithm_settings(spec), kl_coef=objective.kl_coef, score_moments=objective.score_moments)
 
     def forward(phase: str, role: str, method: str) -> PhaseWork:
         return PhaseWork(phase, placed.roles[role], partial(placed.launch_role, role, method, shards, micro))
@@ -411,12 +411,12 @@ def train_on(
         forwards.append(forward("reference", "reference", "ref_logprobs"))
     if placed.critic is not None:
         forwards.append(forward("critic_values", "critic", "critic_values"))
-    if not algo["skip_old_logprobs"]:  # else the training pass's own log-probs (on-policy, ratio 1)
+    if not algo.skip_old_logprobs:  # else the training pass's own log-probs (on-policy, ratio 1)
         forwards.append(forward("old_logprobs", "actor", "old_logprobs"))
     experience = run_phases(timer, forwards)
     ref_out, value_out = experience.get("reference", []), experience.get("critic_values", [])
     with timer.phase("advantages"):
-        if algo["skip_old_logprobs"]:  # the actor ranks may not have pulled their shards yet
+        if algo.skip_old_logprobs:  # the actor ranks may not have pulled their shards yet
             placed.call_role("actor", "load_shards", shards, micro)
         adv = placed.actor.call("advantages", rewards, ref_out, value_out, algo, num_returns=2)
         stats = ray.get([s for s, _ in adv])
@@ -427,7 +427,7 @@ def train_on(
         return partial(group.call, method, *args) if valid else list
 
     trainings = [
-        PhaseWork("actor_train", placed.actor, train(placed.actor, "train_actor", {**algo, "step": step}))
+        PhaseWork("actor_train", placed.actor, train(placed.actor, "train_actor", replace(algo, step=step)))
     ]
     if placed.critic is not None:  # at once with the actor's where another group hosts the critic
         critic_args = ([r for _, r in adv], algo)
@@ -442,7 +442,7 @@ def train_on(
         ctx.actor_version += 1
     kl_tokens = sum(s["kl_tokens"] for s in stats)
     kl = sum(s["kl_sum"] for s in stats) / max(kl_tokens, 1.0)
-    if algo["skip_old_logprobs"] and actor_stats:  # no old log-probs: the training pass measured it
+    if algo.skip_old_logprobs and actor_stats:  # no old log-probs: the training pass measured it
         kl = actor_stats[0]["kl"]
     kl_coef = objective.kl_coef
     advance(objective, spec, stats, kl)

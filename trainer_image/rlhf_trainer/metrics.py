@@ -1,259 +1,106 @@
-"""The trainer's Prometheus metrics (the docs/monitoring.md contract, label `rlhfjob`) and the training-phase timer.
+"""The trainer's Prometheus exporter and the training-phase timer.
 
-Owns the metric names (`TrainerExporter`, served on /metrics) and the `PhaseTimer` that marks a phase of
-a step in progress, times it and exports it. Never uses a label named `job` (Prometheus would rename it
-to exported_job).
+`TrainerExporter` builds every series from the contract table (`rlhf_api.trainer_metrics`, label
+`rlhfjob`) and serves them on /metrics; `PhaseTimer` marks a phase of a step in progress, times it and
+exports it. Names no series of its own: a new series is a row of the table.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.metrics import MetricWrapperBase
 from rlhf_api import read_only_http
+from rlhf_api.trainer_metrics import ENGINE_STATES, JOB_LABEL, PHASES, SERIES, STALE_ACTIONS, Series
 
-PHASES = (
-    "generation",
-    "reward",
-    "reference",
-    "critic_values",
-    "old_logprobs",
-    "advantages",
-    "actor_train",
-    "critic_train",
-    "weight_sync",
-    "checkpoint",
-    "eval",  # the evaluation split (spec.evaluation), after the step's training: never a training sample
-)
-ENGINE_STATES = ("starting", "ready", "failed", "stopping")
-STALE_ACTIONS = ("regenerated", "dropped")
-L = "rlhfjob"
+__all__ = ["ENGINE_STATES", "PHASES", "STALE_ACTIONS", "PhaseTimer", "TrainerExporter"]
+_M = TypeVar("_M", bound=MetricWrapperBase)
+
+
+def _make(series: Series, registry: CollectorRegistry) -> MetricWrapperBase:
+    """One Prometheus metric from its row of the contract table (a counter's `_total` is added back by
+    the client)."""
+    labels = [JOB_LABEL, *series.labels]
+    if series.kind == "histogram":
+        return Histogram(series.name, series.help, labels, buckets=series.buckets, registry=registry)
+    kind = Counter if series.kind == "counter" else Gauge
+    return kind(series.name, series.help, labels, registry=registry)
 
 
 class TrainerExporter:
-    """Every series of the docs/monitoring.md contract, in its own registry (so tests can build several), served on /metrics.
+    """Every series of the contract table (rlhf_api.trainer_metrics), in its own registry (so tests can
+    build several), served on /metrics. `series` holds them by name; the attributes name the ones the
+    trainer sets.
 
-    (The operator's `rlhf_operator.scrape.TrainerMetrics` is the other side: values parsed from a scrape.)
+    (The operator's `rlhf_operator.scrape.ScrapedMetrics` is the other side: values parsed from a scrape.)
     """
 
     def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
         self.job = job
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.step_phase_seconds = Gauge(
-            "rlhf_step_phase_seconds",
-            "Duration of each phase in the last completed step",
-            [L, "phase"],
-            registry=r,
-        )
-        self.phase_duration = Histogram(
-            "rlhf_phase_duration_seconds",
-            "Duration of phases",
-            [L, "phase"],
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
-            registry=r,
-        )
-        self.phase_in_progress = Gauge(
-            "rlhf_phase_in_progress", "1 while the phase runs", [L, "phase"], registry=r
-        )
-        self.phase_started = Gauge(
-            "rlhf_phase_started_timestamp_seconds", "When the phase last started", [L, "phase"], registry=r
-        )
-        self.step_seconds = Gauge(
-            "rlhf_step_seconds",
-            "Wall time of the last completed step (phases that ran at the same time count once)",
-            [L],
-            registry=r,
-        )
-        self.steps_completed = Counter("rlhf_steps_completed", "Completed training steps", [L], registry=r)
-        self.last_step_ts = Gauge(
-            "rlhf_last_step_completed_timestamp_seconds", "When the last step completed", [L], registry=r
-        )
-        self.total_steps = Gauge("rlhf_total_steps", "Steps this run will train", [L], registry=r)
-        self.stall_timeout = Gauge(
-            "rlhf_stall_timeout_seconds", "The job's monitoring.stallTimeoutSeconds", [L], registry=r
-        )
-        self.nccl_transport = Gauge(
-            "rlhf_nccl_transport",
-            "1 per NCCL process and the network NCCL chose for it (IB, Socket, ...; GPU path only)",
-            [L, "process", "network"],
-            registry=r,
-        )
-        self.generated_tokens = Counter("rlhf_generated_tokens", "Generated response tokens", [L], registry=r)
-        self.trained_tokens = Counter(
-            "rlhf_trained_tokens", "Response tokens trained on (x epochs)", [L], registry=r
-        )
-        self.reward_mean = Gauge(
-            "rlhf_reward_mean", "Mean reward of the last step's valid samples", [L], registry=r
-        )
-        self.kl = Gauge("rlhf_kl", "Mean per-token KL(actor || reference) of the last step", [L], registry=r)
-        # Only with a critic (gae): created at the first step that has one, so a critic-free job shows none.
-        self.explained_variance = Gauge(
-            "rlhf_critic_explained_variance",
-            "1 - Var(returns - values) / Var(returns) of the last step's valid tokens (gae's critic)",
-            [L],
-            registry=r,
-        )
-        self.reward_errors = Counter("rlhf_reward_errors", "Samples whose reward failed", [L], registry=r)
-        self.weight_sync_bytes = Counter(
-            "rlhf_weight_sync_bytes", "Bytes sent to rollout engines", [L], registry=r
-        )
-        # weightSync.delta: buckets sent by encoding, and engine copies found unlike the trainer's
-        self.weight_sync_buckets = Counter(
-            "rlhf_weight_sync_buckets",
-            "Buckets of delta weight syncs, by how they were sent (full, gaps, bitmask)",
-            [L, "encoding"],
-            registry=r,
-        )
-        self.weight_sync_digest_mismatches = Counter(
-            "rlhf_weight_sync_digest_mismatches",
-            "Engine workers whose copy of the weights differed from the trainer's at a digest check "
-            "(each repaired by a full sync)",
-            [L],
-            registry=r,
-        )
-        self.rollout_engines = Gauge(
-            "rlhf_rollout_engines", "Rollout engines by state", [L, "state"], registry=r
-        )
-        self.last_checkpoint_step = Gauge(
-            "rlhf_last_checkpoint_step",
-            "Step of the last checkpoint written, or resumed from at start (0: none)",
-            [L],
-            registry=r,
-        )
-        # checkpoint.exportTo: absent until an upload starts (the operator copies them into status.export)
-        self.export_upload_bytes = Gauge(
-            "rlhf_export_upload_bytes",
-            "Bytes of the export's upload to checkpoint.exportTo: state done (uploaded or already there) "
-            "or total",
-            [L, "state"],
-            registry=r,
-        )
-        self.export_upload_done = Gauge(
-            "rlhf_export_upload_done",
-            "1 once the export's upload wrote its marker (the prefix is a complete model), else 0",
-            [L],
-            registry=r,
-        )
-        self.export_upload_failed = Gauge(
-            "rlhf_export_upload_failed",
-            "1 when the export's upload failed for good (after its retries); the local export is kept",
-            [L],
-            registry=r,
-        )
-        # Asynchronous RL (algorithm.async); the idle ratios are exported in both modes.
-        self.sample_staleness = Histogram(
-            "rlhf_sample_staleness",
-            "Optimizer steps between the weights that generated a trained sample and the policy trained on it",
-            [L],
-            buckets=(0, 1, 2, 3, 4, 6, 8),
-            registry=r,
-        )
-        self.trainer_idle_ratio = Gauge(
-            "rlhf_trainer_idle_ratio",
-            "Share of the last step the trainer waited for rollouts (generation and reward phases)",
-            [L],
-            registry=r,
-        )
-        self.rollout_idle_ratio = Gauge(
-            "rlhf_rollout_idle_ratio",
-            "Share of the last step the rollout engines were not generating",
-            [L],
-            registry=r,
-        )
-        self.stale_samples = Counter(
-            "rlhf_stale_samples",
-            "Samples older than algorithm.async.maxStaleness, by what was done with them",
-            [L, "action"],
-            registry=r,
-        )
-        # The objective (spec.algorithm): dynamic sampling, the adaptive KL, the train-inference gap.
-        self.dynamic_sampling_groups = Counter(
-            "rlhf_dynamic_sampling_groups",
-            "Groups of algorithm.dynamicSampling: equal-reward groups dropped, and equal-reward groups trained "
-            "because the extra rounds ran out (short)",
-            [L, "outcome"],
-            registry=r,
-        )
-        self.dynamic_sampling_rounds = Counter(
-            "rlhf_dynamic_sampling_rounds",
-            "Extra generation rounds taken to fill steps with groups whose rewards differ",
-            [L],
-            registry=r,
-        )
-        self.kl_coef = Gauge("rlhf_kl_coef", "The KL coefficient the last step used", [L], registry=r)
-        self.logprob_gap = Gauge(
-            "rlhf_logprob_gap",
-            "Trainer minus engine log-prob of the sampled tokens in the last step (mean signed; p99 and max "
-            "of its magnitude)",
-            [L, "stat"],
-            registry=r,
-        )
-        self.entropy = Gauge(
-            "rlhf_entropy", "Mean token entropy of the policy in the last step", [L], registry=r
-        )
-        # The evaluation split (spec.evaluation): absent until the first evaluation, then its last values.
-        self.eval_reward_mean = Gauge(
-            "rlhf_eval_reward_mean", "Mean reward of the last evaluation's valid samples", [L], registry=r
-        )
-        self.eval_source_reward_mean = Gauge(
-            "rlhf_eval_source_reward_mean",
-            "Mean reward of the last evaluation's valid samples of each data_source (the column of data.eval)",
-            [L, "data_source"],
-            registry=r,
-        )
-        self.eval_step = Gauge("rlhf_eval_step", "Step after which the last evaluation ran", [L], registry=r)
-        self.eval_reward_errors = Counter(
-            "rlhf_eval_reward_errors",
-            "Evaluation samples whose reward failed (not in rlhf_reward_errors_total)",
-            [L],
-            registry=r,
-        )
-        # Create every labelled child now so /metrics shows the full contract from the first scrape.
-        for phase in PHASES:
-            self.step_phase_seconds.labels(job, phase)
-            self.phase_duration.labels(job, phase)
-            self.phase_in_progress.labels(job, phase).set(0)
-            self.phase_started.labels(job, phase)
-        for state in ENGINE_STATES:
-            self.rollout_engines.labels(job, state).set(0)
-        for action in STALE_ACTIONS:
-            self.stale_samples.labels(job, action)
-        for outcome in ("dropped", "short"):
-            self.dynamic_sampling_groups.labels(job, outcome)
-        self.dynamic_sampling_rounds.labels(job)
-        self.kl_coef.labels(job)
-        self.entropy.labels(job)
-        for stat in ("mean", "p99", "max"):
-            self.logprob_gap.labels(job, stat)
-        self.sample_staleness.labels(job)
-        for encoding in ("full", "gaps", "bitmask"):
-            self.weight_sync_buckets.labels(job, encoding)
-        self.weight_sync_digest_mismatches.labels(job)
-        for c in (
-            self.eval_reward_errors,
-            self.steps_completed,
-            self.generated_tokens,
-            self.trained_tokens,
-            self.reward_errors,
-            self.weight_sync_bytes,
-        ):
-            c.labels(job)
-        for g in (
-            self.step_seconds,
-            self.last_step_ts,
-            self.total_steps,
-            self.stall_timeout,
-            self.reward_mean,
-            self.kl,
-            self.last_checkpoint_step,
-            self.trainer_idle_ratio,
-            self.rollout_idle_ratio,
-        ):
-            g.labels(job)
+        self.series = {s.name: _make(s, self.registry) for s in SERIES}
+        # Create every child of an eager series now so /metrics shows the full contract from the first
+        # scrape (a lazy one, such as the critic's or the evaluation's, appears when first set).
+        for s in SERIES:
+            if s.eager:
+                for values in itertools.product(*s.values):
+                    self.series[s.name].labels(job, *values)
+        self.step_phase_seconds = self.gauge("rlhf_step_phase_seconds")
+        self.phase_duration = self.histogram("rlhf_phase_duration_seconds")
+        self.phase_in_progress = self.gauge("rlhf_phase_in_progress")
+        self.phase_started = self.gauge("rlhf_phase_started_timestamp_seconds")
+        self.step_seconds = self.gauge("rlhf_step_seconds")
+        self.steps_completed = self.counter("rlhf_steps_completed_total")
+        self.last_step_ts = self.gauge("rlhf_last_step_completed_timestamp_seconds")
+        self.total_steps = self.gauge("rlhf_total_steps")
+        self.stall_timeout = self.gauge("rlhf_stall_timeout_seconds")
+        self.nccl_transport = self.gauge("rlhf_nccl_transport")
+        self.generated_tokens = self.counter("rlhf_generated_tokens_total")
+        self.trained_tokens = self.counter("rlhf_trained_tokens_total")
+        self.reward_mean = self.gauge("rlhf_reward_mean")
+        self.kl = self.gauge("rlhf_kl")
+        self.explained_variance = self.gauge("rlhf_critic_explained_variance")
+        self.reward_errors = self.counter("rlhf_reward_errors_total")
+        self.weight_sync_bytes = self.counter("rlhf_weight_sync_bytes_total")
+        self.weight_sync_buckets = self.counter("rlhf_weight_sync_buckets_total")
+        self.weight_sync_digest_mismatches = self.counter("rlhf_weight_sync_digest_mismatches_total")
+        self.rollout_engines = self.gauge("rlhf_rollout_engines")
+        self.last_checkpoint_step = self.gauge("rlhf_last_checkpoint_step")
+        self.sample_staleness = self.histogram("rlhf_sample_staleness")
+        self.trainer_idle_ratio = self.gauge("rlhf_trainer_idle_ratio")
+        self.rollout_idle_ratio = self.gauge("rlhf_rollout_idle_ratio")
+        self.stale_samples = self.counter("rlhf_stale_samples_total")
+        self.dynamic_sampling_groups = self.counter("rlhf_dynamic_sampling_groups_total")
+        self.dynamic_sampling_rounds = self.counter("rlhf_dynamic_sampling_rounds_total")
+        self.kl_coef = self.gauge("rlhf_kl_coef")
+        self.logprob_gap = self.gauge("rlhf_logprob_gap")
+        self.entropy = self.gauge("rlhf_entropy")
+        self.eval_reward_mean = self.gauge("rlhf_eval_reward_mean")
+        self.eval_source_reward_mean = self.gauge("rlhf_eval_source_reward_mean")
+        self.eval_step = self.gauge("rlhf_eval_step")
+        self.eval_reward_errors = self.counter("rlhf_eval_reward_errors_total")
+
+    def gauge(self, name: str) -> Gauge:
+        """The gauge of the table's row `name` (a new row needs no attribute: `exporter.gauge(name)`)."""
+        return self._typed(name, Gauge)
+
+    def counter(self, name: str) -> Counter:
+        return self._typed(name, Counter)
+
+    def histogram(self, name: str) -> Histogram:
+        return self._typed(name, Histogram)
+
+    def _typed(self, name: str, kind: type[_M]) -> _M:
+        metric = self.series[name]
+        if not isinstance(metric, kind):
+            raise TypeError(f"{name} is a {type(metric).__name__}, not a {kind.__name__}")
+        return metric
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """/metrics only, read-only (docs/security.md). Every address of the pod by default: Prometheus
@@ -290,10 +137,10 @@ class TrainerExporter:
 
     def export_uploading(self, bytes_done: int, bytes_total: int, done: bool, failed: bool) -> None:
         """The export upload's progress (export_upload.Progress)."""
-        self.export_upload_bytes.labels(self.job, "done").set(bytes_done)
-        self.export_upload_bytes.labels(self.job, "total").set(bytes_total)
-        self.export_upload_done.labels(self.job).set(1 if done else 0)
-        self.export_upload_failed.labels(self.job).set(1 if failed else 0)
+        self.gauge("rlhf_export_upload_bytes").labels(self.job, "done").set(bytes_done)
+        self.gauge("rlhf_export_upload_bytes").labels(self.job, "total").set(bytes_total)
+        self.gauge("rlhf_export_upload_done").labels(self.job).set(1 if done else 0)
+        self.gauge("rlhf_export_upload_failed").labels(self.job).set(1 if failed else 0)
 
     def step_done(self, phase_seconds: dict[str, float], seconds: float) -> None:
         """A step ended: its phases' own wall times (which may overlap) and the step's."""

@@ -143,6 +143,11 @@ mode and by the Role in each watched namespace otherwise. Each rule says why the
 - apiGroups: [""]
   resources: ["pods", "services"]
   verbs: ["get", "list", "watch"]
+# The head's fetch-models init container's log, read while it runs: the bytes of the ModelsReady condition
+# (docs/models.md). Only the last lines of that one container.
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
 # Events on RLHFJobs (scale decisions, stalls, restarts); kopf posts through the core API, newer
 # clients through events.k8s.io.
 - apiGroups: [""]

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_api.constants import JOB_NAME_ENV, NAMESPACE_ENV
+
 REGISTRY_ENV = "RLHF_STACKS_DIR"
 DEFAULT_REGISTRY = "/tmp/rlhf-stacks"
 SIGNAL = signal.SIGUSR2  # Ray's own dashboard agent dumps on it too; nothing else of ours uses it
@@ -55,7 +57,7 @@ class Registration:
 
 def job_key() -> str:
     """`namespace/name` of the RLHFJob this process belongs to (the operator's runtime env), or ''."""
-    name, namespace = os.environ.get("RLHF_JOB_NAME", ""), os.environ.get("RLHF_NAMESPACE", "")
+    name, namespace = os.environ.get(JOB_NAME_ENV, ""), os.environ.get(NAMESPACE_ENV, "")
     return f"{namespace}/{name}" if name and namespace else ""
 
 

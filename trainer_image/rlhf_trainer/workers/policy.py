@@ -15,6 +15,7 @@ import torch
 
 from rlhf_trainer import algorithms
 from rlhf_trainer.sequence_parallel import SequenceParallel
+from rlhf_trainer.step_settings import AlgorithmSettings, RolloutCorrection
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import (
     Bucket,
@@ -40,32 +41,33 @@ from rlhf_trainer.workers.deepspeed_utils import (
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """The policy loss's settings (spec.algorithm, via config.algorithm_wire)."""
+    """The policy loss's settings (spec.algorithm, via config.algorithm_settings; no defaults here: the
+    spec's are the only ones)."""
 
-    policy_loss: str = "ppo"  # or gspo
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
-    kl_loss_coef: float = 0.0  # the KL in the loss (grpo, rloo); 0: none
-    kl_estimator: str = "k3"
-    aggregation: str = "token-mean"
-    norm_constant: float = 1.0  # seq-mean-token-sum-norm's constant
-    correction: dict[str, Any] | None = None  # {level, mode, lower, upper}: algorithms.rollout_weights
+    policy_loss: str  # ppo or gspo
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    entropy_coef: float
+    kl_loss_coef: float  # the KL in the loss (grpo, rloo); 0: none
+    kl_estimator: str
+    aggregation: str
+    norm_constant: float  # seq-mean-token-sum-norm's constant
+    correction: RolloutCorrection | None  # algorithms.rollout_weights
 
     @classmethod
-    def from_wire(cls, algo: dict[str, Any]) -> PolicyLoss:
+    def from_settings(cls, algo: AlgorithmSettings) -> PolicyLoss:
         return cls(
-            policy_loss=str(algo["policy_loss"]),
-            clip_low=float(algo["clip_low"]),
-            clip_high=float(algo["clip_high"]),
-            dual_clip=None if algo["dual_clip"] is None else float(algo["dual_clip"]),
-            entropy_coef=float(algo["entropy_coef"]),
-            kl_loss_coef=float(algo["kl_coef"]) if algo["kl_in_loss"] else 0.0,
-            kl_estimator=str(algo["kl_loss_estimator"]),
-            aggregation=str(algo["loss_aggregation"]),
-            norm_constant=float(algo["norm_constant"]),
-            correction=algo["correction"],
+            policy_loss=algo.policy_loss,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip,
+            entropy_coef=algo.entropy_coef,
+            kl_loss_coef=algo.kl_coef if algo.kl_in_loss else 0.0,
+            kl_estimator=algo.kl_loss_estimator,
+            aggregation=algo.loss_aggregation,
+            norm_constant=algo.norm_constant,
+            correction=algo.correction,
         )
 
 
@@ -96,7 +98,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
         micro_batch: int,
         epochs: int,
         mini_batches: int = 1,
-        loss: PolicyLoss | None = None,
+        loss: PolicyLoss,
     ) -> dict[str, float]:
         """PPO epochs over this rank's samples, `mini_batches` optimizer steps each; packed per-token
         tensors are in rollout order. With packing the micro-batches are packed rows balanced by tokens
@@ -105,7 +107,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
         (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1). With
         `loss.correction` each token's loss is weighted by pi_prox / pi_behav, the behaviour log-probs
         being the engine's (the kernels' gap; in async mode also the older weights)."""
-        cfg = loss or PolicyLoss()
+        cfg = loss
         steps = optim_steps.for_engine(
             self.engine, self.sp, int(self.s["grad_accum"]), rollout, valid,
             mini_batches=mini_batches, micro_batch=micro_batch, mode=cfg.aggregation, by_tokens=self.packing,
@@ -139,8 +141,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
                     if cfg.correction is not None:
                         c = cfg.correction
                         weight, kept = algorithms.rollout_weights(
-                            old, engine_lp, mask, str(c["level"]), str(c["mode"]),
-                            float(c["lower"]), float(c["upper"]),
+                            old, engine_lp, mask, c.level, c.mode, c.lower, c.upper,
                         )  # fmt: skip
                         tok_loss, counted = tok_loss * weight, mask * kept
                         if epoch == 0:

@@ -18,6 +18,7 @@ from rlhf_trainer import device, experience, sequence_parallel
 from rlhf_trainer.fault_env import maybe_hang
 from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.stacks import nccl
+from rlhf_trainer.step_settings import AlgorithmSettings
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import plan_bytes
 from rlhf_trainer.weight_sync.channels import Rendezvous, WeightChannel, open_channel
@@ -180,7 +181,7 @@ class ModelRank:
         reward_refs: dict[int, list[Any]],
         ref_refs: list[Any],
         value_refs: list[Any],
-        algo: dict[str, Any],
+        algo: AlgorithmSettings,
     ) -> tuple[dict[str, float], dict[int, dict[str, torch.Tensor]]]:
         """Scores -> advantages per shard, whitened over every actor rank's shards (a collective: all actor
         ranks call it together); returns (stats, {shard: {returns, valid}} for the critic)."""
@@ -203,7 +204,7 @@ class ModelRank:
         device = self._device("actor")
         out, batch = experience.compute(inputs, algo, lambda t: all_reduce_sum(t, device))
         for_critic: dict[int, dict[str, torch.Tensor]] = {}
-        mask_truncated = bool((algo.get("shaping") or {}).get("mask_truncated"))
+        mask_truncated = algo.shaping.mask_truncated
         masked = 0.0
         for s, adv in out.items():
             trained = inputs[s].valid
@@ -231,8 +232,8 @@ class ModelRank:
         return torch.device(next(self.models[role].engine.parameters()).device)
 
     # ---- training phases ---------------------------------------------------------------------------
-    def train_actor(self, algo: dict[str, Any]) -> dict[str, float]:
-        maybe_hang(algo.get("step"), self.role, self.rank, self.world_size)  # tests only (fault_env)
+    def train_actor(self, algo: AlgorithmSettings) -> dict[str, float]:
+        maybe_hang(algo.step, self.role, self.rank, self.world_size)  # tests only (fault_env)
         order = sorted(self.shards)
         r = self._combined()
         cat = {k: torch.cat([self.local[s][k] for s in order]) for k in ("advantages", "valid")}
@@ -246,15 +247,15 @@ class ModelRank:
             cat["advantages"],
             ref,
             cat["valid"],
-            micro_batch=int(algo["train_micro_batch"]),
-            epochs=int(algo["epochs"]),
-            mini_batches=int(algo.get("mini_batches", 1)),
-            loss=PolicyLoss.from_wire(algo),
+            micro_batch=algo.train_micro_batch,
+            epochs=algo.epochs,
+            mini_batches=algo.mini_batches,
+            loss=PolicyLoss.from_settings(algo),
         )
-        stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"]) if self.reports else 0.0
+        stats["trained_tokens"] = float(r.response_lens.sum()) * algo.epochs if self.reports else 0.0
         return stats
 
-    def train_critic(self, returns_refs: list[Any], algo: dict[str, Any]) -> dict[str, float]:
+    def train_critic(self, returns_refs: list[Any], algo: AlgorithmSettings) -> dict[str, float]:
         import ray
 
         got: dict[int, dict[str, torch.Tensor]] = {}
@@ -270,11 +271,11 @@ class ModelRank:
             old_values,
             returns,
             valid,
-            micro_batch=int(algo["train_micro_batch"]),
-            epochs=int(algo["epochs"]),
-            clip=float(algo["value_clip"]),
-            mini_batches=int(algo.get("mini_batches", 1)),
-            aggregation=str(algo.get("loss_aggregation", "token-mean")),
+            micro_batch=algo.train_micro_batch,
+            epochs=algo.epochs,
+            clip=algo.value_clip,
+            mini_batches=algo.mini_batches,
+            aggregation=algo.loss_aggregation,
         )
         return result
 

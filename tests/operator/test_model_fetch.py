@@ -1,0 +1,97 @@
+"""ModelsReady and the fetch step's failures: the head pod's fetch-models init container read into a
+condition with bytes done and total while it runs, True when it ends, and a permanent failure (a missing
+model or revision, refused credentials: exit 2 with its reason) that fails the job at once with that reason,
+releasing its cluster; a transient failure (exit 1) leaves the pod to retry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from rlhf_operator import model_fetch
+from rlhf_operator.status import decide
+from testkit.status_inputs import SID, cluster, fetch_failed, head_pod, job, obs, remote_job
+
+pytestmark = pytest.mark.unit
+
+RUNNING = {"state": {"running": {"startedAt": "2026-11-23T11:59:00Z"}}}
+PROGRESS = 'Downloading\nRLHF_FETCH {"bytesDone": 1000, "bytesTotal": 0, "model": ""}\nRLHF_FETCH {"bytesDone": 4096, "bytesTotal": 270000000, "model": "model.actor"}\n'
+
+
+def condition(status: dict[str, Any], ctype: str = "ModelsReady") -> dict[str, Any]:
+    return next(c for c in status.get("conditions", []) if c["type"] == ctype)
+
+
+def test_fetching_shows_bytes_done_and_total() -> None:
+    d = decide(
+        remote_job({"phase": "Provisioning"}),
+        obs(raycluster=cluster("unknown"), pods=[head_pod(RUNNING)], fetch_log=PROGRESS),
+        SID,
+    )
+    c = condition(d.status)
+    assert (c["status"], c["reason"]) == ("False", "Fetching")
+    assert c["message"] == "fetching models: 4096 of 270000000 bytes"
+    assert d.status["phase"] == "Provisioning" and not d.actions
+
+
+def test_done_is_true_with_the_bytes_fetched_or_cached() -> None:
+    done = {"state": {"terminated": {"exitCode": 0, "message": '{"bytesFetched": 0, "bytesTotal": 0}'}}}
+    d = decide(
+        remote_job({"phase": "Provisioning"}), obs(raycluster=cluster("unknown"), pods=[head_pod(done)]), SID
+    )
+    assert (condition(d.status)["status"], condition(d.status)["reason"]) == ("True", "ModelsCached")
+    fetched = {"state": {"terminated": {"exitCode": 0, "message": '{"bytesFetched": 9, "bytesTotal": 9}'}}}
+    state = model_fetch.fetch_state([head_pod(fetched)], None)
+    assert model_fetch.models_condition(state or model_fetch.FetchState("waiting"))[:2] == (
+        True,
+        "ModelsFetched",
+    )
+
+
+def test_a_ready_cluster_means_the_models_are_ready() -> None:
+    d = decide(remote_job({"phase": "Provisioning"}), obs(), SID)
+    assert condition(d.status)["status"] == "True"
+
+
+@pytest.mark.parametrize("reason", ["ModelNotFound", "RevisionNotFound", "CredentialsRefused"])
+def test_a_permanent_failure_fails_the_job_at_once_with_its_reason(reason: str) -> None:
+    for status in (fetch_failed(reason), fetch_failed(reason, restarted=True)):
+        d = decide(
+            remote_job({"phase": "Provisioning"}),
+            obs(raycluster=cluster("unknown"), pods=[head_pod(status)]),
+            SID,
+        )
+        assert d.status["phase"] == "Failed"
+        assert condition(d.status, "Failed")["reason"] == reason
+        assert condition(d.status)["reason"] == reason
+        assert f"spec.model.actor: {reason}" in d.status["message"]
+        assert d.action_kinds == ["delete_cluster"]  # the cluster stops; no restart
+        assert (d.status.get("restarts") or 0) == 0
+
+
+def test_a_transient_failure_is_left_to_the_pods_retries() -> None:
+    status = fetch_failed("FetchFailed", exit_code=1, restarted=True)
+    d = decide(
+        remote_job({"phase": "Provisioning"}),
+        obs(raycluster=cluster("unknown"), pods=[head_pod(status)]),
+        SID,
+    )
+    assert d.status["phase"] == "Provisioning"
+    assert (condition(d.status)["status"], condition(d.status)["reason"]) == ("False", "FetchFailed")
+
+
+def test_a_job_of_paths_has_no_models_condition() -> None:
+    d = decide(
+        job({"phase": "Provisioning"}),
+        obs(raycluster=cluster("unknown"), pods=[head_pod(fetch_failed("ModelNotFound"))]),
+        SID,
+    )
+    assert d.status["phase"] == "Provisioning"
+    assert all(c["type"] != "ModelsReady" for c in d.status.get("conditions", []))
+
+
+def test_only_a_running_fetch_has_its_log_read() -> None:
+    assert model_fetch.fetching_pod([head_pod(RUNNING)]) == "tiny-head-x"
+    assert model_fetch.fetching_pod([head_pod(fetch_failed("ModelNotFound"))]) is None
+    assert model_fetch.fetching_pod([head_pod(None)]) is None
+    assert model_fetch.last_progress("no progress yet\n") is None
