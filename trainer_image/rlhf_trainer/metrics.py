@@ -33,6 +33,66 @@ STALE_ACTIONS = ("regenerated", "dropped")
 L = "rlhfjob"
 
 
+class TrackingSeries:
+    """The tracking sinks' series (spec.tracking; docs/tracking.md), all declared here, and the dispatcher's
+    `Observer` (rlhf_trainer.tracking.dispatch): a failed call counts in rlhf_tracking_errors_total and
+    replaces the sink's rlhf_tracking_last_error_info; rlhf_tracking_up says whether its last call worked."""
+
+    def __init__(self, job: str, registry: CollectorRegistry) -> None:
+        self.job = job
+        self.errors = Counter(
+            "rlhf_tracking_errors_total",
+            "Failed calls to a tracking sink (each retry counts)",
+            [L, "sink"],
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "rlhf_tracking_dropped_total",
+            "Tracking events given up on (retries exhausted, queue full, or left at exit)",
+            [L, "sink"],
+            registry=registry,
+        )
+        self.up = Gauge(
+            "rlhf_tracking_up",
+            "1 when the sink's last call succeeded, 0 after a failure",
+            [L, "sink"],
+            registry=registry,
+        )
+        self.run_info = Gauge(
+            "rlhf_tracking_run_info",
+            "The sink's run: its URL or directory (value 1)",
+            [L, "sink", "url"],
+            registry=registry,
+        )
+        self.last_error = Gauge(
+            "rlhf_tracking_last_error_info",
+            "The sink's last error (value: its time); one series per sink",
+            [L, "sink", "error"],
+            registry=registry,
+        )
+        self._errors: dict[str, str] = {}
+
+    def tracking_started(self, sink: str, url: str) -> None:
+        self.run_info.labels(self.job, sink, url).set(1)
+        self.errors.labels(self.job, sink)
+        self.dropped.labels(self.job, sink)
+
+    def tracking_failed(self, sink: str, error: str) -> None:
+        self.errors.labels(self.job, sink).inc()
+        self.up.labels(self.job, sink).set(0)
+        old = self._errors.get(sink)
+        if old is not None and old != error:
+            self.last_error.remove(self.job, sink, old)
+        self._errors[sink] = error
+        self.last_error.labels(self.job, sink, error).set(time.time())
+
+    def tracking_succeeded(self, sink: str) -> None:
+        self.up.labels(self.job, sink).set(1)
+
+    def tracking_dropped(self, sink: str, events: int) -> None:
+        self.dropped.labels(self.job, sink).inc(events)
+
+
 class TrainerExporter:
     """Every series of the docs/monitoring.md contract, in its own registry (so tests can build several), served on /metrics.
 
@@ -192,6 +252,7 @@ class TrainerExporter:
             [L],
             registry=r,
         )
+        self.tracking = TrackingSeries(job, r)
         # Create every labelled child now so /metrics shows the full contract from the first scrape.
         for phase in PHASES:
             self.step_phase_seconds.labels(job, phase)
