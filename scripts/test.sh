@@ -88,6 +88,9 @@ pytest_stage unit tests -m unit || status=1  # the chart's unit tests run the He
 # plane: at the lowest priority it only takes the CPU they leave idle.
 bg_start lint make -s lint
 pytest_stage cluster tests -m cluster || status=1
+# Object stores and tracking against real servers started by the fixtures (moto's S3 server, an MLflow
+# server): s3:// datasets, exports, model fetches and tracking sinks, mostly without pods (docs/development.md).
+pytest_stage io tests -m io || status=1
 bg_join lint || status=1
 # Jobs on platform runtimes (docs/runtimes.md): the pods they get, generations, failures, per-job claims.
 pytest_stage runtime tests -m "runtime and not unit and not realnode" || status=1

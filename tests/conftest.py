@@ -14,6 +14,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from testkit import stages
@@ -30,6 +31,10 @@ from testkit.support import (
 )
 
 import devcluster
+
+if TYPE_CHECKING:
+    from testkit.mlflow_server import MlflowServer
+    from testkit.object_store import ObjectStore
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -99,6 +104,29 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
     )
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+# --------------------------------------------------------------------------------- the io stage's servers
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectStore]:
+    """A real S3 server (moto's server mode) for the session, on every address: pods reach it at
+    `pod_endpoint` through the dev cluster's gateway, tests here at `endpoint` (testkit.object_store)."""
+    from testkit.object_store import running_object_store
+
+    with running_object_store(tmp_path_factory.mktemp("s3"), for_pods=True) as store:
+        yield store
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A real MLflow tracking server (sqlite backend, served artifacts) for the session, reachable from
+    pods at `pod_url` (testkit.mlflow_server)."""
+    from testkit.mlflow_server import running_mlflow_server
+
+    with running_mlflow_server(tmp_path_factory.mktemp("mlflow"), for_pods=True) as server:
+        yield server
 
 
 # ----------------------------------------------------------------------------------------- Ray and operator

@@ -38,3 +38,8 @@ GPU_STANDIN_ENV: Final = "RLHF_GPU_STANDIN"
 # carries the snapshot as JSON (the operator reads it back); each process gets this long to answer.
 STACKS_LOG_MARKER: Final = "RLHF_STACKS "
 STACK_PROCESS_LIMIT_SECONDS: Final = 5
+# The keys of the Secret named by spec.storage.s3.credentialsSecret, each given to every container of the
+# job (and so to its driver and Ray workers) as the environment variable of the same name, which boto3
+# and pyarrow read natively. The first two are required; the others optional (docs/data.md).
+S3_CREDENTIAL_KEYS: Final = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+S3_OPTIONAL_KEYS: Final = ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_SESSION_TOKEN")

@@ -1227,6 +1227,34 @@ class RuntimeRef(_Spec):
     name: str = Field(min_length=1, max_length=253, description="Name of the runtime.")
 
 
+# A Kubernetes object name (RFC 1123 subdomain), as a Secret's.
+OBJECT_NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class S3StorageSpec(_Spec):
+    """Credentials of the S3-compatible object store that `s3://` sources and exports use."""
+
+    credentials_secret: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=OBJECT_NAME_PATTERN,
+        description="Name of a Secret in the job's namespace with the keys AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY, and optionally AWS_ENDPOINT_URL (an S3-compatible store other than AWS), "
+        "AWS_REGION and AWS_SESSION_TOKEN. Every pod of the job (and so the driver) gets them as environment "
+        "variables from the Secret; they are never copied into the spec, the RayCluster or the Ray job.",
+    )
+
+
+class StorageSpec(_Spec):
+    """Where the job's object-store and hub credentials come from (never from the spec itself)."""
+
+    s3: S3StorageSpec | None = Field(
+        default=None,
+        description="The S3-compatible object store: needed by every `s3://` URL in the spec "
+        "(data.prompts, data.eval.prompts, checkpoint.exportTo).",
+    )
+
+
 class RLHFJobSpec(_Spec):
     """Desired state of an RLHF training run."""
 
@@ -1272,6 +1300,10 @@ class RLHFJobSpec(_Spec):
         default_factory=RunPolicySpec, description="Suspend, restarts and deadlines."
     )
     pods: PodsSpec = Field(default_factory=PodsSpec, description="Pod template overrides.")
+    storage: StorageSpec = Field(
+        default_factory=StorageSpec,
+        description="Credentials for object stores, given to the job's pods from Secrets (docs/data.md).",
+    )
     security: SecuritySpec = Field(
         default_factory=SecuritySpec,
         description="Ray token authentication and the job's NetworkPolicy (both on by default).",

@@ -19,6 +19,8 @@ from rlhf_api.constants import (
     GPU_STANDIN_ENV,
     POD_SLOTS_ENV,
     ROLLOUT_RESOURCE,
+    S3_CREDENTIAL_KEYS,
+    S3_OPTIONAL_KEYS,
     SHUTDOWN_MARGIN_SECONDS,
     STOP_BUDGET_ENV,
     TRAINER_RESOURCE,
@@ -166,6 +168,7 @@ def _container(
         {"name": "RLHF_ROLE", "value": role},
         {"name": STOP_BUDGET_ENV, "value": str(stop_budget_seconds(job))},
         *security.auth_env(job),
+        *storage_env(job),
         *(tracking.head_env(job.spec) if role == "head" else []),
         *(pods.env or []),
     ]
@@ -194,6 +197,23 @@ def _container(
         drain = ["python", "-m", "rlhf_trainer.drain", "--deadline-seconds", grace]
         container["lifecycle"] = {"preStop": {"exec": {"command": drain}}}
     return container
+
+
+def storage_env(job: RLHFJob) -> list[dict[str, Any]]:
+    """The object store's credentials as env entries read from spec.storage.s3's Secret by the kubelet:
+    the names boto3 and pyarrow read, the values never in any manifest. Every container of the job gets
+    them, and Ray's workers and the driver inherit them from the raylet their container started."""
+    s3 = job.spec.storage.s3
+    if s3 is None:
+        return []
+    keys = [(key, False) for key in S3_CREDENTIAL_KEYS] + [(key, True) for key in S3_OPTIONAL_KEYS]
+    return [
+        {
+            "name": key,
+            "valueFrom": {"secretKeyRef": {"name": s3.credentials_secret, "key": key, "optional": optional}},
+        }
+        for key, optional in keys
+    ]
 
 
 def _placement(job: RLHFJob, role: PodRole, pods: PodSettings) -> dict[str, Any]:

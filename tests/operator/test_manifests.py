@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -365,3 +366,33 @@ def test_resources_per_gpu_scale_with_each_pods_gpus_under_the_pods_own_resource
     assert rollout["requests"]["cpu"] == 4 and rollout["requests"]["memory"] == "120Gi", rollout
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].get("resources", {})
     assert "cpu" not in head.get("requests", {}) and "memory" not in head.get("limits", {}), head
+
+
+def test_every_container_reads_the_object_store_credentials_from_the_secret_never_in_clear() -> None:
+    """spec.storage.s3.credentialsSecret: each pod (the head too, where the driver runs) gets the AWS
+    variables by secretKeyRef, the two keys required and the rest optional; the Ray job's env and the
+    RayCluster hold no value of them; without spec.storage.s3 no pod gets them."""
+    job = load("rlhfjob-tiny.yaml", **{"spec.storage.s3.credentialsSecret": "store-keys"})
+    rc = manifests.build_raycluster(job)
+    templates = [rc["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in rc["spec"]["workerGroupSpecs"]
+    ]
+    assert len(templates) == 3
+    for template in templates:
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        refs = {k: env[k]["valueFrom"]["secretKeyRef"] for k in env if k.startswith("AWS_")}
+        assert refs == {
+            "AWS_ACCESS_KEY_ID": {"name": "store-keys", "key": "AWS_ACCESS_KEY_ID", "optional": False},
+            "AWS_SECRET_ACCESS_KEY": {
+                "name": "store-keys",
+                "key": "AWS_SECRET_ACCESS_KEY",
+                "optional": False,
+            },
+            "AWS_ENDPOINT_URL": {"name": "store-keys", "key": "AWS_ENDPOINT_URL", "optional": True},
+            "AWS_REGION": {"name": "store-keys", "key": "AWS_REGION", "optional": True},
+            "AWS_SESSION_TOKEN": {"name": "store-keys", "key": "AWS_SESSION_TOKEN", "optional": True},
+        }
+        assert all("value" not in env[k] for k in refs)
+    assert not any(k.startswith("AWS_") for k in manifests.trainer_runtime_env(job)["env_vars"])
+    plain = manifests.build_raycluster(load("rlhfjob-tiny.yaml"))
+    assert "AWS_ACCESS_KEY_ID" not in json.dumps(plain)
