@@ -1445,7 +1445,8 @@ class TrackingStatus(_Status):
         default=None, description="The MLflow run's URL: <trackingUri>/#/experiments/<id>/runs/<run id>."
     )
     wandb: str | None = Field(
-        default=None, description="The W&B run's URL (online), or its run directory in the head pod (offline)."
+        default=None,
+        description="The W&B run's URL (online), or its run directory in the head pod (offline).",
     )
     tensorboard: str | None = Field(default=None, description="The TensorBoard log directory of the run.")
     link: str | None = Field(
