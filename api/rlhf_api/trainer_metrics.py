@@ -91,6 +91,11 @@ SERIES: Final[tuple[Series, ...]] = (
     Series("rlhf_eval_source_reward_mean", "gauge", ("data_source",), "Mean reward of the last evaluation's valid samples of each data_source (the column of data.eval)", eager=False),
     Series("rlhf_eval_step", "gauge", (), "Step after which the last evaluation ran", eager=False, field="eval_step"),
     Series("rlhf_eval_reward_errors_total", "counter", (), "Evaluation samples whose reward failed (not in rlhf_reward_errors_total)"),
+    Series("rlhf_tracking_errors_total", "counter", ("sink",), "Failed calls to a tracking sink (each retry counts)", eager=False),
+    Series("rlhf_tracking_dropped_total", "counter", ("sink",), "Tracking events given up on (retries exhausted, queue full, or left at exit)", eager=False),
+    Series("rlhf_tracking_up", "gauge", ("sink",), "1 when the sink's last call succeeded, 0 after a failure", eager=False),
+    Series("rlhf_tracking_run_info", "gauge", ("sink", "url"), "The sink's run: its URL or directory (value 1)", eager=False),
+    Series("rlhf_tracking_last_error_info", "gauge", ("sink", "error"), "The sink's last error (value: its time); one series per sink", eager=False),
     Series("rlhf_nccl_transport", "gauge", ("process", "network"), "1 per NCCL process and the network NCCL chose for it (IB, Socket, ...; GPU path only)", eager=False),
 )
 # fmt: on
