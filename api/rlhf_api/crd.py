@@ -297,6 +297,13 @@ def _printer_columns() -> list[dict[str, Any]]:
             "priority": 1,
         },
         {
+            "name": "Tracking",
+            "type": "string",
+            "jsonPath": ".status.tracking.link",
+            "description": "The run in the first tracking sink (spec.tracking): MLflow or W&B URL, or log directory.",
+            "priority": 1,
+        },
+        {
             "name": "Staleness",
             "type": "number",
             "jsonPath": ".status.sampleStaleness",

@@ -563,6 +563,31 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: s.checkpoint.export_to is None or s.checkpoint.export_dir() is not None,
     ),
     Rule(
+        name="tracking-needs-a-sink",
+        scope="tracking",
+        cel="has(self.mlflow) || has(self.wandb) || has(self.tensorboard)",
+        field="tracking",
+        message="tracking needs a sink: set tracking.mlflow, tracking.wandb or tracking.tensorboard, or "
+        "remove spec.tracking",
+        reason="FieldValueRequired",
+        check=lambda s: s.tracking is None or bool(s.tracking.sinks()),
+    ),
+    Rule(
+        name="wandb-online-needs-api-key",
+        scope="tracking.wandb",
+        cel="self.mode == 'offline' || has(self.apiKeySecret)",
+        field="tracking.wandb.apiKeySecret",
+        message="tracking.wandb in mode online needs apiKeySecret (a Secret with WANDB_API_KEY); or set "
+        "mode: offline",
+        reason="FieldValueRequired",
+        check=lambda s: (
+            s.tracking is None
+            or s.tracking.wandb is None
+            or s.tracking.wandb.mode == "offline"
+            or s.tracking.wandb.api_key_secret is not None
+        ),
+    ),
+    Rule(
         name="stall-timeout-spans-scrapes",
         scope="monitoring",
         cel="self.stallTimeoutSeconds >= 2 * self.scrapeIntervalSeconds",

@@ -917,6 +917,88 @@ class MonitoringSpec(_Spec):
     )
 
 
+# Secret names as the API server spells them (a DNS subdomain); the operator injects the Secret's keys
+# as env of the head pod, where the driver runs; never their values in the spec or the RayCluster.
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+
+
+class MlflowTrackingSpec(_Spec):
+    """An MLflow tracking server the driver logs the run to (docs/tracking.md)."""
+
+    tracking_uri: str = Field(
+        min_length=1,
+        pattern=r"^https?://\S+$",
+        description="The MLflow tracking server's URL (http or https), reachable from the head pod.",
+    )
+    experiment: str = Field(
+        min_length=1, description="The experiment's name; created on first use when it does not exist."
+    )
+    run_name: str | None = Field(
+        default=None, min_length=1, description="The run's name; unset: the RLHFJob's name."
+    )
+    credentials_secret: str | None = Field(
+        default=None,
+        pattern=SECRET_NAME_PATTERN,
+        description="A Secret in the job's namespace with MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN (each key optional); given to the head pod as "
+        "env from the Secret, never copied.",
+    )
+
+
+class WandbTrackingSpec(_Spec):
+    """A Weights & Biases run the driver logs to (docs/tracking.md)."""
+
+    project: str = Field(min_length=1, description="The W&B project.")
+    entity: str | None = Field(default=None, min_length=1, description="The W&B entity (user or team).")
+    mode: Literal["online", "offline"] = Field(
+        default="online",
+        description="`online` logs to the W&B service (needs apiKeySecret); `offline` writes the run "
+        "directory under WANDB_DIR (default: the driver's working directory) for a later `wandb sync`.",
+    )
+    api_key_secret: str | None = Field(
+        default=None,
+        pattern=SECRET_NAME_PATTERN,
+        description="A Secret in the job's namespace with the key WANDB_API_KEY (and optionally "
+        "WANDB_BASE_URL for a self-hosted server); given to the head pod as env from the Secret.",
+    )
+
+
+class TensorBoardTrackingSpec(_Spec):
+    """TensorBoard event files the driver writes (docs/tracking.md)."""
+
+    log_dir: str = Field(
+        min_length=2,
+        pattern=r"^/\S*$",
+        description="An absolute directory on a volume mounted in the head pod (spec.pods.volumeMounts); "
+        "the run writes under <logDir>/<job name>.",
+    )
+
+
+class TrackingSpec(_Spec):
+    """Experiment tracking: any subset of MLflow, W&B and TensorBoard, fed from the step report that feeds
+    Prometheus. A sink that is down never stops training: its calls are queued, retried and counted
+    (rlhf_tracking_errors_total) and the TrackingHealthy condition names it."""
+
+    mlflow: MlflowTrackingSpec | None = Field(default=None, description="Log the run to MLflow.")
+    wandb: WandbTrackingSpec | None = Field(default=None, description="Log the run to Weights & Biases.")
+    tensorboard: TensorBoardTrackingSpec | None = Field(
+        default=None, description="Write TensorBoard event files."
+    )
+    samples_every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Every this many steps, log a table of sample completions (prompt, completion, reward) "
+        "from the step's rollout. Unset: no samples.",
+    )
+    samples_per_table: int = Field(
+        default=8, ge=1, le=256, description="Rows of each samples table (the first samples of the step)."
+    )
+
+    def sinks(self) -> list[str]:
+        """The configured sinks' names, in a fixed order."""
+        return [n for n in ("mlflow", "wandb", "tensorboard") if getattr(self, n) is not None]
+
+
 class RunPolicySpec(_Spec):
     """Lifecycle of the job."""
 
@@ -1276,6 +1358,10 @@ class RLHFJobSpec(_Spec):
     monitoring: MonitoringSpec = Field(
         default_factory=MonitoringSpec, description="Metrics and stall detection."
     )
+    tracking: TrackingSpec | None = Field(
+        default=None,
+        description="Experiment tracking (MLflow, W&B, TensorBoard); unset: Prometheus and the head's log only.",
+    )
     run_policy: RunPolicySpec = Field(
         default_factory=RunPolicySpec, description="Suspend, restarts and deadlines."
     )
@@ -1444,6 +1530,23 @@ class ExportStatus(_Status):
     )
 
 
+class TrackingStatus(_Status):
+    """Where each tracking sink keeps this run (reported by the trainer once the sink has started it)."""
+
+    mlflow: str | None = Field(
+        default=None, description="The MLflow run's URL: <trackingUri>/#/experiments/<id>/runs/<run id>."
+    )
+    wandb: str | None = Field(
+        default=None,
+        description="The W&B run's URL (online), or its run directory in the head pod (offline).",
+    )
+    tensorboard: str | None = Field(default=None, description="The TensorBoard log directory of the run.")
+    link: str | None = Field(
+        default=None,
+        description="The first of mlflow, wandb and tensorboard that is set (the Tracking column of -o wide).",
+    )
+
+
 class RLHFJobStatus(_Status):
     """Observed state, written by the operator."""
 
@@ -1503,6 +1606,9 @@ class RLHFJobStatus(_Status):
     eval_step: int | None = Field(default=None, ge=0, description="Step after which the last evaluation ran.")
     export: ExportStatus | None = Field(
         default=None, description="The export's upload to checkpoint.exportTo (unset before one starts)."
+    )
+    tracking: TrackingStatus | None = Field(
+        default=None, description="The run in each tracking sink (spec.tracking); unset before it starts."
     )
     kl: float | None = Field(default=None, description="KL divergence to the reference model, last step.")
     trainer_idle_ratio: float | None = Field(

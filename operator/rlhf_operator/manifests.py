@@ -35,7 +35,7 @@ from rlhf_api.pod_settings import PodRole
 from rlhf_api.pod_shape import trainer_pods
 from rlhf_api.spec import GROUP, PodSettings, RLHFJob, RLHFJobSpec, scaled_quantity
 
-from rlhf_operator import kueue, security
+from rlhf_operator import kueue, security, tracking
 from rlhf_operator.scaling import clamp_request
 
 JOB_LABEL = f"{GROUP}/job"
@@ -182,6 +182,7 @@ def _container(
         {"name": STOP_BUDGET_ENV, "value": str(stop_budget_seconds(job))},
         *security.auth_env(job),
         *storage_env(job),
+        *(tracking.head_env(job.spec) if role == "head" else []),
         *(pods.env or []),
     ]
     container: dict[str, Any] = {

@@ -13,6 +13,8 @@ from rlhf_api.spec import Condition, ExportStatus, RLHFJobSpec, RLHFJobStatus, R
 
 from rlhf_operator.fabric import asks_rdma, fabric_condition
 from rlhf_operator.scrape import ScrapedMetrics
+from rlhf_operator.tracking import CONDITION as TRACKING_CONDITION
+from rlhf_operator.tracking import health, tracking_status
 
 
 def conditions_wire(conditions: list[Condition] | None) -> list[dict[str, Any]]:
@@ -65,12 +67,16 @@ def apply_metrics(
     if metrics.nccl_networks and asks_rdma(spec):  # else fabric_condition changes nothing
         wire, degraded = fabric_condition(conditions_wire(conds), True, metrics.nccl_networks, now)
         conds = conditions_typed(wire)
+    if (healthy := health(metrics)) is not None:
+        conds = upsert_condition(conds, TRACKING_CONDITION, *healthy, now)
     changes = {
         **_step_fields(st, spec, metrics),
         **_gauges(metrics),
         **_export(spec, metrics),
         "conditions": conds,
     }
+    if (tracking := tracking_status(metrics)) is not None:
+        changes["tracking"] = tracking
     if metrics.engines:
         rollout = st.rollout or RolloutStatus()
         changes["rollout"] = rollout.model_copy(

@@ -64,6 +64,13 @@ class ScrapedMetrics:
     export_done: float | None = None
     export_failed: float | None = None
     unknown_series: set[str] = field(default_factory=set)  # samples the contract table has no row for
+    # spec.tracking, per sink: its run (URL or directory), failed calls, dropped events, whether its last
+    # call worked (1/0) and its last error
+    tracking_runs: dict[str, str] = field(default_factory=dict)
+    tracking_errors: dict[str, float] = field(default_factory=dict)
+    tracking_dropped: dict[str, float] = field(default_factory=dict)
+    tracking_up: dict[str, float] = field(default_factory=dict)
+    tracking_last_error: dict[str, str] = field(default_factory=dict)
 
     @property
     def sample_staleness(self) -> float | None:
@@ -156,6 +163,34 @@ def _take(
         setattr(out, f"export_bytes_{labels['state']}", int(value))
     elif name == "rlhf_rollout_engines" and "state" in labels:
         out.engines[labels["state"]] = int(value)
+    elif name in _TRACKING_SERIES and "sink" in labels:
+        _take_tracking(out, name, value, labels)
+
+
+# spec.tracking's series, per sink (docs/tracking.md)
+_TRACKING_SERIES = frozenset(
+    {
+        "rlhf_tracking_run_info",
+        "rlhf_tracking_errors_total",
+        "rlhf_tracking_dropped_total",
+        "rlhf_tracking_up",
+        "rlhf_tracking_last_error_info",
+    }
+)
+
+
+def _take_tracking(out: ScrapedMetrics, name: str, value: float, labels: dict[str, str]) -> None:
+    sink = labels["sink"]
+    if name == "rlhf_tracking_run_info" and "url" in labels:
+        out.tracking_runs[sink] = labels["url"]
+    elif name == "rlhf_tracking_errors_total":
+        out.tracking_errors[sink] = value
+    elif name == "rlhf_tracking_dropped_total":
+        out.tracking_dropped[sink] = value
+    elif name == "rlhf_tracking_up":
+        out.tracking_up[sink] = value
+    elif name == "rlhf_tracking_last_error_info" and "error" in labels:
+        out.tracking_last_error[sink] = labels["error"]
 
 
 def fetch_metrics(url: str, rlhfjob: str | None = None, timeout: float = 5.0) -> ScrapedMetrics:

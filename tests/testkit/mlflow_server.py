@@ -51,10 +51,11 @@ def _wait_up(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float)
 
 @contextmanager
 def running_mlflow_server(
-    workdir: Path, *, for_pods: bool = False, timeout: float = 120
+    workdir: Path, *, for_pods: bool = False, timeout: float = 120, port: int | None = None
 ) -> Iterator[MlflowServer]:
-    """`mlflow server` (one worker) on a free port: on loopback, or on every address (`for_pods`) so that
-    pods reach it through the dev cluster's gateway. Its runs and artifacts live under `workdir`."""
+    """`mlflow server` (one worker) on a free port (or `port`: a server restarted where its clients
+    expect it): on loopback, or on every address (`for_pods`) so that pods reach it through the dev
+    cluster's gateway. Its runs and artifacts live under `workdir` (a restart keeps them)."""
     binary = VENV_BIN / "mlflow"
     if not binary.exists():
         raise AssertionError(
@@ -62,7 +63,7 @@ def running_mlflow_server(
         )
     state = workdir / "mlflow"
     state.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     host = "0.0.0.0" if for_pods else "127.0.0.1"
     allowed = f"127.0.0.1:{port},localhost:{port}" + (f",{POD_GATEWAY}:{port}" if for_pods else "")
     command = [

@@ -46,6 +46,7 @@ from rlhf_trainer.stop import (
     saved_line,
     stop_budget,
 )
+from rlhf_trainer.tracking.tracker import Tracker
 from rlhf_trainer.weight_sync.manager import WeightSyncManager, choose_backend
 
 # ---------------------------------------------------------------------------------------------- ray
@@ -150,6 +151,9 @@ def run(
         stop.install()  # ray.init replaced it with Ray's own (which exits at once)
     stacks_dump.arm("driver", "driver")
     watch: PhaseWatchdog | None = None
+    tracker = Tracker.start(spec, job, metrics.tracking)  # its threads only; a sink connects in its own
+    if tracker is not None:
+        log(f"tracking to {', '.join(spec.tracking.sinks()) if spec.tracking else ''}")
     placed: Placed | None = None
     sync: WeightSyncManager | None = None
     ctx: StepContext | None = None
@@ -167,7 +171,9 @@ def run(
         sync.while_sending = faults.weights_sending if faults else None
         sync.drop_delta = faults.delta_dropped if faults else None
         watch = hang_watch(spec, log).start()
-        ctx = StepContext(spec, job, data, placed, sync, checkpointer, metrics, faults, watch)
+        ctx = StepContext(
+            spec, job, data, placed, sync, checkpointer, metrics, faults, watch, tracker=tracker
+        )
         ctx.objective = ObjectiveState.restore(spec, checkpointer.algorithm_state)
         last = (
             spec.algorithm.total_steps
@@ -218,6 +224,8 @@ def run(
             placed.shutdown()
         if started:
             ray.shutdown()
+        if tracker is not None:
+            tracker.close()  # what is queued, within tracker.CLOSE_SECONDS
 
 
 def stop_at_boundary(

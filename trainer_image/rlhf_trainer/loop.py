@@ -35,6 +35,8 @@ from rlhf_trainer.placement import Placed, shards_of
 from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
 from rlhf_trainer.rollout.pool import EngineSlot
 from rlhf_trainer.stacks.watchdog import PhaseWatchdog
+from rlhf_trainer.tracking.dispatch import SampleRow
+from rlhf_trainer.tracking.tracker import Tracker
 from rlhf_trainer.transfer import ChunkMeta, balance_shards, plan_chunks
 from rlhf_trainer.weight_sync.manager import WeightSyncManager
 
@@ -119,6 +121,7 @@ class StepContext:
     ahead: Pending | None = None  # async: the next step's batch, generating while this one trains
     generating: list[tuple[float, float]] = field(default_factory=list)  # when the engines were busy
     objective: ObjectiveState | None = None  # set by the driver after resuming (ObjectiveState.restore)
+    tracker: Tracker | None = None  # spec.tracking's sinks (set by the driver); fed in `track`
 
 
 @dataclass
@@ -174,6 +177,7 @@ def run_step(ctx: StepContext, step: int) -> StepReport:
         report.step_seconds = time.monotonic() - started
     ctx.metrics.sample_staleness.labels(ctx.job).observe(stale)  # per batch: its samples share a version
     record(ctx, report)
+    track(ctx, report, gen)
     return report
 
 
@@ -611,3 +615,38 @@ def record(ctx: StepContext, report: StepReport) -> None:
     m.trainer_idle_ratio.labels(ctx.job).set(report.trainer_idle_ratio)
     m.rollout_idle_ratio.labels(ctx.job).set(report.rollout_idle_ratio)
     m.step_done(report.phase_seconds, report.step_seconds)
+
+
+def track(ctx: StepContext, report: StepReport, gen: Generated) -> None:
+    """The step report to the tracking sinks (spec.tracking), beside `record`'s Prometheus series; a
+    samples table when due. Only queues: a sink that is down never holds up the step."""
+    if ctx.tracker is None:
+        return
+    rows = None
+    if ctx.tracker.samples_due(report.step):
+        try:
+            rows = sample_rows(gen.rollout, ctx.tracker.samples_per_table)
+        except Exception as e:  # the table is a view of the step, never a reason to fail it
+            print(f"tracking: no samples table for step {report.step}: {type(e).__name__}: {e}", flush=True)
+    ctx.tracker.step(report.step, asdict(report), rows)
+
+
+def sample_rows(rollout: Rollout, limit: int) -> list[SampleRow]:
+    """The first `limit` samples of the step (prompt, completion, reward; None where the reward failed),
+    read chunk by chunk from the object store: every samplesEverySteps steps, a chunk or two reach the driver."""
+    rows: list[SampleRow] = []
+    for packed_ref, (_, result_ref) in zip(rollout.packed, rollout.reward_calls, strict=True):
+        packed, result = ray.get([packed_ref, result_ref])
+        for i in range(min(packed.num_samples, limit - len(rows))):
+            reward = float(result.scores[i]) if bool(result.valid[i]) else None
+            rows.append(SampleRow(prompt_text(packed.prompts[i]), packed.responses[i], reward))
+        if len(rows) >= limit:
+            break
+    return rows
+
+
+def prompt_text(prompt: Any) -> str:
+    """A prompt as text: a string as is, chat messages as `role: content` lines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in prompt)

@@ -33,6 +33,42 @@ def _make(series: Series, registry: CollectorRegistry) -> MetricWrapperBase:
     return kind(series.name, series.help, labels, registry=registry)
 
 
+class TrackingSeries:
+    """The tracking sinks' series (spec.tracking; docs/tracking.md; rows of the contract table) and the
+    dispatcher's `Observer` (rlhf_trainer.tracking.dispatch): a failed call counts in
+    rlhf_tracking_errors_total and replaces the sink's rlhf_tracking_last_error_info; rlhf_tracking_up
+    says whether its last call worked."""
+
+    def __init__(self, exporter: TrainerExporter) -> None:
+        self.job = exporter.job
+        self.errors = exporter.counter("rlhf_tracking_errors_total")
+        self.dropped = exporter.counter("rlhf_tracking_dropped_total")
+        self.up = exporter.gauge("rlhf_tracking_up")
+        self.run_info = exporter.gauge("rlhf_tracking_run_info")
+        self.last_error = exporter.gauge("rlhf_tracking_last_error_info")
+        self._errors: dict[str, str] = {}
+
+    def tracking_started(self, sink: str, url: str) -> None:
+        self.run_info.labels(self.job, sink, url).set(1)
+        self.errors.labels(self.job, sink)
+        self.dropped.labels(self.job, sink)
+
+    def tracking_failed(self, sink: str, error: str) -> None:
+        self.errors.labels(self.job, sink).inc()
+        self.up.labels(self.job, sink).set(0)
+        old = self._errors.get(sink)
+        if old is not None and old != error:
+            self.last_error.remove(self.job, sink, old)
+        self._errors[sink] = error
+        self.last_error.labels(self.job, sink, error).set(time.time())
+
+    def tracking_succeeded(self, sink: str) -> None:
+        self.up.labels(self.job, sink).set(1)
+
+    def tracking_dropped(self, sink: str, events: int) -> None:
+        self.dropped.labels(self.job, sink).inc(events)
+
+
 class TrainerExporter:
     """Every series of the contract table (rlhf_api.trainer_metrics), in its own registry (so tests can
     build several), served on /metrics. `series` holds them by name; the attributes name the ones the
@@ -85,6 +121,7 @@ class TrainerExporter:
         self.eval_source_reward_mean = self.gauge("rlhf_eval_source_reward_mean")
         self.eval_step = self.gauge("rlhf_eval_step")
         self.eval_reward_errors = self.counter("rlhf_eval_reward_errors_total")
+        self.tracking = TrackingSeries(self)
 
     def gauge(self, name: str) -> Gauge:
         """The gauge of the table's row `name` (a new row needs no attribute: `exporter.gauge(name)`)."""

@@ -378,12 +378,15 @@ def test_async_grpo_trains_on_batches_generated_during_the_last_step(
     with the weights one optimizer step older (staleness 1), and the decoupled-PPO correction weighs it;
     the checkpoint records the data position of the trained batches, not of the one drawn ahead."""
     port, ckpt = free_port(), tmp_path / "ckpt"
+    tb = tmp_path / "tb"  # spec.tracking from the step loop (the async path): scalars and samples tables
     sets = [*tiny_sets(tiny, ckpt), *GRPO, "algorithm.async.enabled=true", "algorithm.totalSteps=4",
-            "checkpoint.intervalSteps=2"]  # fmt: skip
+            "checkpoint.intervalSteps=2", f"tracking.tensorboard.logDir={tb}",
+            "tracking.samplesEverySteps=2", "tracking.samplesPerTable=3"]  # fmt: skip
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.summary is not None
     steps = run.summary["steps"]
+    assert_tracked(tb / run.summary["job"], steps)
     assert [x["staleness"] for x in steps] == [0, 1, 1, 1]  # the first batch had nothing to overlap
     assert all(x["stale_samples"] == 0 for x in steps)
     for x in steps[1:]:
@@ -405,6 +408,23 @@ def test_async_grpo_trains_on_batches_generated_during_the_last_step(
     last = run.scrapes[-1]
     assert _value(last, "rlhf_sample_staleness_count") >= 3, last
     assert _value(last, "rlhf_trainer_idle_ratio") < 1.0
+
+
+def assert_tracked(log_dir: Path, steps: list[dict[str, Any]]) -> None:
+    """The TensorBoard sink got every step's report (reward, phase timings) at its step, and a samples
+    table of real completions every samplesEverySteps steps, read back with TensorBoard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("reward_mean")] == [
+        (x["step"], round(x["reward_mean"], 4)) for x in steps
+    ]
+    assert [e.step for e in events.Scalars("phase_seconds/generation")] == [1, 2, 3, 4]
+    tables = events.Tensors("samples/text_summary")
+    assert [e.step for e in tables] == [2, 4]
+    rows = tables[0].tensor_proto.string_val[0].decode().splitlines()[2:]
+    assert len(rows) == 3 and all(row.startswith("| 2 | ") for row in rows), rows
 
 
 def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Path, ray_tmp: Path) -> None:
