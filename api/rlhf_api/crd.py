@@ -297,13 +297,6 @@ def _printer_columns() -> list[dict[str, Any]]:
             "priority": 1,
         },
         {
-            "name": "Tracking",
-            "type": "string",
-            "jsonPath": ".status.tracking.link",
-            "description": "The run in the first tracking sink (spec.tracking): MLflow or W&B URL, or log directory.",
-            "priority": 1,
-        },
-        {
             "name": "Staleness",
             "type": "number",
             "jsonPath": ".status.sampleStaleness",
@@ -329,6 +322,13 @@ def _printer_columns() -> list[dict[str, Any]]:
             "type": "integer",
             "jsonPath": ".spec.rollout.engines",
             "description": "Engines requested (scale subresource).",
+            "priority": 1,
+        },
+        {
+            "name": "Tracking",
+            "type": "string",
+            "jsonPath": ".status.tracking.link",
+            "description": "The run in the first tracking sink (spec.tracking): MLflow or W&B URL, or log directory.",
             "priority": 1,
         },
         {

@@ -564,8 +564,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         name="tracking-needs-a-sink",
-        scope="tracking",
-        cel="has(self.mlflow) || has(self.wandb) || has(self.tensorboard)",
+        scope="",
+        cel="!has(self.tracking) || has(self.tracking.mlflow) || has(self.tracking.wandb) || "
+        "has(self.tracking.tensorboard)",
         field="tracking",
         message="tracking needs a sink: set tracking.mlflow, tracking.wandb or tracking.tensorboard, or "
         "remove spec.tracking",

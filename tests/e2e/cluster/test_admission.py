@@ -143,9 +143,9 @@ def test_scale_subresource_and_printer_columns_follow_status(
     assert row.split()[:5] == ["printed", "Running", "3/10", "0.42", "2"]
     wide_header, wide_row = cluster.kubectl("get", "rlhf", "-n", namespace, "-o", "wide").stdout.splitlines()
     columns = wide_header.split()
-    assert columns[5:11] == ["REWARD", "EVALREWARD", "STALENESS", "TRAINERIDLE", "ROLLOUTIDLE", "DESIRED"], (
-        columns
-    )
+    assert columns[5:12] == [
+        "REWARD", "EVALREWARD", "STALENESS", "TRAINERIDLE", "ROLLOUTIDLE", "DESIRED", "TRACKING"
+    ], columns  # fmt: skip
     # the reward, the evaluation split's reward, async RL's staleness and both idle ratios, and the
     # engines asked for
     assert wide_row.split()[5:11] == ["0.5", "0.25", "1", "0.08", "0.3", "3"], wide_row

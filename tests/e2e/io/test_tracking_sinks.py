@@ -131,7 +131,9 @@ def test_mlflow_stopped_mid_run_never_holds_a_step_and_the_sink_resumes_after_a_
         t0 = time.monotonic()
         tracker.step(step, report(step))
         slowest = max(slowest, time.monotonic() - t0)
-    assert slowest < 0.05, f"a step waited {slowest:.3f} s for the tracking server"
+    # a step never waits on the server: a step that did would sit through the retries' backoff (0.5 s,
+    # then 1 s, ...); 1 s leaves room for a loaded machine
+    assert slowest < 1.0, f"a step waited {slowest:.3f} s for the tracking server"
     wait_for(lambda: sample(m, "rlhf_tracking_errors_total", "mlflow") >= 2, "failed calls counted")
     assert sample(m, "rlhf_tracking_up", "mlflow") == 0
     errors_while_down = sample(m, "rlhf_tracking_errors_total", "mlflow")
