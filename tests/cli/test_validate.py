@@ -93,7 +93,12 @@ def test_examples_are_valid(path: Path) -> None:
 
 
 def test_expected_examples_exist() -> None:
-    assert {p.name for p in EXAMPLES} >= {"rlhfjob-tiny.yaml", "rlhfjob-grpo.yaml", "rlhfjob-llama-8b.yaml"}
+    assert {p.name for p in EXAMPLES} >= {
+        "rlhfjob-tiny.yaml",
+        "rlhfjob-grpo.yaml",
+        "rlhfjob-llama-8b.yaml",
+        "rlhfjob-tiny-s3-tracked.yaml",  # s3:// model and data, evaluation, MLflow, exportTo (issue 34)
+    }
 
 
 @pytest.mark.runtime
