@@ -177,7 +177,14 @@ def test_tool_tokens_get_exactly_zero_gradient_in_the_policy_loss(
     assert _same(a, b), "what the tool positions hold changed the actor's gradient"
     assert not _same(b, trained[f"actor/{packing}/{mode}/unmasked"]), "the loss mask changed nothing"
     sa, sb = trained[f"actor_stats/{packing}/{mode}/a"], trained[f"actor_stats/{packing}/{mode}/b"]
-    for key in ("policy_loss", "kl", "entropy", "rollout_logprob_gap", "logprob_gap_max", "behaviour_weight_mean"):
+    for key in (
+        "policy_loss",
+        "kl",
+        "entropy",
+        "rollout_logprob_gap",
+        "logprob_gap_max",
+        "behaviour_weight_mean",
+    ):
         assert sa[key] == sb[key], key  # the statistics read model tokens only
 
 
@@ -188,7 +195,9 @@ def test_the_policy_loss_is_normalised_by_the_model_tokens(trained: dict[str, An
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_tool_tokens_get_exactly_zero_gradient_in_the_value_loss(trained: dict[str, Any], packing: bool) -> None:
+def test_tool_tokens_get_exactly_zero_gradient_in_the_value_loss(
+    trained: dict[str, Any], packing: bool
+) -> None:
     a, b = trained[f"critic/{packing}/a"], trained[f"critic/{packing}/b"]
     assert len(a) > 10 and _same(a, b), "what the tool positions hold changed the critic's gradient"
     assert not _same(b, trained[f"critic/{packing}/unmasked"])

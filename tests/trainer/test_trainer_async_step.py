@@ -100,7 +100,7 @@ def generated(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[str]]]:
     """Every generation started, as (step, prompts); the engines are stand-ins that finish at once."""
     seen: list[tuple[int, list[str]]] = []
 
-    def generate(ctx: Any, step: int, chunks: Any, batch: PromptBatch) -> _Dispatcher:
+    def generate(ctx: Any, step: int, chunks: Any, batch: PromptBatch, timer: Any = None) -> _Dispatcher:
         prompts = [str(p) for p in batch.prompts]
         seen.append((step, prompts))
         return _Dispatcher(prompts)
