@@ -278,7 +278,11 @@ class AgentChunkDispatcher(ChunkDispatcher):
         columns: Sequence[Columns] = (),
     ) -> Rollout:
         one_stream = [(shard, 0, idx) for shard, _, idx in chunks]  # the runner picks engines per episode
-        return super().run(one_stream, prompts, labels, columns)
+        try:
+            return super().run(one_stream, prompts, labels, columns)
+        finally:  # the stream ends the tool phase itself; a failed one must not leave it in progress
+            if self.on_tool is not None:
+                self.on_tool(False)
 
     def _launch(self, e: int, batch: list[ChunkJob]) -> None:
         engines = [(slot.index, slot.handle) for slot in self.engines]
