@@ -2,7 +2,7 @@
 the batch generated ahead is trained, the engines get the actor's weights between batches, the next batch
 is launched with the version they then hold, and a batch beyond maxStaleness is regenerated (same
 prompts) or dropped (next prompts), counted, and never trained on. The real path runs in
-tests/e2e/ray (test_async_grpo_trains_on_batches_generated_during_the_last_step)."""
+tests/e2e/ray (test_agent_run.py: the asynchronous agentic run)."""
 
 from __future__ import annotations
 
