@@ -589,6 +589,17 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        name="agent-max-tokens-within-max-response",
+        scope="",
+        cel="!has(self.rollout.agent) || self.rollout.agent.maxTokens <= self.algorithm.maxResponseLength",
+        field="rollout.agent.maxTokens",
+        message="rollout.agent.maxTokens must be at most algorithm.maxResponseLength (an episode's model and "
+        "tool tokens are its response: the engines' and the trainer's context is sized from it)",
+        check=lambda s: (
+            s.rollout.agent is None or s.rollout.agent.max_tokens <= s.algorithm.max_response_length
+        ),
+    ),
+    Rule(
         name="stall-timeout-spans-scrapes",
         scope="monitoring",
         cel="self.stallTimeoutSeconds >= 2 * self.scrapeIntervalSeconds",

@@ -704,6 +704,54 @@ class EvaluationSpec(_Spec):
         return every or (self.at_end and step == total_steps)
 
 
+class AgentToolSpec(_Spec):
+    """The pool an agent's tool calls run in, and each call's time limit."""
+
+    timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="Time limit of one tool call, counted from when a worker starts it; a call past it ends "
+        "its episode (end reason tool_timeout, counted in rlhf_agent_tool_errors and rlhf_agent_episodes_total), never the step.",
+    )
+    workers: int = Field(
+        default=4,
+        ge=1,
+        description="Tool calls run at once (a thread pool shared by the step's episodes); a call waits for "
+        "a free worker before its timeout starts. A worker holding a call past its timeout stays held until "
+        "the call returns; when every worker is held so, new calls fail at once as tool_timeout.",
+    )
+
+
+class AgentSpec(_Spec):
+    """Agentic (multi-turn, tool-calling) rollouts: every sample is an episode of a Python agent function
+    that generates, calls tools and generates again, token in and token out (docs/agents.md)."""
+
+    function: str = Field(
+        pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$",
+        description="The agent function as `module.path:function` (importable in the trainer image) or "
+        "`path/to/file.py:function`, like model.reward.function. An `async def` called with one Episode (the "
+        "prompt row, its token ids, an engine client, the tool pool, the limits) that returns the "
+        "trajectory: token ids with a loss mask (model tokens 1, tool and environment tokens 0) and, "
+        "optionally, the reward (unset: model.reward scores the decoded trajectory).",
+    )
+    max_turns: int = Field(default=4, ge=1, description="Most model turns (generation calls) of one episode.")
+    max_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="The episode's token budget after the prompt, model and tool tokens together; at most "
+        "algorithm.maxResponseLength (the engines' and the trainer's context is sized from it).",
+    )
+    max_episodes_per_engine: int = Field(
+        default=16,
+        ge=1,
+        description="Episodes running at once on one engine. Episodes start one at a time on the engine "
+        "with the fewest in flight, not in static chunks.",
+    )
+    tool: AgentToolSpec = Field(
+        default_factory=AgentToolSpec, description="The tool pool and the per-call timeout."
+    )
+
+
 class RolloutSpec(_Spec):
     """The vLLM rollout engines. `engines` is the scale subresource's replica count."""
 
@@ -754,6 +802,11 @@ class RolloutSpec(_Spec):
     )
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="Built-in engine autoscaler."
+    )
+    agent: AgentSpec | None = Field(
+        default=None,
+        description="Agentic rollouts: each sample an episode of a multi-turn, tool-calling agent function "
+        "(docs/agents.md). Unset: one model turn per sample, as without agents.",
     )
 
     @property
@@ -1547,6 +1600,17 @@ class TrackingStatus(_Status):
     )
 
 
+class AgentStatus(_Status):
+    """rollout.agent's episodes in the last step (the trainer's rlhf_agent_* series)."""
+
+    turns_per_episode: float = Field(ge=0, description="Mean model turns per episode.")
+    tool_calls: int = Field(ge=0, description="Tool calls of the step's episodes.")
+    tool_errors: int = Field(
+        ge=0, description="Tool calls that raised or ran past rollout.agent.tool.timeoutSeconds."
+    )
+    tool_seconds: float = Field(ge=0, description="Seconds the step's tool calls ran, summed over the calls.")
+
+
 class RLHFJobStatus(_Status):
     """Observed state, written by the operator."""
 
@@ -1635,6 +1699,11 @@ class RLHFJobStatus(_Status):
         default=None, ge=0, description="Tokens generated so far (at the last completed step observed)."
     )
     rollout: RolloutStatus | None = Field(default=None, description="Rollout engine counts.")
+    agent: AgentStatus | None = Field(
+        default=None,
+        description="rollout.agent: turns per episode, tool calls, tool errors and tool seconds of the last "
+        "step; unset for a job without agents.",
+    )
     last_scale_time: datetime | None = Field(default=None, description="When the engine count last changed.")
     last_scale_step: int | None = Field(
         default=None,

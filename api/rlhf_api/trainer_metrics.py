@@ -28,9 +28,14 @@ PHASES: Final[tuple[str, ...]] = (
     "weight_sync",
     "checkpoint",
     "eval",  # the evaluation split (spec.evaluation), after the step's training: never a training sample
+    "tool",  # rollout.agent: tool calls running, within generation (a hung tool is named by the alerts)
 )
 ENGINE_STATES: Final[tuple[str, ...]] = ("starting", "ready", "failed", "stopping")
 STALE_ACTIONS: Final[tuple[str, ...]] = ("regenerated", "dropped")
+# Why an agent episode ended (agents.contract.END_REASONS): rlhf_agent_episodes_total's end_reason values
+AGENT_END_REASONS: Final[tuple[str, ...]] = (
+    "done", "max_turns", "token_budget", "tool_timeout", "tool_error", "agent_error"
+)  # fmt: skip
 
 Kind = Literal["gauge", "counter", "histogram"]
 
@@ -96,6 +101,11 @@ SERIES: Final[tuple[Series, ...]] = (
     Series("rlhf_tracking_up", "gauge", ("sink",), "1 when the sink's last call succeeded, 0 after a failure", eager=False),
     Series("rlhf_tracking_run_info", "gauge", ("sink", "url"), "The sink's run: its URL or directory (value 1)", eager=False),
     Series("rlhf_tracking_last_error_info", "gauge", ("sink", "error"), "The sink's last error (value: its time); one series per sink", eager=False),
+    Series("rlhf_agent_turns_per_episode", "gauge", (), "Mean model turns per episode in the last step", eager=False, field="agent_turns_per_episode"),
+    Series("rlhf_agent_tool_calls", "gauge", (), "Tool calls of the last step's episodes", eager=False, field="agent_tool_calls"),
+    Series("rlhf_agent_tool_errors", "gauge", (), "Tool calls of the last step's episodes that raised or ran past tool.timeoutSeconds", eager=False, field="agent_tool_errors"),
+    Series("rlhf_agent_tool_seconds", "gauge", (), "Seconds the last step's tool calls ran, summed over the calls", eager=False, field="agent_tool_seconds"),
+    Series("rlhf_agent_episodes_total", "counter", ("end_reason",), "Agent episodes by why they ended (done, max_turns, token_budget, tool_timeout, tool_error, agent_error)", eager=False, values=(AGENT_END_REASONS,)),
     Series("rlhf_nccl_transport", "gauge", ("process", "network"), "1 per NCCL process and the network NCCL chose for it (IB, Socket, ...; GPU path only)", eager=False),
     Series("rlhf_export_upload_bytes", "gauge", ("state",), "Bytes of the export's upload to checkpoint.exportTo: state done (uploaded or already there) or total", eager=False),
     Series("rlhf_export_upload_done", "gauge", (), "1 once the export's upload wrote its marker (the prefix is a complete model), else 0", eager=False, field="export_done"),

@@ -71,6 +71,11 @@ class ScrapedMetrics:
     tracking_dropped: dict[str, float] = field(default_factory=dict)
     tracking_up: dict[str, float] = field(default_factory=dict)
     tracking_last_error: dict[str, str] = field(default_factory=dict)
+    # rollout.agent's last step (None: a job without agents, or a trainer that predates them)
+    agent_turns_per_episode: float | None = None
+    agent_tool_calls: float | None = None
+    agent_tool_errors: float | None = None
+    agent_tool_seconds: float | None = None
 
     @property
     def sample_staleness(self) -> float | None:

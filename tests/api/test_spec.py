@@ -343,3 +343,34 @@ def test_critic_and_reference_must_take_whole_actor_shards() -> None:
     reference = {"actor": {"gpusPerNode": 4}, "reference": {"gpusPerNode": 3}}
     assert names(minimal(trainer=reference)) == ["reference-takes-whole-actor-shards"]  # klCoef 0.01
     assert names(minimal(algorithm={"klCoef": 0}, trainer=reference)) == []  # no reference model
+
+
+def test_agent_is_absent_by_default_and_has_documented_defaults() -> None:
+    assert RLHFJobSpec.model_validate(minimal()).rollout.agent is None  # today's single-turn rollout
+    spec = RLHFJobSpec.model_validate(
+        minimal(
+            algorithm={"maxResponseLength": 256},
+            rollout={"agent": {"function": "examples/agents/calculator.py:agent", "maxTokens": 256}},
+        )
+    )
+    agent = spec.rollout.agent
+    assert agent is not None
+    assert (agent.max_turns, agent.max_tokens, agent.max_episodes_per_engine) == (4, 256, 16)
+    assert (agent.tool.timeout_seconds, agent.tool.workers) == (10.0, 4)
+    assert violated(spec) == []
+    wire = spec.model_dump(exclude_unset=False)["rollout"]["agent"]
+    assert set(wire) == {"function", "maxTurns", "maxTokens", "maxEpisodesPerEngine", "tool"}
+    assert set(wire["tool"]) == {"timeoutSeconds", "workers"}
+
+
+def test_agent_budget_must_fit_the_response_context() -> None:
+    def agent_spec(max_tokens: int) -> RLHFJobSpec:
+        return RLHFJobSpec.model_validate(
+            minimal(
+                algorithm={"maxResponseLength": 128},
+                rollout={"agent": {"function": "agents:run", "maxTokens": max_tokens}},
+            )
+        )
+
+    assert violated(agent_spec(128)) == []
+    assert [r.name for r in violated(agent_spec(129))] == ["agent-max-tokens-within-max-response"]

@@ -17,9 +17,17 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.metrics import MetricWrapperBase
 from rlhf_api import read_only_http
-from rlhf_api.trainer_metrics import ENGINE_STATES, JOB_LABEL, PHASES, SERIES, STALE_ACTIONS, Series
+from rlhf_api.trainer_metrics import (
+    AGENT_END_REASONS,
+    ENGINE_STATES,
+    JOB_LABEL,
+    PHASES,
+    SERIES,
+    STALE_ACTIONS,
+    Series,
+)
 
-__all__ = ["ENGINE_STATES", "PHASES", "STALE_ACTIONS", "PhaseTimer", "TrainerExporter"]
+__all__ = ["AGENT_END_REASONS", "ENGINE_STATES", "PHASES", "STALE_ACTIONS", "PhaseTimer", "TrainerExporter"]
 _M = TypeVar("_M", bound=MetricWrapperBase)
 
 
@@ -121,6 +129,12 @@ class TrainerExporter:
         self.eval_source_reward_mean = self.gauge("rlhf_eval_source_reward_mean")
         self.eval_step = self.gauge("rlhf_eval_step")
         self.eval_reward_errors = self.counter("rlhf_eval_reward_errors_total")
+        # rollout.agent's episodes in the last step (created by `agentic`, so a job without agents shows none)
+        self.agent_turns = self.gauge("rlhf_agent_turns_per_episode")
+        self.agent_tool_calls = self.gauge("rlhf_agent_tool_calls")
+        self.agent_tool_errors = self.gauge("rlhf_agent_tool_errors")
+        self.agent_tool_seconds = self.gauge("rlhf_agent_tool_seconds")
+        self.agent_episodes = self.counter("rlhf_agent_episodes_total")
         self.tracking = TrackingSeries(self)
 
     def gauge(self, name: str) -> Gauge:
@@ -163,6 +177,22 @@ class TrainerExporter:
     def checkpointed(self, step: int) -> None:
         """A checkpoint of `step` was written, or the run resumed from it."""
         self.last_checkpoint_step.labels(self.job).set(step)
+
+    def agentic(self) -> None:
+        """The job runs agent episodes (rollout.agent): its series exist from the first scrape."""
+        for g in (self.agent_turns, self.agent_tool_calls, self.agent_tool_errors, self.agent_tool_seconds):
+            g.labels(self.job)
+        for reason in AGENT_END_REASONS:
+            self.agent_episodes.labels(self.job, reason)
+
+    def agent_step(self, stats: dict[str, float]) -> None:
+        """A step's episode figures (agents.episodes.episode_stats, merged over its chunks)."""
+        self.agent_turns.labels(self.job).set(stats.get("turns_mean", 0.0))
+        self.agent_tool_calls.labels(self.job).set(stats.get("tool_calls", 0.0))
+        self.agent_tool_errors.labels(self.job).set(stats.get("tool_errors", 0.0))
+        self.agent_tool_seconds.labels(self.job).set(stats.get("tool_seconds", 0.0))
+        for reason in AGENT_END_REASONS:
+            self.agent_episodes.labels(self.job, reason).inc(stats.get(f"end_{reason}", 0.0))
 
     def evaluated(self, step: int, reward_mean: float, by_source: dict[str, float], errors: int) -> None:
         """An evaluation after `step`: its mean reward, per data_source, and its reward errors."""
