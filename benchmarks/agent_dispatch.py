@@ -38,7 +38,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lib import common
@@ -127,16 +127,20 @@ def static_assignment(workload: Workload, engines: int) -> list[list[int]]:
 
 @dataclass
 class TimedStep:
-    """An engine client's step call (`RolloutEngine.step_tokens`), timed: `busy` seconds with a call out."""
+    """An engine client's step call (`RolloutEngine.step_tokens`), timed: `busy` seconds with a call out,
+    and when each call's finished requests came back with how many tokens (`finished`: clock, tokens)."""
 
     step: Callable[[list[dict[str, Any]]], Any]
     busy: float = 0.0
     calls: int = 0
+    finished: list[tuple[float, int]] = field(default_factory=list)
 
     async def __call__(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             result: dict[str, Any] = await self.step(batch)
+            done = sum(len(f["token_ids"]) for f in result["finished"])
+            self.finished.append((time.perf_counter(), done))
             return result
         finally:
             self.busy += time.perf_counter() - t0
@@ -159,6 +163,17 @@ class PhaseRun:
     end_reasons: dict[str, int]
     busy: list[float]  # each engine's busy seconds (vllm; empty for the stand-in)
     calls: list[int]  # each engine's step_tokens calls (vllm)
+    timeline: list[list[tuple[float, int]]]  # each engine's (seconds into the phase, tokens finished) (vllm)
+
+    def rates_alone_and_together(self) -> tuple[float, float]:
+        """Model tokens/s of the engine that finished last: after the other engines had finished (alone),
+        and before (beside them). On shared CPU cores an engine alone runs faster; on GPUs it does not."""
+        ends = [max((t for t, n in line if n), default=0.0) for line in self.timeline]
+        last = max(range(len(ends)), key=lambda e: ends[e])
+        split = max(end for e, end in enumerate(ends) if e != last)
+        before = sum(n for t, n in self.timeline[last] if t <= split)
+        after = sum(n for t, n in self.timeline[last] if t > split)
+        return after / max(ends[last] - split, 1e-9), before / max(split, 1e-9)
 
     @property
     def tokens(self) -> int:
@@ -212,6 +227,7 @@ def run_phase(
         end_reasons=reasons,
         busy=[t.busy for t in timers],
         calls=[t.calls for t in timers],
+        timeline=[[(at - t0, n) for at, n in t.finished] for t in timers],
     )
 
 
@@ -387,31 +403,54 @@ def measure_standin(
 def report(workload: Workload, args: argparse.Namespace, vllm: Measured, standin: Measured) -> None:
     long_eps = len(workload.hard) * workload.samples
     rows = []
-    for m, name in ((vllm, "vLLM CPU engines"), (standin, "STAND-IN timed engines")):
+    for m, name in ((vllm, "vLLM CPU"), (standin, "STAND-IN timed")):
         for way in WAYS:
             run = m.median(way)
             rows.append([
-                name, way, run.seconds, m.ideal(run), run.seconds / m.ideal(run), run.tokens, run.tool_tokens,
+                name, way, run.seconds, m.ideal(run), run.seconds / m.ideal(run), run.tokens,
                 " / ".join(map(str, run.episodes)), " / ".join(map(str, run.model_tokens)),
                 " / ".join(f"{b:.2f}" for b in run.busy) or "-", " / ".join(map(str, run.calls)) or "-",
-                ", ".join(f"{r.seconds:.2f}" for r in m.runs[way]),
             ])  # fmt: skip
     common.table(
         f"{workload.episodes} episodes ({workload.prompts} prompts x {workload.samples}): {long_eps} of "
         f"{args.long_turns} turns (prompts {workload.hard}), {workload.episodes - long_eps} of 1; up to "
-        f"{workload.turn_tokens} tokens a turn; {args.engines} engines, {args.per_engine} episodes at once "
-        f"per engine; median of {args.repeats}. Ideal: vLLM, busy seconds / engines; stand-in, every slot full",
-        ["engines", "way", "phase s", "ideal s", "phase / ideal", "model tokens", "tool tokens",
-         "episodes per engine", "model tokens per engine", "busy s per engine", "step calls per engine",
-         "every run (s)"],
+        f"{workload.turn_tokens} tokens a turn; {args.engines} engines, {args.per_engine} episodes at once per "
+        f"engine; median of {args.repeats}. Ideal: vLLM, busy seconds / engines; stand-in, every slot full",
+        ["engines", "way", "phase s", "ideal s", "phase / ideal", "model tokens", "episodes per engine",
+         "model tokens per engine", "busy s per engine", "step calls per engine"],
         rows,
     )  # fmt: skip
     static, dispatch = vllm.median("static"), vllm.median("dispatch")
+    alone, beside = static.rates_alone_and_together()
+    balanced = dispatch.tokens / (len(dispatch.model_tokens) * beside)  # every engine at the shared rate
+    common.table(
+        "vLLM CPU profile (static, median run): the engine with the long episodes, model tokens/s",
+        ["while", "tokens/s", "note"],
+        [
+            ["the other engine still ran", beside, "both engines share the machine's cores with the driver"],
+            [
+                "after the other engine finished",
+                alone,
+                f"{alone / beside:.2f}x: the idle engine's core is free",
+            ],
+            [
+                "dispatch at best here: every engine at that shared rate",
+                beside,
+                f"{balanced:.2f} s, a speedup of at most {static.seconds / balanced:.2f}",
+            ],
+        ],
+    )
+    for m, name in ((vllm, "vllm"), (standin, "standin")):
+        for way in WAYS:
+            print(f"{name} {way} phase seconds, every run: {[round(r.seconds, 2) for r in m.runs[way]]}")
     common.result(
         {
             **vllm.keys(),
             "static_busy_seconds_per_engine": [round(b, 3) for b in static.busy],
             "dispatch_busy_seconds_per_engine": [round(b, 3) for b in dispatch.busy],
+            "static_rate_beside": round(beside, 1),
+            "static_rate_alone": round(alone, 1),
+            "speedup_bound_here": round(static.seconds / balanced, 3),
             **standin.keys("standin_"),
             "episodes": workload.episodes,
             "long_episodes": long_eps,
