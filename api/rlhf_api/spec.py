@@ -697,7 +697,7 @@ class AgentToolSpec(_Spec):
         default=10.0,
         gt=0,
         description="Time limit of one tool call, counted from when a worker starts it; a call past it ends "
-        "its episode (end reason tool_timeout, counted in rlhf_agent_tool_errors_total), never the step.",
+        "its episode (end reason tool_timeout, counted in rlhf_agent_tool_errors and rlhf_agent_episodes_total), never the step.",
     )
     workers: int = Field(
         default=4,
@@ -1373,6 +1373,17 @@ class RuntimeBinding(_Status):
     )
 
 
+class AgentStatus(_Status):
+    """rollout.agent's episodes in the last step (the trainer's rlhf_agent_* series)."""
+
+    turns_per_episode: float = Field(ge=0, description="Mean model turns per episode.")
+    tool_calls: int = Field(ge=0, description="Tool calls of the step's episodes.")
+    tool_errors: int = Field(
+        ge=0, description="Tool calls that raised or ran past rollout.agent.tool.timeoutSeconds."
+    )
+    tool_seconds: float = Field(ge=0, description="Seconds the step's tool calls ran, summed over the calls.")
+
+
 class RLHFJobStatus(_Status):
     """Observed state, written by the operator."""
 
@@ -1455,6 +1466,11 @@ class RLHFJobStatus(_Status):
         default=None, ge=0, description="Tokens generated so far (at the last completed step observed)."
     )
     rollout: RolloutStatus | None = Field(default=None, description="Rollout engine counts.")
+    agent: AgentStatus | None = Field(
+        default=None,
+        description="rollout.agent: turns per episode, tool calls, tool errors and tool seconds of the last "
+        "step; unset for a job without agents.",
+    )
     last_scale_time: datetime | None = Field(default=None, description="When the engine count last changed.")
     last_scale_step: int | None = Field(
         default=None,

@@ -9,7 +9,7 @@ import math
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from rlhf_api.spec import Condition, RLHFJobSpec, RLHFJobStatus, RolloutStatus
+from rlhf_api.spec import AgentStatus, Condition, RLHFJobSpec, RLHFJobStatus, RolloutStatus
 
 from rlhf_operator.fabric import asks_rdma, fabric_condition
 from rlhf_operator.scrape import ScrapedMetrics
@@ -137,4 +137,21 @@ def _gauges(m: ScrapedMetrics) -> dict[str, Any]:
         out["stale_samples"] = int(m.stale_samples_total)
     if m.last_checkpoint_step is not None:  # absent: keep the last known (checkpoints outlive attempts)
         out["last_checkpoint_step"] = m.last_checkpoint_step
+    agent = _agent(m)
+    if agent is not None:
+        out["agent"] = agent
     return out
+
+
+def _agent(m: ScrapedMetrics) -> AgentStatus | None:
+    """rollout.agent's last step, once a step of this attempt reported it (the gauges read 0 before)."""
+    figures = (m.agent_turns_per_episode, m.agent_tool_calls, m.agent_tool_errors, m.agent_tool_seconds)
+    if not m.steps_completed or any(v is None or not math.isfinite(v) for v in figures):
+        return None
+    turns, calls, errors, seconds = (float(v) for v in figures)  # type: ignore[arg-type]
+    return AgentStatus(
+        turns_per_episode=round(turns, 3),
+        tool_calls=int(calls),
+        tool_errors=int(errors),
+        tool_seconds=round(seconds, 3),
+    )

@@ -55,6 +55,11 @@ class ScrapedMetrics:
     staleness_count: float = 0.0
     stale_samples_total: float | None = None
     nccl_networks: dict[str, str] = field(default_factory=dict)  # NCCL process -> network (GPU path)
+    # rollout.agent's last step (None: a job without agents, or a trainer that predates them)
+    agent_turns_per_episode: float | None = None
+    agent_tool_calls: float | None = None
+    agent_tool_errors: float | None = None
+    agent_tool_seconds: float | None = None
 
     @property
     def sample_staleness(self) -> float | None:
@@ -97,6 +102,10 @@ _FIELDS: dict[str, tuple[str, Callable[[float], Any]]] = {
     "rlhf_rollout_idle_ratio": ("rollout_idle_ratio", float),
     "rlhf_sample_staleness_sum": ("staleness_sum", float),
     "rlhf_sample_staleness_count": ("staleness_count", float),
+    "rlhf_agent_turns_per_episode": ("agent_turns_per_episode", float),
+    "rlhf_agent_tool_calls": ("agent_tool_calls", float),
+    "rlhf_agent_tool_errors": ("agent_tool_errors", float),
+    "rlhf_agent_tool_seconds": ("agent_tool_seconds", float),
 }
 
 

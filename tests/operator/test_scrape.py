@@ -181,3 +181,27 @@ def test_the_evaluation_is_read_back_only_once_it_ran() -> None:
     assert got.eval_reward_mean == 0.625 and got.eval_step == 8
     assert got.eval_reward_mean_by_data_source == {"gsm8k": 0.5, "math": 0.75}
     assert got.step_phase_seconds["eval"] == 1.0 and got.reward_errors_total == 0.0
+
+
+def test_agent_episodes_of_the_last_step_are_read_back_and_a_job_without_agents_shows_none() -> None:
+    """rollout.agent: the trainer's rlhf_agent_* series (created by `agentic` at the driver's start) into
+    the snapshot the operator copies into status.agent; the `tool` phase is a phase like any other."""
+    plain = parse_metrics(exported(TrainerExporter("job-a")), "job-a")
+    assert plain.agent_tool_calls is None and "rlhf_agent_tool_calls{" not in exported(
+        TrainerExporter("job-a")
+    )
+    m = TrainerExporter("job-a")
+    m.agentic()
+    m.agent_step({"turns_mean": 1.75, "tool_calls": 12.0, "tool_errors": 2.0, "tool_seconds": 3.5,
+                  "end_done": 14.0, "end_tool_timeout": 2.0})  # fmt: skip
+    m.phase_in_progress.labels("job-a", "generation").set(1)
+    m.phase_started.labels("job-a", "generation").set(100.0)
+    m.phase_in_progress.labels("job-a", "tool").set(1)
+    m.phase_started.labels("job-a", "tool").set(130.0)
+    text = exported(m)
+    got = parse_metrics(text, "job-a")
+    assert (got.agent_turns_per_episode, got.agent_tool_calls, got.agent_tool_errors, got.agent_tool_seconds) == (
+        1.75, 12.0, 2.0, 3.5,
+    )  # fmt: skip
+    assert 'rlhf_agent_episodes_total{end_reason="tool_timeout",rlhfjob="job-a"} 2.0' in text
+    assert got.in_progress_step_phase == "tool"  # a hung tool is what the step waits on

@@ -103,6 +103,22 @@ def test_the_evaluation_splits_reward_reaches_status_only_once_reported() -> Non
     assert st["evalStep"] == 4
 
 
+def test_the_agents_last_step_reaches_status_once_a_step_reported_it() -> None:
+    """rollout.agent: turns per episode, tool calls, errors and seconds of the last step into status.agent."""
+    running = {"phase": "Running", "startTime": iso(NOW), "step": 0}
+    figures = {"agent_turns_per_episode": 1.8333, "agent_tool_calls": 22.0, "agent_tool_errors": 1.0,
+               "agent_tool_seconds": 0.25049}  # fmt: skip
+    before = ScrapedMetrics(
+        steps_completed=0, total_steps=10, last_step_completed_ts=NOW.timestamp(), **figures
+    )
+    assert "agent" not in decide(job(running), obs(ray_job=ray("RUNNING"), metrics=before), SID).status
+    m = ScrapedMetrics(steps_completed=3, total_steps=10, last_step_completed_ts=NOW.timestamp(), **figures)
+    st = decide(job(running), obs(ray_job=ray("RUNNING"), metrics=m), SID).status
+    assert st["agent"] == {"turnsPerEpisode": 1.833, "toolCalls": 22, "toolErrors": 1, "toolSeconds": 0.25}
+    plain = ScrapedMetrics(steps_completed=3, total_steps=10, last_step_completed_ts=NOW.timestamp())
+    assert "agent" not in decide(job(running), obs(ray_job=ray("RUNNING"), metrics=plain), SID).status
+
+
 def test_reward_kl_and_throughput_between_two_observed_steps() -> None:
     before = {
         "phase": "Running",

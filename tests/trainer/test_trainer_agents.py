@@ -63,7 +63,7 @@ def test_the_default_agent_gives_exactly_todays_packed_rollout() -> None:
             limits=Limits(max_turns=1, max_tokens=8), sampling=SamplingParams(max_tokens=8), tool_timeout=1.0,
         )
     )  # fmt: skip
-    agentic, loss_mask = pack_trajectories(trajectories, [0, 1, 2], prompts)
+    agentic = pack_trajectories(trajectories, [0, 1, 2], prompts)
     for name in ("tokens", "seq_lens", "prompt_lens", "group", "rollout_logprobs"):
         assert torch.equal(getattr(agentic, name), getattr(today, name)), name
     assert (agentic.prompts, agentic.responses, agentic.finished) == (
@@ -72,7 +72,9 @@ def test_the_default_agent_gives_exactly_todays_packed_rollout() -> None:
         today.finished,
     )
     assert agentic.finished == [True, False, True]
-    assert torch.equal(loss_mask, torch.ones(int(today.response_lens.sum())))
+    assert agentic.loss_mask is not None
+    assert torch.equal(agentic.loss_mask, torch.ones(int(today.response_lens.sum())))
+    assert torch.equal(agentic.model_lens, today.response_lens)
     assert [(t.turns, t.tool_calls, t.end_reason) for t in trajectories] == [(1, 0, "done")] * 3
 
 

@@ -1,100 +1,262 @@
-"""Tool tokens train nothing (issue 37 item 4): a trajectory's loss mask, laid out by agents.samples as the
-trainer's loss reads it, gives every tool token exactly zero gradient and no place in the loss normaliser,
-through the real forward (deepspeed_utils.response_logprobs on the tiny Llama) and the real losses
-(algorithms.ppo_tokens / gspo_tokens, kl_per_token, aggregate_loss, loss_normaliser), every aggregation."""
+"""Tool tokens train nothing (issue 37 item 4): a rollout with a loss mask (rollout.agent's trajectories,
+packed by agents.samples) through the trainer's real code.
+
+- The actor's and the critic's training (`PolicyModel.train`, `ValueModel.train` on real DeepSpeed ZeRO-3
+  engines in a spawned rank, padded and packed micro-batches, every aggregation): whatever the tool
+  positions hold (advantages, old, reference and engine log-probs, returns, old values) the gradient is
+  bit-for-bit the same, so a tool token gets exactly zero gradient; the loss is normalised by the model
+  tokens alone; and without the mask the gradient does change (the wiring is real).
+- The advantages (`experience.compute`): every estimator on a trajectory with tool tokens gives, at its
+  model tokens, what it gives on the same trajectory with the tool tokens cut out, and 0 at the tool
+  tokens; the KL statistic counts model tokens only.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from rlhf_trainer import algorithms
+from rlhf_trainer import experience
 from rlhf_trainer.agents.contract import Trajectory
-from rlhf_trainer.agents.samples import loss_mask_at, pack_trajectories
-from rlhf_trainer.workers import deepspeed_utils as du
+from rlhf_trainer.agents.samples import pack_trajectories
+from rlhf_trainer.transfer import PackedRollout
+from testkit.support import free_port, run_ranks, tiny_critic
 
 pytestmark = pytest.mark.unit
 
-# three episodes: model turn, tool output, model turn (and a single-turn one); masks 1 model / 0 tool
-SHAPES = [([1, 1, 1, 0, 0, 0, 0, 1, 1]), ([1, 1, 0, 0, 1, 1, 1, 0, 1]), ([1, 1, 1, 1])]
+# four episodes: model turn, tool output, model turn (and a single-turn one); mask 1 model / 0 tool
+MASKS = [
+    [1, 1, 1, 0, 0, 0, 0, 1, 1],
+    [1, 1, 0, 0, 1, 1, 1, 0, 1],
+    [1, 1, 1, 1],
+    [1, 0, 0, 1, 1, 1, 1, 1],
+]
+PROMPTS = [5, 7, 4, 6]
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def _trajectories(vocab: int) -> list[Trajectory]:
+def _trajectories(vocab: int = 500) -> list[Trajectory]:
     g = torch.Generator().manual_seed(3)
     out = []
-    for k, mask in enumerate(SHAPES):
-        prompt = torch.randint(3, vocab, (4 + k,), generator=g).tolist()
+    for p, mask in zip(PROMPTS, MASKS, strict=True):
+        prompt = torch.randint(3, vocab, (p,), generator=g).tolist()
         ids = torch.randint(3, vocab, (len(mask),), generator=g).tolist()
         lps = [-0.5 if m else 0.0 for m in mask]
         out.append(Trajectory(prompt, ids, list(mask), lps, turns=2))
     return out
 
 
-def _loss(
-    model: Any, at_tools: float, policy: str, mode: str, with_loss_mask: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
-    """(lp's gradient [B, T-1], the loss mask [B, T-1], the normaliser, the parameters' gradient, flat).
-    `at_tools`: the advantage at tool positions (and how far their old and reference log-probs are moved)."""
-    model.zero_grad(set_to_none=True)
-    rollout, loss_mask = pack_trajectories(_trajectories(int(model.config.vocab_size)), [0, 0, 1])
-    out = du.response_logprobs(model, rollout, 0, rollout.num_samples, pad_id=0)
-    lp, act = out.values, out.mask
-    lp.retain_grad()
-    valid = torch.ones(rollout.num_samples)
-    mask = act * valid.unsqueeze(1) * (loss_mask_at(loss_mask, act) if with_loss_mask else 1.0)
-    g = torch.Generator().manual_seed(7)
-    n = int(rollout.response_lens.sum())
-    now = out.packed()  # near the current policy, so no clip or clamp cuts a model token's gradient
-    adv = torch.randn(n, generator=g)
-    old = now + 0.02 * torch.randn(n, generator=g)
-    ref = old - 0.05 * torch.randn(n, generator=g).abs()
-    tool = loss_mask == 0  # whatever the tool positions hold must not matter
-    adv[tool] = at_tools
-    old[tool] = now[tool] - 0.01 * at_tools
-    ref[tool] = now[tool] - 0.02 * at_tools
-    adv_l, old_l, ref_l = out.local(adv), out.local(old), out.local(ref)
-    if policy == "gspo":
-        tok = algorithms.gspo_tokens(lp, old_l, adv_l, mask, 0.2, 0.28).loss
-    else:
-        tok = algorithms.ppo_tokens(lp, old_l, adv_l, 0.2, 0.28, dual_clip=3.0).loss
-    norm = algorithms.loss_normaliser(mask, mode)
-    loss = algorithms.aggregate_loss(tok, mask, mode, norm, norm_constant=16.0)
-    loss = loss + 0.1 * algorithms.aggregate_loss(algorithms.kl_per_token(lp, ref_l, "k3"), mask, mode, norm)
-    assert out.entropy is not None
-    loss = loss - 0.01 * algorithms.aggregate_loss(out.entropy, mask, mode, norm)
-    loss.backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    assert lp.grad is not None
-    return lp.grad, loss_mask_at(loss_mask, act) * act, norm, grads
+def _rollout(with_mask: bool = True) -> PackedRollout:
+    rollout = pack_trajectories(_trajectories(), [0, 0, 1, 1])
+    if not with_mask:
+        rollout.loss_mask = None
+    return rollout
 
 
-@pytest.mark.parametrize("policy", ["ppo", "gspo"])
-@pytest.mark.parametrize("mode", algorithms.LOSS_AGGREGATIONS)
-def test_tool_tokens_get_exactly_zero_gradient_and_no_share_of_the_normaliser(
-    model: Any, policy: str, mode: str
+def _at_tools(values: torch.Tensor, fill: float) -> torch.Tensor:
+    """`values` (packed over response tokens) with every tool position set to `fill`."""
+    out = values.clone()
+    out[_rollout().model_mask() == 0] = fill
+    return out
+
+
+# ---- training on real ZeRO-3 engines ---------------------------------------------------------------
+
+
+def _settings(path: str, packing: bool) -> dict[str, Any]:
+    """lr 0: the optimizer steps leave the weights as they are, so one engine computes every variant's
+    gradient at the same weights."""
+    return {
+        "path": path, "rank": 0, "world_size": 1, "zero_stage": 3, "bf16": False, "offload": False,
+        "gradient_checkpointing": False, "pad_id": 0, "lr_scheduler": "constant", "lr_warmup_steps": 0,
+        "total_steps": 100, "train_micro_batch": 2, "temperature": 1.0, "lr": 0.0, "grad_accum": 2,
+        "packing": packing,
+    }  # fmt: skip
+
+
+class FirstGradients:
+    """Every parameter's full gradient at a training call's first accumulation boundary (engine.step
+    wrapped); `take()` after each call."""
+
+    def __init__(self, model: Any) -> None:
+        from deepspeed.utils import safe_get_full_grad
+
+        self.grads: dict[str, torch.Tensor] = {}
+        engine = model.engine
+        step = engine.step
+
+        def recording_step() -> None:
+            if not self.grads and engine.is_gradient_accumulation_boundary():
+                for name, p in engine.module.named_parameters():
+                    g = safe_get_full_grad(p)
+                    if g is not None:
+                        self.grads[name] = g.detach().clone().cpu()
+            step()
+
+        engine.step = recording_step
+
+    def take(self) -> dict[str, torch.Tensor]:
+        out, self.grads = self.grads, {}
+        return out
+
+
+VARIANTS = (("a", 0.3, True), ("b", -2.0, True), ("unmasked", -2.0, False))
+
+
+def _train_ranks(rank: int, port: int, lm: str, critic: str, out: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    torch.set_num_threads(1)
+    from rlhf_trainer.workers.deepspeed_utils import init_distributed
+    from rlhf_trainer.workers.policy import PolicyLoss, PolicyModel
+    from rlhf_trainer.workers.value import ValueModel
+
+    init_distributed("gloo")
+    g = torch.Generator().manual_seed(11)
+    n = int(_rollout().response_lens.sum())
+    adv, noise, ret_noise = (torch.randn(n, generator=g) for _ in range(3))
+    valid = torch.ones(4, dtype=torch.bool)
+    res: dict[str, Any] = {}
+    for packing in (False, True):
+        actor = PolicyModel(lm, _settings(lm, packing))
+        grads = FirstGradients(actor)
+        old = actor.logprobs(_rollout(), 4)
+        for mode in AGGREGATIONS:
+            loss = PolicyLoss(kl_loss_coef=0.1, entropy_coef=0.01, aggregation=mode, norm_constant=16.0,
+                              correction={"level": "token", "mode": "truncate", "lower": 0.0, "upper": 2.0})  # fmt: skip
+            for variant, fill, with_mask in VARIANTS:
+                rollout = _rollout(with_mask)
+                rollout.rollout_logprobs = _at_tools(old + 0.01 * noise, fill)
+                stats = actor.train(
+                    rollout, _at_tools(old + 0.02 * noise, fill), _at_tools(adv, fill),
+                    _at_tools(old - 0.05 * noise.abs(), fill), valid, micro_batch=2, epochs=1, loss=loss,
+                )  # fmt: skip
+                res[f"actor/{packing}/{mode}/{variant}"] = grads.take()
+                res[f"actor_stats/{packing}/{mode}/{variant}"] = stats
+        # the plain surrogate on-policy (ratio 1): the loss is -mean(advantage) over model tokens
+        stats = actor.train(_rollout(), None, _at_tools(adv, 5.0), None, valid, micro_batch=2, epochs=1,
+                            loss=PolicyLoss(aggregation="token-mean"))  # fmt: skip
+        res[f"plain/{packing}"] = stats["policy_loss"]
+        model = ValueModel(critic, _settings(critic, packing))
+        grads = FirstGradients(model)
+        values = model.values(_rollout(), 4)
+        for variant, fill, with_mask in VARIANTS:
+            model.train(_rollout(with_mask), _at_tools(values + 0.1 * noise, fill),
+                        _at_tools(values + ret_noise, fill), valid, micro_batch=2, epochs=1, clip=0.2)  # fmt: skip
+            res[f"critic/{packing}/{variant}"] = grads.take()
+    res["adv"] = adv
+    torch.save(res, Path(out) / "masks.pt")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("masks")
+    critic = tiny_critic(tiny_model / "model", out)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_ranks(_train_ranks, 1, (free_port(), str(tiny_model / "model"), str(critic), str(out)), timeout=600)
+    result: dict[str, Any] = torch.load(out / "masks.pt")
+    return result
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+def test_tool_tokens_get_exactly_zero_gradient_in_the_policy_loss(
+    trained: dict[str, Any], packing: bool, mode: str
 ) -> None:
-    grad, mask, norm, params = _loss(model, 0.3, policy, mode)
-    model_positions = mask > 0
-    rollout, _ = pack_trajectories(_trajectories(int(model.config.vocab_size)), [0, 0, 1])
-    _, _, act = du.pad_micro_batch(rollout, 0, rollout.num_samples, 0)
-    tool_positions = act.bool() & ~model_positions
-    assert int(tool_positions.sum()) == sum(len(s) - sum(s) for s in SHAPES) == 7
-    assert torch.all(grad[tool_positions] == 0.0), "a tool token got a gradient"
-    assert bool((grad[model_positions] != 0).all()), "a model token got no gradient"
-    model_tokens = sum(sum(s) for s in SHAPES)
-    assert norm == (model_tokens if mode == "token-mean" else len(SHAPES))
-    # whatever the tool positions hold (advantages, old and reference log-probs), the update is the same
-    _, _, _, params_other = _loss(model, -2.0, policy, mode)
-    assert torch.equal(params, params_other), "tool positions' values changed the parameters' gradient"
+    """Clipped surrogate with the rollout correction, the KL loss and the entropy bonus: the tool positions'
+    advantages and log-probs change nothing, bit for bit; without the mask they would."""
+    a, b = trained[f"actor/{packing}/{mode}/a"], trained[f"actor/{packing}/{mode}/b"]
+    assert len(a) > 10, "every weight must have a gradient"
+    assert _same(a, b), "what the tool positions hold changed the actor's gradient"
+    assert not _same(b, trained[f"actor/{packing}/{mode}/unmasked"]), "the loss mask changed nothing"
+    sa, sb = trained[f"actor_stats/{packing}/{mode}/a"], trained[f"actor_stats/{packing}/{mode}/b"]
+    for key in (
+        "policy_loss",
+        "kl",
+        "entropy",
+        "rollout_logprob_gap",
+        "logprob_gap_max",
+        "behaviour_weight_mean",
+    ):
+        assert sa[key] == sb[key], key  # the statistics read model tokens only
 
 
-def test_without_the_loss_mask_tool_tokens_would_be_trained(model: Any) -> None:
-    """Today's policy loss masks by the action mask only (every response token): the wiring the loss mask
-    needs is real, not a formality."""
-    grad, mask, _, params = _loss(model, 0.3, "ppo", "token-mean", with_loss_mask=False)
-    _, _, _, params_other = _loss(model, -2.0, "ppo", "token-mean", with_loss_mask=False)
-    rollout, _ = pack_trajectories(_trajectories(int(model.config.vocab_size)), [0, 0, 1])
-    _, _, act = du.pad_micro_batch(rollout, 0, rollout.num_samples, 0)
-    assert bool((grad[act.bool() & (mask == 0)] != 0).any())
-    assert not torch.equal(params, params_other)
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_the_policy_loss_is_normalised_by_the_model_tokens(trained: dict[str, Any], packing: bool) -> None:
+    adv, mask = trained["adv"], _rollout().model_mask() > 0
+    assert trained[f"plain/{packing}"] == pytest.approx(-float(adv[mask].mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_tool_tokens_get_exactly_zero_gradient_in_the_value_loss(
+    trained: dict[str, Any], packing: bool
+) -> None:
+    a, b = trained[f"critic/{packing}/a"], trained[f"critic/{packing}/b"]
+    assert len(a) > 10 and _same(a, b), "what the tool positions hold changed the critic's gradient"
+    assert not _same(b, trained[f"critic/{packing}/unmasked"])
+
+
+# ---- advantages ---------------------------------------------------------------------------------------
+
+
+def _shard(rollout: PackedRollout, per_token: dict[str, torch.Tensor]) -> experience.ShardInputs:
+    return experience.ShardInputs(
+        scores=torch.tensor([0.9, -0.3, 0.5, 0.1]),
+        valid=torch.tensor([True, True, True, True]),
+        response_lens=rollout.response_lens,
+        group=rollout.group,
+        loss_mask=rollout.loss_mask,
+        **per_token,
+    )
+
+
+def _cut(rollout: PackedRollout) -> PackedRollout:
+    """The same samples with their tool tokens removed (every response token then the model's)."""
+    keep = rollout.model_mask() > 0
+    samples = []
+    for t, m in zip(_trajectories(), MASKS, strict=True):
+        ids = [x for x, k in zip(t.token_ids, m, strict=True) if k]
+        samples.append((t.prompt_ids, ids, [-0.5] * len(ids)))
+    cut = PackedRollout.from_samples(samples, rollout.group.tolist())
+    assert int(cut.response_lens.sum()) == int(keep.sum())
+    return cut
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_advantages_skip_tool_tokens_as_if_they_were_not_there(estimator: str) -> None:
+    rollout = _rollout()
+    mask = rollout.model_mask() > 0
+    g = torch.Generator().manual_seed(5)
+    n = int(rollout.response_lens.sum())
+    old, ref, values = (-torch.rand(n, generator=g) for _ in range(3))
+    algo = {"estimator": estimator, "kl_coef": 0.05, "gamma": 0.99, "lam": 0.95, "kl_reward_estimator": "k1"}
+    full = {"old_logprobs": old, "ref_logprobs": ref, "values": values}
+    tools = {k: _at_tools(v, 7.0) for k, v in full.items()}  # tool positions hold anything
+    got, stats = experience.compute({0: _shard(rollout, tools)}, algo)
+    cut = _cut(rollout)
+    want, want_stats = experience.compute({0: _shard(cut, {k: v[mask] for k, v in full.items()})}, algo)
+    adv = got[0].advantages
+    torch.testing.assert_close(adv[mask], want[0].advantages, rtol=1e-6, atol=1e-6)
+    assert torch.equal(adv[~mask], torch.zeros(int((~mask).sum())))
+    if estimator == "gae":
+        assert got[0].returns is not None and want[0].returns is not None
+        torch.testing.assert_close(got[0].returns[mask], want[0].returns, rtol=1e-6, atol=1e-6)
+        assert stats.explained_variance == pytest.approx(want_stats.explained_variance, abs=1e-9)
+    assert stats.kl_tokens == int(mask.sum()) and stats.kl_sum == pytest.approx(want_stats.kl_sum, rel=1e-6)
+
+
+def test_model_lens_and_packing_keep_the_mask() -> None:
+    rollout = _rollout()
+    assert rollout.model_lens.tolist() == [sum(m) for m in MASKS]
+    picked = rollout.select([3, 0])
+    assert picked.loss_mask is not None and picked.model_lens.tolist() == [sum(MASKS[3]), sum(MASKS[0])]
+    both = PackedRollout.concat([picked, _rollout(with_mask=False).select([2])])
+    assert both.model_lens.tolist() == [sum(MASKS[3]), sum(MASKS[0]), len(MASKS[2])]
+    assert _rollout().digest() != _rollout(with_mask=False).digest()

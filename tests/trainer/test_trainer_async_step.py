@@ -2,7 +2,7 @@
 the batch generated ahead is trained, the engines get the actor's weights between batches, the next batch
 is launched with the version they then hold, and a batch beyond maxStaleness is regenerated (same
 prompts) or dropped (next prompts), counted, and never trained on. The real path runs in
-tests/e2e/ray (test_async_grpo_trains_on_batches_generated_during_the_last_step)."""
+tests/e2e/ray (test_agent_run.py: the asynchronous agentic run)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def generated(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[str]]]:
     """Every generation started, as (step, prompts); the engines are stand-ins that finish at once."""
     seen: list[tuple[int, list[str]]] = []
 
-    def generate(ctx: Any, step: int, chunks: Any, batch: PromptBatch) -> _Dispatcher:
+    def generate(ctx: Any, step: int, chunks: Any, batch: PromptBatch, timer: Any = None) -> _Dispatcher:
         prompts = [str(p) for p in batch.prompts]
         seen.append((step, prompts))
         return _Dispatcher(prompts)

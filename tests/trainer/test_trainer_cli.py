@@ -44,5 +44,5 @@ def test_step_table_has_a_column_per_phase_aligned_with_its_header() -> None:
     cells = row.split("|")[1].split()
     assert dict(zip(cols, cells, strict=True)) == {
         "gen": "1.25", "reward": "-", "ref": "-", "values": "-", "oldlp": "-", "adv": "-", "actor": "-",
-        "critic": "-", "sync": "0.05", "ckpt": "-", "eval": "-", "total": "1.40",  # the step's wall time
+        "critic": "-", "sync": "0.05", "ckpt": "-", "eval": "-", "tool": "-", "total": "1.40",  # the step's wall time
     }  # fmt: skip

@@ -273,7 +273,7 @@ def test_run_step_times_eval_as_its_own_phase_and_never_counts_its_samples(
         return _train_report(step)
 
     def fake_evaluate(
-        split: Any, pool_: Any, reward: Any, sampling: dict[str, Any], step: int, lost: Any
+        split: Any, pool_: Any, reward: Any, sampling: dict[str, Any], step: int, lost: Any, **kw: Any
     ) -> Any:
         assert split is data.eval_split and pool_ is pool and reward == "scorer"
         evaluated.append((step, sampling))

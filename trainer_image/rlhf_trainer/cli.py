@@ -204,6 +204,7 @@ _PHASE_COLUMNS = {
     "weight_sync": "sync",
     "checkpoint": "ckpt",
     "eval": "eval",
+    "tool": "tool",  # rollout.agent: while tool calls ran (within gen)
 }
 
 

@@ -19,6 +19,7 @@ from rlhf_api.rules import violated
 from rlhf_api.spec import RLHFJobSpec
 from rlhf_api.validate import has_chat_template, runtime_issues, schema_issues, validate_manifest
 
+from rlhf_trainer.agents.contract import AgentSetupError, load_agent_function
 from rlhf_trainer.data import DatasetError, EvalPrompts, PromptDataset
 from rlhf_trainer.device import DeviceInfo
 from rlhf_trainer.workers.reward import RewardSetupError, load_reward_function
@@ -98,6 +99,11 @@ def preflight(spec: RLHFJobSpec) -> PromptDataset:
         try:
             load_reward_function(str(spec.model.reward.function))
         except RewardSetupError as e:
+            raise InputError(f"spec.{e}") from e
+    if spec.rollout.agent is not None:  # loaded again by the agent runner; here its error is an input error
+        try:
+            load_agent_function(spec.rollout.agent.function)
+        except AgentSetupError as e:
             raise InputError(f"spec.{e}") from e
     return data
 
@@ -260,3 +266,23 @@ def engine_dtype(spec: RLHFJobSpec, info: DeviceInfo) -> str:
     if info.is_cpu:
         return "float32"
     return "bfloat16" if spec.trainer.bf16 else "auto"
+
+
+def agent_options(spec: RLHFJobSpec) -> dict[str, Any] | None:
+    """What the agent runner (agents.runner.AgentRunner) is started with; None without rollout.agent."""
+    agent = spec.rollout.agent
+    if agent is None:
+        return None
+    return {
+        "function": agent.function,
+        "max_turns": agent.max_turns,
+        "max_tokens": agent.max_tokens,
+        "max_episodes_per_engine": agent.max_episodes_per_engine,
+        "tool_workers": agent.tool.workers,
+        "tool_timeout_seconds": agent.tool.timeout_seconds,
+        "tokenizer_path": spec.model.actor,  # the engines' tokenizer: the episodes' token ids are theirs
+        "chat_template": spec.data.apply_chat_template,
+        "input_key": spec.data.input_key,
+        "label_key": spec.data.label_key,
+        "seed": spec.algorithm.seed,
+    }

@@ -112,6 +112,8 @@ def run(
     metrics = TrainerExporter(job)
     metrics.driver_started()  # the stall clock runs from here until the first step completes
     metrics.total_steps.labels(job).set(spec.algorithm.total_steps)
+    if spec.rollout.agent is not None:
+        metrics.agentic()
     metrics.stall_timeout.labels(job).set(spec.monitoring.stall_timeout_seconds)
     port = (
         metrics_port
@@ -360,6 +362,7 @@ def step_summary(report: StepReport) -> dict[str, Any]:
         "rollout_idle_ratio": report.rollout_idle_ratio,
         "generating_seconds": report.generating_seconds,
         "dynamic_sampling": report.dynamic_sampling,
+        "agent": report.agent,
         "weight_sync": report.weight_sync,
         **eval_fields(report),
         "eval": report.evaluation,

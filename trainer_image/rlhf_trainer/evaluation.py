@@ -98,19 +98,26 @@ def evaluate(
     step: int,
     on_lost: Callable[[EngineSlot, BaseException], None],
     batch_prompts: int = EVAL_BATCH_PROMPTS,
+    dispatcher: Callable[[list[EngineSlot]], ChunkDispatcher] | None = None,
 ) -> EvalTally:
     """Generate and score the whole split on the pool's ready engines, `batch_prompts` at a time, through
     the training rollout's dispatcher (streamed, scored as each request finishes, a lost engine's chunks
-    generated again); only the scores come back to the driver, and the packed tokens are dropped."""
+    generated again); only the scores come back to the driver, and the packed tokens are dropped.
+    `dispatcher(engines)`: the training rollout's own (rollout.agent: the agent's episodes); None: the
+    engines' chunks."""
     tally = EvalTally()
     n = int(sampling["n"])
     for batch in split.batches(batch_prompts):
         engines = pool.ready()
         # one shard: no trainer rank reads these chunks; two chunks per engine, so scoring overlaps
         chunks = plan_chunks(len(batch.prompts), 1, len(engines), 2 * len(engines))
-        dispatcher = ChunkDispatcher(step, engines, reward, sampling, on_lost)
-        dispatcher.run(chunks, batch.prompts, batch.labels, batch.columns)
-        rollout, _ = dispatcher.scored()
+        chunked = (
+            dispatcher(engines)
+            if dispatcher is not None
+            else ChunkDispatcher(step, engines, reward, sampling, on_lost)
+        )
+        chunked.run(chunks, batch.prompts, batch.labels, batch.columns)
+        rollout, _ = chunked.scored()
         results = ray.get([result for _, result in rollout.reward_calls])
         for (_, _, idx), result in zip(chunks, results, strict=True):
             sources = [source_of(batch.columns[i]) for i in idx for _ in range(n)]

@@ -35,6 +35,8 @@ class ShardInputs:
     valid: torch.Tensor
     response_lens: torch.Tensor
     group: torch.Tensor
+    # rollout.agent: 1.0 per model token, 0.0 per tool token (packed); None: every token the model's
+    loss_mask: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None  # None: skipped (config.old_logprobs_redundant)
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None  # gae only
@@ -42,8 +44,48 @@ class ShardInputs:
 
 @dataclass
 class ShardAdvantages:
-    advantages: torch.Tensor  # packed per response token; 0 on invalid samples
-    returns: torch.Tensor | None  # gae only: the critic's targets
+    advantages: torch.Tensor  # packed per response token; 0 on invalid samples and on tool tokens
+    returns: torch.Tensor | None  # gae only: the critic's targets (0 on tool tokens)
+
+
+@dataclass(frozen=True)
+class ModelTokens:
+    """Where a shard's model tokens are among its response tokens (rollout.agent's loss mask). The
+    estimators run on the model tokens alone, as if the tools' were not there: a tool's tokens carry no KL,
+    no value and no reward, GAE's and REINFORCE++'s discounting steps over them, the score lands on the
+    last model token, and whitening counts model tokens only; `expand` puts the results back in the
+    response layout with 0 at every tool token. Without a mask both directions are the identity."""
+
+    keep: list[torch.Tensor] | None  # per sample: indexes of its model tokens within its response
+
+    @staticmethod
+    def of(x: ShardInputs) -> ModelTokens:
+        if x.loss_mask is None:
+            return ModelTokens(None)
+        per_sample = split_per_response(x.loss_mask, x.response_lens)
+        return ModelTokens([m.nonzero().squeeze(1) for m in per_sample])
+
+    def lens(self, response_lens: torch.Tensor) -> list[int]:
+        if self.keep is None:
+            return [int(n) for n in response_lens]
+        return [int(k.numel()) for k in self.keep]
+
+    def take(self, per_sample: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-sample response-token values -> their model tokens' values."""
+        if self.keep is None:
+            return per_sample
+        return [v[k] for v, k in zip(per_sample, self.keep, strict=True)]
+
+    def expand(self, per_sample: list[torch.Tensor], response_lens: torch.Tensor) -> list[torch.Tensor]:
+        """Per-sample model-token values -> the response layout, 0 at tool tokens."""
+        if self.keep is None:
+            return per_sample
+        out = []
+        for v, k, n in zip(per_sample, self.keep, response_lens.tolist(), strict=True):
+            full = torch.zeros(int(n), dtype=v.dtype)
+            full[k] = v
+            out.append(full)
+        return out
 
 
 @dataclass
@@ -89,16 +131,20 @@ def compute(
         before = algorithms.RunningMoments(**(algo.get("score_moments") or {}))
         stats.score_moments = before.merged(reduce(local))
         scores = {s: algorithms.normalise_scores(v, stats.score_moments) for s, v in scores.items()}
+    # Per shard, per sample: over its model tokens only (ModelTokens), laid back out at the end.
     raw: dict[int, list[torch.Tensor]] = {}
     returns: dict[int, list[torch.Tensor]] = {}
+    values: dict[int, list[torch.Tensor]] = {}
+    where = {s: ModelTokens.of(x) for s, x in shards.items()}
     for s, x in shards.items():
-        lens = [int(n) for n in x.response_lens]
+        at = where[s]
+        lens = at.lens(x.response_lens)
         score = scores[s]
         if x.old_logprobs is not None and x.ref_logprobs is not None:
             kl_tok = algorithms.kl_per_token(x.old_logprobs, x.ref_logprobs, kl_kind)
         else:
             kl_tok = torch.zeros(int(x.response_lens.sum()))
-        kls = split_per_response(kl_tok, x.response_lens)
+        kls = at.take(split_per_response(kl_tok, x.response_lens))
         if kl_kind != "k1" and x.old_logprobs is not None and x.ref_logprobs is not None:
             kl_stat = algorithms.kl_per_token(x.old_logprobs, x.ref_logprobs, "k1")  # reported: always k1
         else:
@@ -107,9 +153,8 @@ def compute(
             if x.values is None:
                 raise ValueError("gae needs the critic's values")
             rewards = [algorithms.token_rewards(float(score[i]), kls[i], kl_coef) for i in range(len(kls))]
-            adv = algorithms.gae(
-                rewards, split_per_response(x.values, x.response_lens), gamma, float(algo["lam"])
-            )
+            values[s] = at.take(split_per_response(x.values, x.response_lens))
+            adv = algorithms.gae(rewards, values[s], gamma, float(algo["lam"]))
             raw[s], returns[s] = adv.advantages, adv.returns
         elif est == "grpo":  # groups are whole within a shard: no batch-wide moments needed
             raw[s] = algorithms.grpo(
@@ -123,6 +168,8 @@ def compute(
         else:
             raise ValueError(f"unknown advantage estimator {est!r}")
         vmask = torch.repeat_interleave(x.valid, x.response_lens)
+        if x.loss_mask is not None:  # the KL of the model's tokens: a tool's were not sampled from pi
+            vmask = vmask & (x.loss_mask > 0)
         stats.kl_sum += float(kl_stat[vmask].sum())
         stats.kl_tokens += float(vmask.sum())
         stats.valid += float(x.valid.sum())
@@ -132,18 +179,19 @@ def compute(
     if est in ("grpo", "rloo"):
         for s, x in shards.items():
             stats.zero_advantage_groups += zero_groups(raw[s], x.group, x.valid)
-        for s in shards:
-            out[s] = ShardAdvantages(_cat(raw[s]), None)
+        for s, x in shards.items():
+            out[s] = ShardAdvantages(_cat(where[s].expand(raw[s], x.response_lens)), None)
         return out, stats
     local = torch.zeros(3, dtype=torch.float64)
     for s, x in shards.items():
         local += algorithms.whitening_moments(raw[s], x.valid)
     moments = reduce(local)
     for s, x in shards.items():
-        whitened = algorithms.whiten_with(raw[s], moments, x.valid)
-        out[s] = ShardAdvantages(_cat(whitened), _cat(returns[s]) if est == "gae" else None)
+        whitened = where[s].expand(algorithms.whiten_with(raw[s], moments, x.valid), x.response_lens)
+        targets = _cat(where[s].expand(returns[s], x.response_lens)) if est == "gae" else None
+        out[s] = ShardAdvantages(_cat(whitened), targets)
     if est == "gae":
-        stats.explained_variance = explained_variance(shards, returns, reduce)
+        stats.explained_variance = explained_variance(shards, returns, reduce, values)
     return out, stats
 
 
@@ -160,15 +208,22 @@ def zero_groups(advantages: list[torch.Tensor], group: torch.Tensor, valid: torc
 
 
 def explained_variance(
-    shards: dict[int, ShardInputs], returns: dict[int, list[torch.Tensor]], reduce: Reduce = no_reduce
+    shards: dict[int, ShardInputs],
+    returns: dict[int, list[torch.Tensor]],
+    reduce: Reduce = no_reduce,
+    values: dict[int, list[torch.Tensor]] | None = None,
 ) -> float:
     """1 - Var(returns - values) / Var(returns) over every valid token of the batch: 1 is a perfect
-    critic, 0 one that predicts only the mean, below 0 worse than that (verl's and OpenRLHF's metric)."""
+    critic, 0 one that predicts only the mean, below 0 worse than that (verl's and OpenRLHF's metric).
+    `values`: per shard, per sample, aligned with `returns` (the model tokens'); default the shards'."""
     ret_moments = torch.zeros(3, dtype=torch.float64)
     err_moments = torch.zeros(3, dtype=torch.float64)
     for s, x in shards.items():
-        values = split_per_response(x.values, x.response_lens) if x.values is not None else []
-        errors = [r - v for r, v in zip(returns[s], values, strict=True)]
+        if values is not None:
+            per_sample = values[s]
+        else:
+            per_sample = split_per_response(x.values, x.response_lens) if x.values is not None else []
+        errors = [r - v for r, v in zip(returns[s], per_sample, strict=True)]
         ret_moments += algorithms.whitening_moments(returns[s], x.valid)
         err_moments += algorithms.whitening_moments(errors, x.valid)
     both = reduce(torch.cat([ret_moments, err_moments]))

@@ -21,6 +21,7 @@ import ray
 from rlhf_api.spec import RLHFJobSpec
 
 from rlhf_trainer import dynamic_sampling as dynamic
+from rlhf_trainer.agents.episodes import merge_stats
 from rlhf_trainer.algorithms import AdaptiveKL
 from rlhf_trainer.checkpoint import Checkpointer
 from rlhf_trainer.config import algorithm_wire, eval_sampling, sampling
@@ -32,7 +33,7 @@ from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 from rlhf_trainer.overlap import PhaseWork, run_phases
 from rlhf_trainer.pipeline import Background, admit, busy_seconds, idle_ratio, staleness
 from rlhf_trainer.placement import Placed, shards_of
-from rlhf_trainer.rollout.dispatch import Chunk, ChunkDispatcher, Rollout
+from rlhf_trainer.rollout.dispatch import AgentChunkDispatcher, Chunk, ChunkDispatcher, Rollout
 from rlhf_trainer.rollout.pool import EngineSlot
 from rlhf_trainer.stacks.watchdog import PhaseWatchdog
 from rlhf_trainer.transfer import ChunkMeta, balance_shards, plan_chunks
@@ -79,6 +80,10 @@ class StepReport:
     # by_data_source, prompts, samples, valid_samples, reward_errors, weights_behind (evaluation.EvalTally).
     # None of its samples is in the figures above.
     evaluation: dict[str, Any] = field(default_factory=dict)
+    # rollout.agent: the trained batch's episodes (agents.episodes.episode_stats over every round):
+    # episodes, turns_mean, turns_max, tool_calls, tool_errors, tool_seconds, model_tokens, tool_tokens and
+    # end_<reason> counts. Empty without agents.
+    agent: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,6 +141,7 @@ class Generated:
     generated_tokens: int | None = None  # every round's (dynamic sampling); None: the rollout's
     engines: list[int] | None = None  # the engines every round used (dynamic sampling); None: the rollout's
     dynamic_sampling: dict[str, float] = field(default_factory=dict)
+    agent: dict[str, float] = field(default_factory=dict)  # rollout.agent: every round's episodes' figures
 
 
 @dataclass
@@ -203,8 +209,13 @@ def run_eval(ctx: StepContext, step: int, timer: PhaseTimer, report: StepReport)
         pool.mark_lost(slot, err)
         metrics.set_engines(pool.counts())
 
+    def dispatcher(engines: list[EngineSlot]) -> ChunkDispatcher:  # rollout.agent: the agent's episodes
+        return new_dispatcher(ctx, step, engines, eval_sampling(ctx.spec), engine_lost, timer)
+
     with timer.phase("eval"):
-        tally = evaluate(split, pool, ctx.placed.reward, eval_sampling(ctx.spec), step, engine_lost)
+        tally = evaluate(
+            split, pool, ctx.placed.reward, eval_sampling(ctx.spec), step, engine_lost, dispatcher=dispatcher
+        )
     metrics.evaluated(step, tally.reward_mean, tally.by_source(), tally.errors)
     report.evaluation = tally.report(step, ctx.actor_version - ctx.engine_version)
 
@@ -230,14 +241,17 @@ def generate_round(
     chunks = plan_chunks(len(batch.prompts), shards_of(ctx.spec), len(ctx.placed.pool.ready()))
     t0 = time.monotonic()
     with timer.phase("generation"):  # rewards start as soon as each chunk is generated
-        dispatcher = generate(ctx, step, chunks, batch)
+        dispatcher = generate(ctx, step, chunks, batch, timer)
     t1 = time.monotonic()
     ctx.generating.append((t0, t1))
     with timer.phase("reward"):  # only the part of scoring not hidden behind generation
         # A chunk whose engine was lost after finishing it is generated again here, so the engines sleep
         # (rollout.enableSleep, GPU: they free their memory while models train) only after it.
         rollout, reward_metas = dispatcher.scored()
-    return Generated(step, chunks, rollout, reward_metas, ctx.engine_version, position, batch, t1 - t0)
+    return Generated(
+        step, chunks, rollout, reward_metas, ctx.engine_version, position, batch, t1 - t0,
+        agent=merge_stats([m.agent for m in rollout.metas]),
+    )  # fmt: skip
 
 
 def refill(ctx: StepContext, step: int, timer: PhaseTimer, first: Generated) -> Generated:
@@ -286,9 +300,10 @@ def refill(ctx: StepContext, step: int, timer: PhaseTimer, first: Generated) -> 
         position=rounds[-1].position,
         prompts=first.prompts,
         generating_seconds=sum(g.generating_seconds for g in rounds),
-        generated_tokens=sum(m.response_tokens for g in rounds for m in g.rollout.metas),
+        generated_tokens=sum(m.generated_tokens for g in rounds for m in g.rollout.metas),
         engines=sorted({m.engine for g in rounds for m in g.rollout.metas}),
         dynamic_sampling=stats,
+        agent=merge_stats([g.agent for g in rounds]),
     )
 
 
@@ -351,14 +366,15 @@ def launch(ctx: StepContext, step: int) -> Pending:
     version, done, interval = ctx.engine_version, threading.Event(), [time.monotonic()]
 
     def work() -> Generated:
-        try:
-            dispatcher = generate(ctx, step, chunks, batch)
+        try:  # its own timer: the step training meanwhile times its phases (a tool's shows in /metrics)
+            dispatcher = generate(ctx, step, chunks, batch, PhaseTimer(ctx.metrics))
         finally:
             interval.append(time.monotonic())
             done.set()
         rollout, reward_metas = dispatcher.scored()
         seconds = interval[1] - interval[0]
-        return Generated(step, chunks, rollout, reward_metas, version, position, batch, seconds)
+        agent = merge_stats([m.agent for m in rollout.metas])
+        return Generated(step, chunks, rollout, reward_metas, version, position, batch, seconds, agent=agent)
 
     return Pending(step, Background(work, name=f"rollout-step-{step}"), done, interval)
 
@@ -463,7 +479,7 @@ def train_on(
     gen_tokens = (
         gen.generated_tokens
         if gen.generated_tokens is not None
-        else sum(m.response_tokens for m in rollout.metas)
+        else sum(m.generated_tokens for m in rollout.metas)
     )
     training = training_stats(stats, actor_stats, critic_stats)
     training["kl_coef"] = kl_coef
@@ -493,6 +509,7 @@ def train_on(
         generating_seconds=gen.generating_seconds,
         dynamic_sampling=gen.dynamic_sampling,
         weight_sync=ctx.sync.take_stats(),
+        agent=gen.agent,
     )
 
 
@@ -517,19 +534,54 @@ def pending_interval(pending: Pending, now: float) -> tuple[float, float]:
     return pending.interval[0], pending.interval[1] if len(pending.interval) > 1 else now
 
 
-def generate(ctx: StepContext, step: int, chunks: list[Chunk], batch: PromptBatch) -> ChunkDispatcher:
-    """The generation phase's work: stream the chunks out of the ready engines, scoring each at once.
-    The dispatcher it returns gathers the scores (`scored`), regenerating what a lost engine held."""
+def generate(
+    ctx: StepContext, step: int, chunks: list[Chunk], batch: PromptBatch, timer: PhaseTimer
+) -> ChunkDispatcher:
+    """The generation phase's work: stream the chunks out of the ready engines (or, with rollout.agent,
+    the agent runner's episodes over them), scoring each at once. The dispatcher it returns gathers the
+    scores (`scored`), regenerating what a lost engine held."""
     pool, metrics = ctx.placed.pool, ctx.metrics
 
     def engine_lost(slot: EngineSlot, err: BaseException) -> None:
         pool.mark_lost(slot, err)
         metrics.set_engines(pool.counts())
 
-    dispatcher = ChunkDispatcher(step, pool.ready(), ctx.placed.reward, sampling(ctx.spec), engine_lost)
+    dispatcher = new_dispatcher(ctx, step, pool.ready(), sampling(ctx.spec), engine_lost, timer)
     rollout = dispatcher.run(chunks, batch.prompts, batch.labels, batch.columns)
-    metrics.generated_tokens.labels(ctx.job).inc(sum(m.response_tokens for m in rollout.metas))
+    metrics.generated_tokens.labels(ctx.job).inc(sum(m.generated_tokens for m in rollout.metas))
     return dispatcher
+
+
+def new_dispatcher(
+    ctx: StepContext,
+    step: int,
+    engines: list[EngineSlot],
+    sampling: dict[str, Any],
+    engine_lost: Callable[[EngineSlot, BaseException], None],
+    timer: PhaseTimer,
+) -> ChunkDispatcher:
+    """The chunk dispatcher of a generation (training or evaluation): the engines' own chunks, or with
+    rollout.agent the agent runner's episodes, its tool calls timed as the `tool` phase."""
+    reward = ctx.placed.reward
+    if ctx.placed.agent is None:
+        return ChunkDispatcher(step, engines, reward, sampling, engine_lost)
+    return AgentChunkDispatcher(
+        step, engines, reward, sampling, engine_lost, on_tool=tool_phase(timer), runner=ctx.placed.agent
+    )
+
+
+def tool_phase(timer: PhaseTimer) -> Callable[[bool], None]:
+    """The `tool` phase, in progress while the agent runner reports tool calls running (within generation:
+    the stall alerts name `tool` when a tool hangs)."""
+    started: list[float] = []
+
+    def on_tool(busy: bool) -> None:
+        if busy and not started:
+            started.append(timer.start("tool"))
+        elif not busy and started:
+            timer.stop("tool", started.pop())
+
+    return on_tool
 
 
 def training_stats(
@@ -610,4 +662,6 @@ def record(ctx: StepContext, report: StepReport) -> None:
             m.logprob_gap.labels(ctx.job, stat).set(t[f"logprob_gap_{stat}"])
     m.trainer_idle_ratio.labels(ctx.job).set(report.trainer_idle_ratio)
     m.rollout_idle_ratio.labels(ctx.job).set(report.rollout_idle_ratio)
+    if report.agent:
+        m.agent_step(report.agent)
     m.step_done(report.phase_seconds, report.step_seconds)

@@ -27,8 +27,11 @@ PHASES = (
     "weight_sync",
     "checkpoint",
     "eval",  # the evaluation split (spec.evaluation), after the step's training: never a training sample
+    "tool",  # rollout.agent: tool calls running, within generation (a hung tool is named by the alerts)
 )
 ENGINE_STATES = ("starting", "ready", "failed", "stopping")
+# Why an agent episode ended (agents.contract.END_REASONS): rlhf_agent_episodes_total's end_reason values
+AGENT_END_REASONS = ("done", "max_turns", "token_budget", "tool_timeout", "tool_error", "agent_error")
 STALE_ACTIONS = ("regenerated", "dropped")
 L = "rlhfjob"
 
@@ -192,6 +195,32 @@ class TrainerExporter:
             [L],
             registry=r,
         )
+        # rollout.agent's episodes in the last step (created by `agentic`, so a job without agents shows none)
+        self.agent_turns = Gauge(
+            "rlhf_agent_turns_per_episode", "Mean model turns per episode in the last step", [L], registry=r
+        )
+        self.agent_tool_calls = Gauge(
+            "rlhf_agent_tool_calls", "Tool calls of the last step's episodes", [L], registry=r
+        )
+        self.agent_tool_errors = Gauge(
+            "rlhf_agent_tool_errors",
+            "Tool calls of the last step's episodes that raised or ran past tool.timeoutSeconds",
+            [L],
+            registry=r,
+        )
+        self.agent_tool_seconds = Gauge(
+            "rlhf_agent_tool_seconds",
+            "Seconds the last step's tool calls ran, summed over the calls",
+            [L],
+            registry=r,
+        )
+        self.agent_episodes = Counter(
+            "rlhf_agent_episodes",
+            "Agent episodes by why they ended (done, max_turns, token_budget, tool_timeout, tool_error, "
+            "agent_error)",
+            [L, "end_reason"],
+            registry=r,
+        )
         # Create every labelled child now so /metrics shows the full contract from the first scrape.
         for phase in PHASES:
             self.step_phase_seconds.labels(job, phase)
@@ -259,6 +288,22 @@ class TrainerExporter:
     def checkpointed(self, step: int) -> None:
         """A checkpoint of `step` was written, or the run resumed from it."""
         self.last_checkpoint_step.labels(self.job).set(step)
+
+    def agentic(self) -> None:
+        """The job runs agent episodes (rollout.agent): its series exist from the first scrape."""
+        for g in (self.agent_turns, self.agent_tool_calls, self.agent_tool_errors, self.agent_tool_seconds):
+            g.labels(self.job)
+        for reason in AGENT_END_REASONS:
+            self.agent_episodes.labels(self.job, reason)
+
+    def agent_step(self, stats: dict[str, float]) -> None:
+        """A step's episode figures (agents.episodes.episode_stats, merged over its chunks)."""
+        self.agent_turns.labels(self.job).set(stats.get("turns_mean", 0.0))
+        self.agent_tool_calls.labels(self.job).set(stats.get("tool_calls", 0.0))
+        self.agent_tool_errors.labels(self.job).set(stats.get("tool_errors", 0.0))
+        self.agent_tool_seconds.labels(self.job).set(stats.get("tool_seconds", 0.0))
+        for reason in AGENT_END_REASONS:
+            self.agent_episodes.labels(self.job, reason).inc(stats.get(f"end_{reason}", 0.0))
 
     def evaluated(self, step: int, reward_mean: float, by_source: dict[str, float], errors: int) -> None:
         """An evaluation after `step`: its mean reward, per data_source, and its reward errors."""

@@ -20,7 +20,14 @@ from rlhf_api.constants import POD_SLOTS_ENV, ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from rlhf_api.spec import RLHFJobSpec
 
 from rlhf_trainer import device_plan
-from rlhf_trainer.config import InputError, data_parallel_size, engine_options, model_settings
+from rlhf_trainer.agents.runner import AgentRunner
+from rlhf_trainer.config import (
+    InputError,
+    agent_options,
+    data_parallel_size,
+    engine_options,
+    model_settings,
+)
 from rlhf_trainer.device import DeviceInfo
 from rlhf_trainer.device_plan import DevicePlan, Observed, Pool, Process
 from rlhf_trainer.groups import RayGroup, Resources, in_bundle, make_pool
@@ -42,6 +49,7 @@ class Placed:
     pids: dict[str, int] = field(default_factory=dict)  # "<group>/<rank>" and "reward" -> pid, by start()
     plan: DevicePlan | None = None  # the device plan the processes were placed by
     plan_spec: RLHFJobSpec | None = None
+    agent: Any = None  # the AgentRunner actor handle (rollout.agent), else None
 
     @property
     def actor(self) -> RayGroup:
@@ -95,6 +103,9 @@ class Placed:
         for g in self.groups:
             with contextlib.suppress(Exception):
                 g.shutdown()
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.agent)
         self.pool.shutdown()
 
 
@@ -205,7 +216,20 @@ def place(spec: RLHFJobSpec, info: DeviceInfo, log: Callable[[str], None]) -> Pl
         engine_placer(spec, plan, pgs, cpus, info),
         spec.rollout.tensor_parallel_size,
     )
-    return Placed(tuple(groups), roles, sequence_parallel, pool, reward, plan=plan, plan_spec=spec)
+    agent = place_agent_runner(spec, env)
+    return Placed(
+        tuple(groups), roles, sequence_parallel, pool, reward, plan=plan, plan_spec=spec, agent=agent
+    )
+
+
+def place_agent_runner(spec: RLHFJobSpec, env: dict[str, str]) -> Any:
+    """rollout.agent's runner: an async actor holding no device (it waits on the engines and runs tools in
+    its threads), or None without an agent."""
+    options = agent_options(spec)
+    if options is None:
+        return None
+    runner: Any = ray.remote(AgentRunner)
+    return runner.options(num_cpus=0, runtime_env={"env_vars": env} if env else None).remote(options)
 
 
 def engine_placer(
@@ -292,6 +316,8 @@ def start(placed: Placed, spec: RLHFJobSpec, metrics: TrainerExporter, log: Call
             + ", ".join(f"{r} {'on' if on else 'OFF'}" for r, on in sorted(packing.items()))
         )
     placed.pids["reward"] = int(ray.get(placed.reward.ready.remote())["pid"])
+    if placed.agent is not None:  # its agent function loads here: a bad rollout.agent fails the start
+        placed.pids["agent"] = int(ray.get(placed.agent.ready.remote())["pid"])
     placed.pool.wait_ready()
     check_devices(placed, log)
     placed.actor.get("weight_plan", spec.weight_sync.bucket_size_mib * 1024 * 1024)

@@ -29,6 +29,13 @@ class ChunkMeta:
     response_tokens: int
     seconds: float
     digest: str = ""  # of the chunk's token ids (PackedRollout.digest)
+    # rollout.agent: the chunk's episode figures (agents.episodes.episode_stats); empty without agents
+    agent: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def generated_tokens(self) -> int:
+        """The response tokens the engines generated: a tool's tokens (rollout.agent) are not."""
+        return self.response_tokens - int(self.agent.get("tool_tokens", 0))
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,18 @@ class FinishedRequest:
     prompt: Prompt
     responses: list[str]
     label: object = None
+    # rollout.agent, per sample: the agent's own reward (None: the job's reward scores the response) and
+    # why the agent failed ("": it did not; a failed sample is scored as a reward error). Empty: no agent.
+    rewards: tuple[float | None, ...] = ()
+    failures: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolActivity:
+    """rollout.agent: whether tool calls are running now (`busy`), streamed when that changes so the
+    driver marks the `tool` phase in progress while one runs (a hung tool names it in the stall alert)."""
+
+    busy: bool
 
 
 @dataclass
@@ -49,7 +68,9 @@ class PackedRollout:
 
     tokens: int64 [sum(seq_lens)]; seq_lens / prompt_lens: int64 [n]; group: int64 [n] (the prompt a
     sample belongs to, global in the step, for group baselines); rollout_logprobs: float32 over response
-    tokens only, [sum(seq_lens - prompt_lens)].
+    tokens only, [sum(seq_lens - prompt_lens)]. loss_mask (rollout.agent), laid out like rollout_logprobs:
+    1.0 for a token the model sampled, 0.0 for one a tool or the environment added; None: every response
+    token is the model's (`model_mask()` gives it either way).
     """
 
     tokens: torch.Tensor
@@ -61,6 +82,7 @@ class PackedRollout:
     responses: list[str] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)
     labels: list[object] = field(default_factory=list)
+    loss_mask: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -70,6 +92,23 @@ class PackedRollout:
     def response_lens(self) -> torch.Tensor:
         return self.seq_lens - self.prompt_lens
 
+    def model_mask(self) -> torch.Tensor:
+        """The loss mask over response tokens (float32, packed like rollout_logprobs): ones without one."""
+        if self.loss_mask is not None:
+            return self.loss_mask
+        return torch.ones(int(self.response_lens.sum()), dtype=torch.float32)
+
+    @property
+    def model_lens(self) -> torch.Tensor:
+        """Each sample's model tokens (int64 [n]): what a loss is taken over; response_lens without a mask."""
+        if self.loss_mask is None:
+            return self.response_lens
+        owner = torch.repeat_interleave(torch.arange(self.num_samples), self.response_lens)
+        counts = torch.zeros(self.num_samples, dtype=torch.float64).index_add_(
+            0, owner, self.loss_mask.double()
+        )
+        return counts.round().to(torch.int64)
+
     def offsets(self) -> torch.Tensor:
         return torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens]), 0)
 
@@ -77,9 +116,10 @@ class PackedRollout:
         """A short hash of the token ids, prompts and responses together (reproducibility checks)."""
         import hashlib
 
-        data = b"".join(
-            t.to(torch.int64).numpy().tobytes() for t in (self.seq_lens, self.prompt_lens, self.tokens)
-        )
+        parts = [self.seq_lens, self.prompt_lens, self.tokens]
+        if self.loss_mask is not None:  # which tokens a tool added is part of what is trained
+            parts.append(self.loss_mask)
+        data = b"".join(t.to(torch.int64).numpy().tobytes() for t in parts)
         return hashlib.blake2b(data, digest_size=8).hexdigest()
 
     def nbytes(self) -> int:
@@ -95,8 +135,10 @@ class PackedRollout:
         responses: Sequence[str] = (),
         finished: Sequence[bool] = (),
         labels: Sequence[object] = (),
+        loss_masks: Sequence[Sequence[int]] | None = None,
     ) -> PackedRollout:
-        """samples: (prompt_ids, response_ids, response_logprobs) per sample."""
+        """samples: (prompt_ids, response_ids, response_logprobs) per sample; loss_masks (rollout.agent):
+        per sample, 1 or 0 per response token (None: no loss mask, every response token the model's)."""
         flat: list[int] = []
         lps: list[float] = []
         seq_lens, prompt_lens = [], []
@@ -116,6 +158,9 @@ class PackedRollout:
             responses=list(responses),
             finished=list(finished),
             labels=list(labels),
+            loss_mask=None
+            if loss_masks is None
+            else torch.tensor([float(m) for ms in loss_masks for m in ms], dtype=torch.float32),
         )
 
     @staticmethod
@@ -132,6 +177,9 @@ class PackedRollout:
             responses=[s for p in parts for s in p.responses],
             finished=[f for p in parts for f in p.finished],
             labels=[x for p in parts for x in p.labels],
+            loss_mask=torch.cat([p.model_mask() for p in parts])
+            if any(p.loss_mask is not None for p in parts)
+            else None,
         )
 
     def select(self, idx: Sequence[int]) -> PackedRollout:
@@ -140,6 +188,11 @@ class PackedRollout:
         resp_off = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), self.response_lens]), 0)
         tokens = [self.tokens[int(off[i]) : int(off[i + 1])] for i in idx]
         lps = [self.rollout_logprobs[int(resp_off[i]) : int(resp_off[i + 1])] for i in idx]
+        masks = (
+            [self.loss_mask[int(resp_off[i]) : int(resp_off[i + 1])] for i in idx]
+            if self.loss_mask is not None
+            else None
+        )
         ix = torch.tensor(list(idx), dtype=torch.int64)
         return PackedRollout(
             tokens=torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64),
@@ -151,6 +204,7 @@ class PackedRollout:
             responses=[self.responses[i] for i in idx] if self.responses else [],
             finished=[self.finished[i] for i in idx] if self.finished else [],
             labels=[self.labels[i] for i in idx] if self.labels else [],
+            loss_mask=None if masks is None else (torch.cat(masks) if masks else torch.zeros(0)),
         )
 
     def micro_batches(self, size: int, by_tokens: bool = False) -> Iterator[tuple[int, int]]:

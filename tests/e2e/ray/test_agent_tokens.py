@@ -62,7 +62,7 @@ def main(model: str) -> None:
         )  # fmt: skip
 
     single = run(single_turn, 1)
-    agentic, _ = pack_trajectories(single, [0, 1, 2], prompts)
+    agentic = pack_trajectories(single, [0, 1, 2], prompts)
 
     async def two_turns(episode: Episode) -> Trajectory:
         await episode.generate(max_tokens=12)

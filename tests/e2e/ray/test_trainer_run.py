@@ -371,42 +371,6 @@ def test_preemption_saves_or_keeps_a_checkpoint_and_the_next_run_resumes_after_i
     )
 
 
-def test_async_grpo_trains_on_batches_generated_during_the_last_step(
-    tiny: Path, tmp_path: Path, ray_tmp: Path
-) -> None:
-    """algorithm.async (issue 19): from step 2 each batch was generated while the previous step trained,
-    with the weights one optimizer step older (staleness 1), and the decoupled-PPO correction weighs it;
-    the checkpoint records the data position of the trained batches, not of the one drawn ahead."""
-    port, ckpt = free_port(), tmp_path / "ckpt"
-    sets = [*tiny_sets(tiny, ckpt), *GRPO, "algorithm.async.enabled=true", "algorithm.totalSteps=4",
-            "checkpoint.intervalSteps=2"]  # fmt: skip
-    run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.summary is not None
-    steps = run.summary["steps"]
-    assert [x["staleness"] for x in steps] == [0, 1, 1, 1]  # the first batch had nothing to overlap
-    assert all(x["stale_samples"] == 0 for x in steps)
-    for x in steps[1:]:
-        # generated in the background: the step waited for less than the engines took to generate it
-        assert x["phase_seconds"]["generation"] < x["generating_seconds"], x
-        # a weight sync per step, at the next step's start (the engines idle between batches)
-        assert x["weight_sync_bytes"] > 0 and "weight_sync" in x["phase_seconds"], x
-        weight = x["training"]["behaviour_weight_mean"]  # pi_prox / pi_behav, one step apart
-        assert 0.5 < weight < 2.0 and weight != 1.0, x
-    # the engines generated during steps 2 and 3 (the next batch); the last step launches none
-    assert all(x["rollout_idle_ratio"] < 1.0 for x in steps[1:-1]), steps
-    for x in steps:
-        print({k: x[k] for k in ("step", "staleness", "generating_seconds", "trainer_idle_ratio",
-                                 "rollout_idle_ratio")}, x["phase_seconds"])  # fmt: skip
-    # 4 batches of 16 prompts trained; the step-2 checkpoint does not count the batch drawn ahead
-    assert run.summary["data_position"] == {"epoch": 0, "offset": 4 * 16}
-    state = json.loads((ckpt / "step-00000002" / "trainer_state.json").read_text())
-    assert state["data"] == {"epoch": 0, "offset": 2 * 16}, state["data"]
-    last = run.scrapes[-1]
-    assert _value(last, "rlhf_sample_staleness_count") >= 3, last
-    assert _value(last, "rlhf_trainer_idle_ratio") < 1.0
-
-
 def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Path, ray_tmp: Path) -> None:
     """A reward that raises on some samples: skipSample trains on the others and counts them; failStep
     fails the step and saves nothing. The skipSample run (10 steps) is also the delta weight sync's run

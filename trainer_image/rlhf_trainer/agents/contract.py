@@ -13,12 +13,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from rlhf_trainer.metrics import AGENT_END_REASONS
 from rlhf_trainer.user_code import load_callable
 
 # Why an episode ended. `done`: the agent finished; `max_turns` / `token_budget`: a limit stopped it (an
 # `EpisodeLimit` the agent let through); `tool_timeout` / `tool_error`: a tool failed (ToolFailure);
 # `agent_error`: the agent function itself raised (the trajectory is marked invalid and counted).
-END_REASONS = ("done", "max_turns", "token_budget", "tool_timeout", "tool_error", "agent_error")
+# (The label values of rlhf_agent_episodes_total{end_reason}: one tuple, in metrics.)
+END_REASONS = AGENT_END_REASONS
 
 
 @dataclass(frozen=True)

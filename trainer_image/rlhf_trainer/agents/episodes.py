@@ -9,7 +9,7 @@ choose engines (agents.dispatch does) nor build trainer samples (agents.samples 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,12 +65,16 @@ async def rollout_episodes(
     codec: TextCodec,
     limits: Limits,
     sampling: SamplingParams,
-    tool_timeout: float,
+    tool_timeout: float = 30.0,
+    tools: ToolRunner | None = None,
     dispatcher: EpisodeDispatcher[EpisodeJob, Trajectory] | None = None,
+    on_done: Callable[[EpisodeJob, Trajectory], None] | None = None,
 ) -> list[Trajectory]:
-    """Every job's trajectory, in job order. The tool pool has a thread per episode that can run at once."""
+    """Every job's trajectory, in job order; `on_done(job, trajectory)` as each one ends. `tools`: the
+    pool the episodes share (the agent runner keeps one across steps); None: a pool of this call's own,
+    a worker per episode that can run at once, `tool_timeout` each."""
     dispatch = dispatcher or EpisodeDispatcher[EpisodeJob, Trajectory](engines, per_engine)
-    tools = ToolRunner(threads=len(dispatch.engines) * dispatch.per_engine, timeout=tool_timeout)
+    pool = tools or ToolRunner(threads=len(dispatch.engines) * dispatch.per_engine, timeout=tool_timeout)
 
     async def work(client: EngineClient, job: EpisodeJob) -> Trajectory:
         episode = Episode(
@@ -78,16 +82,35 @@ async def rollout_episodes(
             prompt_ids=list(job.prompt_ids),
             client=client,
             codec=codec,
-            tools=tools,
+            tools=pool,
             limits=limits,
             sampling=replace(sampling, seed=job.seed),
         )
-        return await run_episode(agent, episode)
+        trajectory = await run_episode(agent, episode)
+        if on_done is not None:
+            on_done(job, trajectory)
+        return trajectory
 
     try:
         return await dispatch.run(jobs, work)
     finally:
-        tools.shutdown()
+        if tools is None:
+            pool.shutdown()
+
+
+def merge_stats(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Chunks' episode_stats as one step's: totals added, turns_mean weighted by episodes, turns_max the
+    largest. Empty when no part has any (a step without agents)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    out: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = max(out.get(k, 0.0), v) if k == "turns_max" else out.get(k, 0.0) + v
+    episodes = sum(p["episodes"] for p in parts)
+    out["turns_mean"] = sum(p["turns_mean"] * p["episodes"] for p in parts) / max(episodes, 1.0)
+    return out
 
 
 def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:

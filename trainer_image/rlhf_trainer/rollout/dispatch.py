@@ -13,14 +13,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
 from rlhf_trainer.data import Columns, Prompt
 from rlhf_trainer.rollout.pool import EngineSlot
-from rlhf_trainer.transfer import ChunkMeta, FinishedRequest
+from rlhf_trainer.transfer import ChunkMeta, FinishedRequest, ToolActivity
 
 Chunk = tuple[int, int, list[int]]  # (shard, engine, prompt indices), transfer.plan_chunks
 ChunkJob = dict[str, Any]  # one chunk as an engine's generate_chunks reads it
@@ -85,6 +85,11 @@ class ChunkDispatcher:
     # chunk -> its prompts' row columns, in request order: they go to the scorer with each finished
     # request, never through the engines
     columns: dict[int, list[Columns]] = field(default_factory=dict)
+    # rollout.agent: told when tool calls start (True) and stop (False) running (the `tool` phase)
+    on_tool: Callable[[bool], None] | None = None
+    send_columns: ClassVar[bool] = (
+        False  # whether a chunk's job carries its rows' columns (an agent reads them)
+    )
 
     def run(
         self,
@@ -106,8 +111,10 @@ class ChunkDispatcher:
                 "groups": list(idx),
                 "labels": [labels[i] for i in idx],
             }
-            self.assigned.setdefault(engine, []).append(job)
             self.columns[c] = [columns[i] for i in idx] if columns else [{} for _ in idx]
+            if self.send_columns:
+                job["columns"] = self.columns[c]
+            self.assigned.setdefault(engine, []).append(job)
         for e, batch in self.assigned.items():
             self._launch(e, list(batch))  # a stream's own chunks: `assigned` grows when chunks move
         return self._drain()
@@ -184,7 +191,7 @@ class ChunkDispatcher:
         e, batch = self.streams[stream]
         try:
             ref = next(stream)
-            item: FinishedRequest | ChunkMeta = self.ray_seam.get(ref)  # small: texts or metadata
+            item: FinishedRequest | ChunkMeta | ToolActivity = self.ray_seam.get(ref)  # small: no tokens
             packed_ref = next(stream) if isinstance(item, ChunkMeta) else None
         except StopIteration:
             del self.streams[stream]
@@ -194,6 +201,10 @@ class ChunkDispatcher:
             return
         except self.ray_seam.gone as err:
             self._engine_lost(e, err)
+            return
+        if isinstance(item, ToolActivity):
+            if self.on_tool is not None:
+                self.on_tool(item.busy)
             return
         if isinstance(item, FinishedRequest):  # the scorer reads the texts from `ref`, not from here
             scores = self.reward.score_request.remote(ref, self.columns[item.chunk][item.request])
@@ -246,3 +257,40 @@ class ChunkDispatcher:
             f"step {self.step}: rollout engine {self.engines[e].index} lost ({type(err).__name__}); "
             f"{len(redo)} chunk(s) generated again on engine(s) {sorted(self.engines[t].index for t in moved)}"
         )
+
+
+@dataclass
+class AgentChunkDispatcher(ChunkDispatcher):
+    """rollout.agent: the step's chunks all go to the agent runner in one stream, which runs every sample as
+    an episode started on the least-loaded engine (agents.dispatch), not in static chunks, and streams back
+    what an engine would (requests for the reward, then each chunk's meta and packed rollout). Scoring,
+    assembly and the ranks' shards are the single-turn path's. An engine lost mid-step fails the step (the
+    operator restarts it from the last checkpoint): an episode is not resumed on another engine."""
+
+    runner: Any = None  # the AgentRunner actor handle
+    send_columns: ClassVar[bool] = True
+
+    def run(
+        self,
+        chunks: Sequence[Chunk],
+        prompts: Sequence[Prompt],
+        labels: Sequence[Any],
+        columns: Sequence[Columns] = (),
+    ) -> Rollout:
+        one_stream = [(shard, 0, idx) for shard, _, idx in chunks]  # the runner picks engines per episode
+        try:
+            return super().run(one_stream, prompts, labels, columns)
+        finally:  # the stream ends the tool phase itself; a failed one must not leave it in progress
+            if self.on_tool is not None:
+                self.on_tool(False)
+
+    def _launch(self, e: int, batch: list[ChunkJob]) -> None:
+        engines = [(slot.index, slot.handle) for slot in self.engines]
+        sampling = {**self.sampling, "step": self.step}
+        stream = self.runner.generate_chunks.options(num_returns="streaming").remote(batch, sampling, engines)
+        self.streams[stream] = (e, batch)
+
+    def _engine_lost(self, e: int, err: BaseException) -> None:
+        raise RuntimeError(
+            f"step {self.step}: agentic rollout lost its stream or an engine ({type(err).__name__}: {err})"
+        ) from err

@@ -102,7 +102,9 @@ def _plural(role: str, n: int) -> str:
     """`actor ranks`, `rollout engines`, `reward scorers`: what `n` processes of a role are called."""
     if role in ("actor", "critic", "reference"):
         return f"{role} rank" + ("s" if n != 1 else "")
-    noun = {"engine": "rollout engine", "reward": "reward scorer"}.get(role, f"{role} process")
+    noun = {"engine": "rollout engine", "reward": "reward scorer", "agent": "agent runner"}.get(
+        role, f"{role} process"
+    )
     return noun + ("es" if noun.endswith("process") and n != 1 else "s" if n != 1 else "")
 
 
@@ -115,7 +117,7 @@ def verdict(snapshot: dict[str, Any]) -> list[str]:
     by_role: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for p in snapshot.get("processes") or []:
         by_role[p.get("role") or "other"].append(p)
-    order = ["driver", "actor", "critic", "reference", "engine", "reward"]
+    order = ["driver", "actor", "critic", "reference", "engine", "agent", "reward"]
     lines = []
     for role in sorted(by_role, key=lambda r: (order.index(r) if r in order else len(order), r)):
         procs = sorted(by_role[role], key=lambda p: (p.get("rank") is None, p.get("rank") or 0, p["pid"]))

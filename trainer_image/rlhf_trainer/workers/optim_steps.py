@@ -63,16 +63,16 @@ def plan(
     group holds the same samples, so the sum counts them sp_size times: divided out here. `by_tokens`
     (packing): each mini-batch's micro-batches balanced by tokens (PackedRollout.mini_batches)."""
     batches = rollout.mini_batches(mini_batches, micro_batch, by_tokens)
-    lens = rollout.response_lens
+    counted = rollout.model_lens  # the loss's tokens: a tool's tokens (rollout.agent) are not among them
     local = torch.tensor(
         [
-            algorithms.sample_normaliser(lens[mb[0][0] : mb[-1][1]], valid[mb[0][0] : mb[-1][1]], mode)
+            algorithms.sample_normaliser(counted[mb[0][0] : mb[-1][1]], valid[mb[0][0] : mb[-1][1]], mode)
             for mb in batches
         ],
         dtype=torch.float64,
     )
     totals = all_reduce_sum(local, device) / sp_size
-    offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), lens]), 0)
+    offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), rollout.response_lens]), 0)
     return OptimSteps(batches, [float(x) for x in totals], float(world_size() * grad_accum), offsets, device)
 
 
@@ -98,6 +98,6 @@ def for_engine(
 
 
 def sequence_tokens(rollout: PackedRollout, valid: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Each sample's valid response-token count (0 for an invalid one), for the seq-mean modes when a
-    rank holds only some columns of each sequence (sequence parallelism)."""
-    return rollout.response_lens[start:end] * valid[start:end].to(torch.int64)
+    """Each sample's valid model-token count (0 for an invalid one; a tool's tokens never count), for the
+    seq-mean modes when a rank holds only some columns of each sequence (sequence parallelism)."""
+    return rollout.model_lens[start:end] * valid[start:end].to(torch.int64)

@@ -104,7 +104,9 @@ class PolicyModel(ResponseScorer, TrainedRole):
         padded path's. `old_logprobs` None: the training pass's own detached log-probs
         (config.old_logprobs_redundant: one epoch of one mini-batch is on-policy, the ratio is 1). With
         `loss.correction` each token's loss is weighted by pi_prox / pi_behav, the behaviour log-probs
-        being the engine's (the kernels' gap; in async mode also the older weights)."""
+        being the engine's (the kernels' gap; in async mode also the older weights). A rollout with a loss
+        mask (rollout.agent) trains its model tokens only: a tool's tokens get exactly zero gradient and
+        count in no normaliser or statistic."""
         cfg = loss or PolicyLoss()
         steps = optim_steps.for_engine(
             self.engine, self.sp, int(self.s["grad_accum"]), rollout, valid,
@@ -115,6 +117,7 @@ class PolicyModel(ResponseScorer, TrainedRole):
         # mini-batch, before any update), 7 the rollout weights' sum and 8 the tokens the correction dropped,
         # 9 tokens where the dual clip binds, 10 entropy over tokens
         sums = torch.zeros(11, dtype=torch.float64)
+        model_tokens = rollout.model_mask()  # rollout.agent: a tool's tokens are 0, trained on by nothing
         first_ratio_dev = 0.0  # |ratio - 1| on the first micro-batch: dropout or a stale old log-prob shows
         gaps: list[torch.Tensor] = []  # trainer - engine log-prob per token of the first mini-batch
         t0 = time.perf_counter()
@@ -127,7 +130,8 @@ class PolicyModel(ResponseScorer, TrainedRole):
                         entropy_grad=cfg.entropy_coef > 0, packed=self.packing,
                     )  # fmt: skip
                     lp, act = out.values, out.mask
-                    mask = act * valid[s:e].float().unsqueeze(1).to(act.device)
+                    # the loss, its normaliser, the KL, the entropy and the gap figures: model tokens only
+                    mask = act * valid[s:e].float().unsqueeze(1).to(act.device) * out.local(model_tokens[sl])
                     old = out.local(old_logprobs[sl]) if old_logprobs is not None else lp.detach()
                     adv = out.local(advantages[sl])
                     if cfg.policy_loss == "gspo":

@@ -196,6 +196,7 @@ class ModelRank:
                 valid=torch.cat([r.valid for r in results]),
                 response_lens=rollout.response_lens,
                 group=rollout.group,
+                loss_mask=rollout.loss_mask,
                 old_logprobs=self.local[s].get("old_logprobs"),
                 ref_logprobs=ref_lp.get(s),
                 values=values.get(s),
@@ -251,7 +252,7 @@ class ModelRank:
             mini_batches=int(algo.get("mini_batches", 1)),
             loss=PolicyLoss.from_wire(algo),
         )
-        stats["trained_tokens"] = float(r.response_lens.sum()) * int(algo["epochs"]) if self.reports else 0.0
+        stats["trained_tokens"] = float(r.model_lens.sum()) * int(algo["epochs"]) if self.reports else 0.0
         return stats
 
     def train_critic(self, returns_refs: list[Any], algo: dict[str, Any]) -> dict[str, float]:

@@ -185,7 +185,34 @@ class RewardScorer:
             [request.label] * n,
             [columns or {}] * n,
         )
-        return self._score(request.chunk, request.request, batch)
+        if not request.rewards and not request.failures:
+            return self._score(request.chunk, request.request, batch)
+        return self._score_episodes(request, batch)
+
+    def _score_episodes(self, request: FinishedRequest, batch: Batch) -> RequestScores:
+        """rollout.agent's samples: an agent's own reward is taken (checked like a reward's), a failed agent's
+        sample is a reward error with the agent's message, and the job's reward scores the others."""
+        t0 = time.perf_counter()
+        n = len(request.responses)
+        failures = request.failures or ("",) * n
+        own = request.rewards or (None,) * n
+        need = [k for k in range(n) if not failures[k] and own[k] is None]
+        scores: list[float | None] = [None] * n
+        messages = [f for f in failures if f]
+        if need:
+            scored = self._score(request.chunk, request.request, _take(batch, need))
+            for k, v in zip(need, scored.scores, strict=True):
+                scores[k] = v
+            messages += scored.messages
+        given = [k for k in range(n) if not failures[k] and own[k] is not None]
+        checked, msg = checked_scores([own[k] for k in given], len(given))
+        for k, v in zip(given, checked, strict=True):
+            scores[k] = v
+        if msg:
+            messages.append(f"agent reward: {msg}")
+        return RequestScores(
+            request.chunk, request.request, scores, messages[:MAX_MESSAGES], time.perf_counter() - t0
+        )
 
     def assemble(
         self, chunk: int, packed: PackedRollout, *requests: RequestScores

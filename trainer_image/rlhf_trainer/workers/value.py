@@ -65,6 +65,7 @@ class ValueModel(TrainedRole):
             mini_batches=mini_batches, micro_batch=micro_batch, mode=aggregation, by_tokens=self.packing,
         )  # fmt: skip
         total = torch.zeros(1, dtype=torch.float64)
+        model_tokens = rollout.model_mask()  # rollout.agent: no value loss on a tool's tokens
         first_value_dev = 0.0  # |V - V_old| on the first micro-batch: dropout in the critic shows here
         t0 = time.perf_counter()
         for epoch in range(epochs):
@@ -73,6 +74,7 @@ class ValueModel(TrainedRole):
                     sl = steps.tokens(s, e)
                     out = token_values(self.engine, rollout, s, e, self.pad_id, self.sp, packed=self.packing)
                     mask = out.mask * valid[s:e].float().unsqueeze(1).to(out.mask.device)
+                    mask = mask * out.local(model_tokens[sl])
                     old = out.local(old_values[sl])
                     if epoch == 0 and m == 0 and s == 0 and bool(mask.any()):
                         first_value_dev = float((out.values.detach() - old).abs()[mask > 0].max())
