@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE_EXEC = ROOT / "examples" / "agents" / "code_exec.py"
-QUICK = {"cpu_seconds": 1, "wall_seconds": 3.0}  # limits small enough for a unit test
+QUICK = {"cpu_seconds": 1, "wall_seconds": 10.0}  # a second of CPU; the wall limit only for what hangs
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +60,14 @@ def test_output_is_cut_at_output_bytes(sandbox: Any) -> None:
 
 
 def test_an_infinite_loop_is_killed_by_the_cpu_limit(sandbox: Any) -> None:
-    r = run(sandbox, "while True:\n    pass", wall_seconds=30.0)
-    assert (r.exit_code, r.killed) == (None, "CPU time")
-    assert r.seconds < 5  # 1 s of CPU, not the 30 s wall limit
+    r = run(sandbox, "while True:\n    pass", wall_seconds=60.0)
+    assert (r.exit_code, r.killed) == (None, "CPU time")  # 1 s of CPU, long before the wall limit
 
 
 def test_a_sleeping_program_is_killed_by_the_wall_limit_with_its_children(sandbox: Any) -> None:
-    r = run(sandbox, "import time\nprint('started', flush=True)\ntime.sleep(60)", wall_seconds=1.0)
+    r = run(sandbox, "import time\nprint('started', flush=True)\ntime.sleep(60)", wall_seconds=3.0)
     assert (r.exit_code, r.killed, r.output) == (None, "wall time", "started\n")
-    assert 1.0 <= r.seconds < 3
+    assert 3.0 <= r.seconds < 10
 
 
 @pytest.mark.parametrize(
@@ -168,13 +166,14 @@ def test_the_working_directory_is_fresh_and_removed(sandbox: Any) -> None:
 # ---- the agent: tool tokens, and a killed program is the episode's tool error, never the step's -----------
 
 
-def episode(script: list[str], tool_timeout: float = 10.0, max_turns: int = 4) -> Trajectory:
+def episode(sandbox: Any, script: list[str], tool_timeout: float = 10.0, max_turns: int = 4) -> Trajectory:
+    """One episode of the example's agent (the fixture's module: its LIMITS are the ones a test sets)."""
     codec = CharCodec()
     turns = iter(script)
     client = ScriptedEngineClient(lambda _ids, _p: (codec.encode(next(turns)), 0.0))
     (t,) = asyncio.run(
         rollout_episodes(
-            load_agent_function(f"{CODE_EXEC}:run_episode"), [EpisodeJob(0, {"prompt": "Q"}, codec.encode("Q:"))],
+            sandbox.run_episode, [EpisodeJob(0, {"prompt": "Q"}, codec.encode("Q:"))],
             [client], per_engine=1, codec=codec, limits=Limits(max_turns, 400),
             sampling=SamplingParams(max_tokens=200), tool_timeout=tool_timeout,
         )
@@ -183,9 +182,12 @@ def episode(script: list[str], tool_timeout: float = 10.0, max_turns: int = 4) -
     return t
 
 
-def test_the_agent_appends_the_programs_output_as_tool_tokens_and_generates_again() -> None:
+def test_the_agent_appends_the_programs_output_as_tool_tokens_and_generates_again(sandbox: Any) -> None:
+    assert (
+        load_agent_function(f"{CODE_EXEC}:run_episode").__name__ == "run_episode"
+    )  # as rollout.agent loads it
     call = "Let me compute.\n```python\nprint(6 * 7)\n```\n"
-    t = episode([call, "Answer: 42"])
+    t = episode(sandbox, [call, "Answer: 42"])
     tool = "```output\n42\n\n```\n"
     assert t.text == call + tool + "Answer: 42"
     assert (t.turns, t.tool_calls, t.tool_errors, t.end_reason) == (2, 1, 0, "done")
@@ -195,11 +197,9 @@ def test_the_agent_appends_the_programs_output_as_tool_tokens_and_generates_agai
 def test_an_infinite_loop_is_a_tool_error_of_its_episode_and_the_episode_goes_on(
     sandbox: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sandbox, "LIMITS", sandbox.SandboxLimits(**QUICK))
+    monkeypatch.setattr(sandbox, "LIMITS", sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=30.0))
     loop = "```python\nwhile True:\n    pass\n```\n"
-    t0 = time.monotonic()
-    t = episode([loop, "Answer: 0"])
-    assert time.monotonic() - t0 < 8
+    t = episode(sandbox, [loop, "Answer: 0"], tool_timeout=60.0)
     assert (t.tool_calls, t.tool_errors, t.end_reason, t.valid) == (1, 1, "done", True)
     assert "```output\nkilled: CPU time limit\n```\n" in t.text and t.text.endswith("Answer: 0")
 
@@ -211,13 +211,13 @@ def test_a_tool_past_the_tool_timeout_ends_its_episode_not_the_step(
     tool_timeout with every token so far; the sandbox still kills the program at its own limit."""
     monkeypatch.setattr(sandbox, "LIMITS", sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=2.0))
     hang = "```python\nimport time\ntime.sleep(60)\n```\n"
-    t = episode([hang, "never asked"], tool_timeout=0.5)
+    t = episode(sandbox, [hang, "never asked"], tool_timeout=0.5)
     assert (t.tool_calls, t.tool_errors, t.end_reason, t.turns) == (1, 1, "tool_timeout", 1)
     assert t.text == hang and "ran past 0.5s" in t.detail
 
 
-def test_a_turn_without_code_ends_the_episode() -> None:
-    t = episode(["Answer: 5"])
+def test_a_turn_without_code_ends_the_episode(sandbox: Any) -> None:
+    t = episode(sandbox, ["Answer: 5"])
     assert (t.turns, t.tool_calls, t.end_reason) == (1, 0, "done")
 
 
