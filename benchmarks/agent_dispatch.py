@@ -193,14 +193,14 @@ def run_phase(
     engine_of = [0] * len(jobs)
     trajectories: list[Any] = [None] * len(jobs)
 
-    async def on(engines: list[int], subset: list[Any]) -> None:
-        dispatcher = EpisodeDispatcher[Any, Any]([clients[e] for e in engines], per_engine)
+    async def on(indices: list[int], subset: list[Any]) -> None:
+        dispatcher = EpisodeDispatcher[Any, Any]([clients[e] for e in indices], per_engine)
         out = await rollout_episodes(
             turns_agent, subset, dispatcher.engines, per_engine=per_engine, codec=codec, limits=limits,
             sampling=sampling, tool_timeout=30.0, dispatcher=dispatcher,
         )  # fmt: skip
         for job, t, e in zip(subset, out, dispatcher.record.engine_of, strict=True):
-            trajectories[job.index], engine_of[job.index] = t, engines[e]
+            trajectories[job.index], engine_of[job.index] = t, indices[e]
 
     async def phase() -> None:
         if assignment is None:
@@ -211,17 +211,17 @@ def run_phase(
     t0 = time.perf_counter()
     asyncio.run(phase())
     seconds = time.perf_counter() - t0
-    engines = range(len(clients))
+    each = range(len(clients))
     reasons: dict[str, int] = {}
     for t in trajectories:
         reasons[t.end_reason] = reasons.get(t.end_reason, 0) + 1
     return PhaseRun(
         way=way,
         seconds=seconds,
-        episodes=[engine_of.count(e) for e in engines],
+        episodes=[engine_of.count(e) for e in each],
         model_tokens=[
             sum(t.model_tokens for t, on_e in zip(trajectories, engine_of, strict=True) if on_e == e)
-            for e in engines
+            for e in each
         ],
         tool_tokens=sum(len(t.token_ids) - t.model_tokens for t in trajectories),
         end_reasons=reasons,
@@ -321,6 +321,7 @@ def vllm_engines(engines: int, max_len: int) -> tuple[list[Any], Any, list[list[
     """`engines` RolloutEngine actors on the tiny model (one thread each), the tokenizer as the agents'
     codec, and the tiny prompts' token ids."""
     import ray
+    from rlhf_trainer.agents.runner import TokenizerCodec
     from rlhf_trainer.rollout.engine import RolloutEngine, encode_prompt
     from transformers import AutoTokenizer
 
@@ -331,31 +332,19 @@ def vllm_engines(engines: int, max_len: int) -> tuple[list[Any], Any, list[list[
     handles = [actor.remote(e, options) for e in range(engines)]
     ray.get([h.ready.remote() for h in handles])
     tok = AutoTokenizer.from_pretrained(str(tiny / "model"))
-
-    class Codec:
-        def encode(self, text: str) -> list[int]:
-            return list(tok(text, add_special_tokens=False)["input_ids"])
-
-        def decode(self, ids: Sequence[int]) -> str:
-            return str(tok.decode(list(ids)))
-
     rows = [json.loads(line)["prompt"] for line in (tiny / "prompts.jsonl").read_text().splitlines()]
-    return handles, Codec(), [encode_prompt(tok, p, False, None) for p in rows]
+    return handles, TokenizerCodec(tok), [encode_prompt(tok, p, False, None) for p in rows]
 
 
 def vllm_clients(handles: Sequence[Any]) -> tuple[list[Any], list[TimedStep]]:
     """Fresh trainer engine clients (agents.engine_client) over the engine actors, their calls timed."""
-    from rlhf_trainer.agents.engine_client import BatchingEngineClient
+    from rlhf_trainer.agents.engine_client import ray_engine_client
 
-    def step_of(handle: Any) -> Callable[[list[dict[str, Any]]], Any]:
-        async def step(batch: list[dict[str, Any]]) -> dict[str, Any]:
-            result: dict[str, Any] = await handle.step_tokens.remote(batch)
-            return result
-
-        return step
-
-    timers = [TimedStep(step_of(h)) for h in handles]
-    return [BatchingEngineClient(t, f"engine {e}") for e, t in enumerate(timers)], timers
+    clients = [ray_engine_client(h, f"engine {e}") for e, h in enumerate(handles)]
+    timers = [TimedStep(c.step) for c in clients]
+    for client, timer in zip(clients, timers, strict=True):
+        client.step = timer
+    return clients, timers
 
 
 # ------------------------------------------------------------------------------------------------- main
