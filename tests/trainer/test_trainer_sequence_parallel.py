@@ -51,16 +51,17 @@ def _load(path: str, kind: str, sp: Any) -> Any:
 
 
 def _ppo_loss_and_grads(model: Any, rollout: Any, sp: Any, old: torch.Tensor, adv: torch.Tensor) -> Any:
-    """The actor's loss for one micro-batch, scaled exactly as PolicyModel.train scales it."""
+    """The actor's loss for one micro-batch, scaled and masked exactly as PolicyModel.train does it (a
+    rollout with a loss mask, rollout.agent's: its model tokens only)."""
     from rlhf_trainer import algorithms
     from rlhf_trainer.workers.deepspeed_utils import response_logprobs
 
     model.zero_grad()
     valid = torch.tensor([True, True, False, True])
-    denom = float(rollout.response_lens[valid].sum())
+    denom = float(rollout.model_lens[valid].sum())
     sp_size = sp.size if sp is not None else 1
     out = response_logprobs(model, rollout, 0, rollout.num_samples, PAD, 1.0, sp)
-    mask = out.mask * valid.float().unsqueeze(1)
+    mask = out.mask * valid.float().unsqueeze(1) * out.local(rollout.model_mask())
     loss_sum, _ = algorithms.policy_loss(out.values, out.local(old), out.local(adv), mask, 0.2)
     torch.autograd.backward(loss_sum / denom * sp_size)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -111,6 +112,25 @@ def _run(rank: int, port: int, lm_dir: str, critic_dir: str, out_dir: str) -> No
         for name, g1 in grads1.items()
     }
     res["grad_names"] = (sorted(grads1), sorted(grads2))
+
+    # rollout.agent's loss mask under SP: every third response token a tool's, whatever it holds
+    masked = _rollout()
+    tools = torch.arange(int(masked.response_lens.sum())) % 3 == 1
+    masked.loss_mask = (~tools).float()
+    res["mloss1"], mgrads1 = _ppo_loss_and_grads(base, masked, None, old, adv)
+    elsewhere = adv.clone()
+    elsewhere[tools] = 9.0
+    mloss2, mgrads2 = _ppo_loss_and_grads(split, masked, sp, old, elsewhere)
+    dist.all_reduce(mloss2)
+    res["mloss2"] = mloss2
+    for g2 in mgrads2.values():
+        dist.all_reduce(g2)
+        g2 /= WORLD
+    res["mgrad_rel_err"] = max(
+        float((mgrads2[name] - g1).abs().max() / g1.abs().max().clamp_min(1e-12))
+        for name, g1 in mgrads1.items()
+    )
+    res["mloss_unmasked_differs"] = not torch.allclose(res["mloss1"], res["loss1"])
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -146,6 +166,9 @@ def test_sp2_matches_sp1_logprobs_values_loss_and_gradients(
         worst = max(r["grad_rel_err"].items(), key=lambda kv: kv[1])
         # Gradients are relative to each tensor's largest entry: same roundoff argument, one more pass.
         assert worst[1] < 1e-4, f"rank {rank}: gradient of {worst[0]} differs by {worst[1]:.2e} (relative)"
+        # with a loss mask (tool tokens): SP 2 gives SP 1's loss and gradient, whatever the tool tokens hold
+        torch.testing.assert_close(r["mloss2"], r["mloss1"], rtol=RTOL, atol=ATOL)
+        assert r["mgrad_rel_err"] < 1e-4 and r["mloss_unmasked_differs"], r["mgrad_rel_err"]
 
 
 def _manifest(model: str, sp: int, actor_ranks: int) -> dict[str, Any]:

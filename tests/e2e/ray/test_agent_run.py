@@ -29,7 +29,7 @@ from testkit.trainer_runs import EXAMPLE, GRPO, run_cli, tiny_sets
 pytestmark = pytest.mark.trainer
 
 TASK = TESTKIT / "agent_task.py"
-STEPS = 30
+STEPS = 20  # the issue asks for the gain within 30 steps: the policy learns it in about 10
 MIN_GAIN = (
     0.10  # the reward is 0/1 a sample (128 a step): the untrained policy calls the tool ~17 % of the time
 )
@@ -38,7 +38,7 @@ SAMPLES = 16 * 8  # rolloutBatchSize x samplesPerPrompt of the tiny example
 
 def test_async_agentic_grpo_learns_to_call_the_tool(tiny: Path, tmp_path: Path, ray_tmp: Path) -> None:
     port, ckpt = free_port(), tmp_path / "ckpt"
-    sets = [*tiny_sets(tiny, ckpt), *GRPO, f"algorithm.totalSteps={STEPS}", "checkpoint.intervalSteps=15",
+    sets = [*tiny_sets(tiny, ckpt), *GRPO, f"algorithm.totalSteps={STEPS}", "checkpoint.intervalSteps=10",
             "algorithm.async.enabled=true",
             f"model.reward.function={TASK}:reward", f"rollout.agent.function={TASK}:agent",
             "rollout.agent.maxTurns=2", "rollout.agent.maxTokens=24", "rollout.agent.tool.workers=2",
@@ -74,8 +74,8 @@ def test_async_agentic_grpo_learns_to_call_the_tool(tiny: Path, tmp_path: Path, 
     # (step 1, synchronous) the gap of a single-turn run (test_trainer_run.py's bound)
     assert steps[0]["training"]["logprob_gap_p99"] <= 0.01, steps[0]["training"]
 
-    # the held-out split, through the agent (greedy), after steps 10, 20 and 30
-    assert [s["step"] for s in steps if "eval_reward_mean" in s] == [10, 20, 30]
+    # the held-out split, through the agent (greedy), after steps 10 and 20
+    assert [s["step"] for s in steps if "eval_reward_mean" in s] == [10, 20]
     assert all(s["eval"]["samples"] == 16 and s["eval"]["reward_errors"] == 0 for s in steps if s["eval"])
 
     # asynchronous: every batch after the first generated while the last step trained
@@ -90,10 +90,10 @@ def test_async_agentic_grpo_learns_to_call_the_tool(tiny: Path, tmp_path: Path, 
         assert 0.5 < weight < 2.0 and weight != 1.0, x
     # the engines generated during every step but the last (the next batch); the last launches none
     assert all(x["rollout_idle_ratio"] < 1.0 for x in steps[1:-1]), steps
-    # 30 batches of 16 prompts trained; the step-15 checkpoint does not count the batch drawn ahead
+    # 20 batches of 16 prompts trained; the step-10 checkpoint does not count the batch drawn ahead
     assert run.summary["data_position"] == {"epoch": 0, "offset": STEPS * 16}
-    state = json.loads((ckpt / "step-00000015" / "trainer_state.json").read_text())
-    assert state["data"] == {"epoch": 0, "offset": 15 * 16}, state["data"]
+    state = json.loads((ckpt / "step-00000010" / "trainer_state.json").read_text())
+    assert state["data"] == {"epoch": 0, "offset": 10 * 16}, state["data"]
 
     scraped = [t for t in run.scrapes if "rlhf_agent_tool_calls{" in t and "rlhf_steps_completed_total{" in t]
     assert scraped, "the agent series were never scraped"
