@@ -1,4 +1,4 @@
-"""A calculator-tool agent (rollout.agent: examples/agents/calculator.py:agent).
+"""A calculator-tool agent (rollout.agent: examples/agents/calculator.py:run_episode).
 
 The model may write `<calc>2+3</calc>`; generation stops there, the tool evaluates the arithmetic, and
 `<result>5</result>` is appended as tool tokens (loss mask 0) before the model goes on. The tool parses
@@ -66,7 +66,7 @@ def _value(node: ast.AST) -> int | float:
     raise NotArithmetic(f"{type(node).__name__} is not arithmetic")
 
 
-async def agent(episode: Episode) -> Trajectory:
+async def run_episode(episode: Episode) -> Trajectory:
     """Generate; while the turn ends in a <calc> call, append the tool's <result> and generate again. A
     malformed expression gets `<result>error</result>` (the model learns from it); the episode ends when a
     turn makes no call, or at maxTurns / the token budget (EpisodeLimit, handled by the dispatcher)."""

@@ -350,7 +350,7 @@ def test_agent_is_absent_by_default_and_has_documented_defaults() -> None:
     spec = RLHFJobSpec.model_validate(
         minimal(
             algorithm={"maxResponseLength": 256},
-            rollout={"agent": {"function": "examples/agents/calculator.py:agent", "maxTokens": 256}},
+            rollout={"agent": {"function": "examples/agents/calculator.py:run_episode", "maxTokens": 256}},
         )
     )
     agent = spec.rollout.agent

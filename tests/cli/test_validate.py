@@ -98,7 +98,29 @@ def test_expected_examples_exist() -> None:
         "rlhfjob-grpo.yaml",
         "rlhfjob-llama-8b.yaml",
         "rlhfjob-tiny-s3-tracked.yaml",  # s3:// model and data, evaluation, MLflow, exportTo (issue 34)
+        "rlhfjob-agent-calculator.yaml",
+        "rlhfjob-agent-code-exec.yaml",
     }
+
+
+@pytest.mark.parametrize("name", ["rlhfjob-agent-calculator.yaml", "rlhfjob-agent-code-exec.yaml"])
+def test_the_agent_examples_name_their_agent_function_and_it_loads(name: str) -> None:
+    """Both agent examples set rollout.agent, and the function it names (a file under examples/agents, or a
+    module of that folder as the code-exec job's PYTHONPATH makes it) loads as an agent function. Through
+    `rlhf validate` as a user checks them; the calculator job runs in tests/e2e/ray/test_agent_examples.py."""
+    from rlhf_trainer.agents.contract import load_agent_function
+
+    path = ROOT / "examples" / name
+    assert cli_main(["validate", str(path)]) == 0
+    agent = load_job(path).spec.rollout.agent
+    assert agent is not None
+    target, _, fn = agent.function.rpartition(":")
+    if not target.endswith(".py"):  # a module on the job's PYTHONPATH: examples/agents copied there
+        target = str(ROOT / "examples" / "agents" / f"{target.replace('.', '/')}.py")
+    else:
+        target = str(ROOT / target)
+    assert fn == "run_episode"
+    load_agent_function(f"{target}:{fn}")
 
 
 @pytest.mark.runtime

@@ -91,7 +91,9 @@ def run_cli(
     port: int | None = None,
     timeout: float = 900,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Run:
+    """`rlhf run` to its end; `cwd`: where it runs (a spec's relative paths resolve there)."""
     summary = tmp / f"summary-{time.monotonic_ns()}.json"
     watcher = MetricsWatcher(f"http://127.0.0.1:{port}/metrics") if port else None
     t0 = time.monotonic()
@@ -102,6 +104,7 @@ def run_cli(
         env={**run_env(ray_tmp), **(env or {})},
         timeout=timeout,
         start_new_session=True,
+        cwd=cwd,
     )
     seconds = time.monotonic() - t0
     scrapes = watcher.stop() if watcher else []

@@ -28,7 +28,7 @@ from testkit.agent_doubles import CharCodec, ScriptedEngineClient
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-CALCULATOR = f"{ROOT / 'examples' / 'agents' / 'calculator.py'}:agent"
+CALCULATOR = f"{ROOT / 'examples' / 'agents' / 'calculator.py'}:run_episode"
 
 
 def _vllm_output(token_ids: list[int], finish: str) -> Any:
@@ -99,7 +99,7 @@ def test_a_seeded_episode_draws_each_turn_from_its_own_seed() -> None:
 
 def test_agent_functions_load_like_reward_functions(tmp_path: Path) -> None:
     assert load_agent_function(DEFAULT_AGENT) is single_turn
-    assert load_agent_function(CALCULATOR).__name__ == "agent"
+    assert load_agent_function(CALCULATOR).__name__ == "run_episode"
     sync = tmp_path / "sync_agent.py"
     sync.write_text("def agent(episode):\n    return None\n")
     with pytest.raises(AgentSetupError, match=r"rollout\.agent .*must be an async function"):
@@ -124,7 +124,7 @@ def test_a_trajectory_refuses_misaligned_tokens_masks_and_logprobs() -> None:
 def calculator() -> Any:
     from rlhf_trainer.user_code import load_callable
 
-    return load_callable(CALCULATOR.replace(":agent", ":calculate"), "test")
+    return load_callable(CALCULATOR.replace(":run_episode", ":calculate"), "test")
 
 
 @pytest.mark.parametrize(

@@ -14,14 +14,18 @@ packed by agents.samples) through the trainer's real code.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from rlhf_api.spec import RLHFJobSpec
 from rlhf_trainer import experience
 from rlhf_trainer.agents.contract import Trajectory
 from rlhf_trainer.agents.samples import pack_trajectories
+from rlhf_trainer.config import algorithm_settings
+from rlhf_trainer.step_settings import RolloutCorrection
 from rlhf_trainer.transfer import PackedRollout
 from testkit.support import free_port, run_ranks, tiny_critic
 
@@ -111,7 +115,7 @@ def _train_ranks(rank: int, port: int, lm: str, critic: str, out: str) -> None:
                        "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})  # fmt: skip
     torch.set_num_threads(1)
     from rlhf_trainer.workers.deepspeed_utils import init_distributed
-    from rlhf_trainer.workers.policy import PolicyLoss, PolicyModel
+    from rlhf_trainer.workers.policy import PolicyModel
     from rlhf_trainer.workers.value import ValueModel
 
     init_distributed("gloo")
@@ -125,8 +129,8 @@ def _train_ranks(rank: int, port: int, lm: str, critic: str, out: str) -> None:
         grads = FirstGradients(actor)
         old = actor.logprobs(_rollout(), 4)
         for mode in AGGREGATIONS:
-            loss = PolicyLoss(kl_loss_coef=0.1, entropy_coef=0.01, aggregation=mode, norm_constant=16.0,
-                              correction={"level": "token", "mode": "truncate", "lower": 0.0, "upper": 2.0})  # fmt: skip
+            loss = _loss(kl_loss_coef=0.1, entropy_coef=0.01, aggregation=mode, norm_constant=16.0,
+                         correction=RolloutCorrection(level="token", mode="truncate", lower=0.0, upper=2.0))  # fmt: skip
             for variant, fill, with_mask in VARIANTS:
                 rollout = _rollout(with_mask)
                 rollout.rollout_logprobs = _at_tools(old + 0.01 * noise, fill)
@@ -138,7 +142,7 @@ def _train_ranks(rank: int, port: int, lm: str, critic: str, out: str) -> None:
                 res[f"actor_stats/{packing}/{mode}/{variant}"] = stats
         # the plain surrogate on-policy (ratio 1): the loss is -mean(advantage) over model tokens
         stats = actor.train(_rollout(), None, _at_tools(adv, 5.0), None, valid, micro_batch=2, epochs=1,
-                            loss=PolicyLoss(aggregation="token-mean"))  # fmt: skip
+                            loss=_loss(aggregation="token-mean"))  # fmt: skip
         res[f"plain/{packing}"] = stats["policy_loss"]
         model = ValueModel(critic, _settings(critic, packing))
         grads = FirstGradients(model)
@@ -206,6 +210,25 @@ def test_tool_tokens_get_exactly_zero_gradient_in_the_value_loss(
 # ---- advantages ---------------------------------------------------------------------------------------
 
 
+_SPEC = RLHFJobSpec.model_validate(
+    {
+        "model": {"actor": "/m", "reward": {"type": "function", "function": "r:f"}},
+        "data": {"prompts": "/p.jsonl"},
+        "algorithm": {"rolloutBatchSize": 4, "samplesPerPrompt": 2},
+    }
+)
+
+
+def _loss(**settings: Any) -> Any:
+    """A policy loss: the plain PPO surrogate (k3, clip 0.2, no entropy or KL term), then `settings`."""
+    from rlhf_trainer.workers.policy import PolicyLoss
+
+    base: dict[str, Any] = {"policy_loss": "ppo", "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None,
+                            "entropy_coef": 0.0, "kl_loss_coef": 0.0, "kl_estimator": "k3",
+                            "aggregation": "token-mean", "norm_constant": 1.0, "correction": None}  # fmt: skip
+    return PolicyLoss(**{**base, **settings})
+
+
 def _shard(rollout: PackedRollout, per_token: dict[str, torch.Tensor]) -> experience.ShardInputs:
     return experience.ShardInputs(
         scores=torch.tensor([0.9, -0.3, 0.5, 0.1]),
@@ -236,7 +259,10 @@ def test_advantages_skip_tool_tokens_as_if_they_were_not_there(estimator: str) -
     g = torch.Generator().manual_seed(5)
     n = int(rollout.response_lens.sum())
     old, ref, values = (-torch.rand(n, generator=g) for _ in range(3))
-    algo = {"estimator": estimator, "kl_coef": 0.05, "gamma": 0.99, "lam": 0.95, "kl_reward_estimator": "k1"}
+    algo = replace(
+        algorithm_settings(_SPEC), estimator=estimator, kl_coef=0.05, kl_in_loss=False, gamma=0.99, lam=0.95,
+        kl_reward_estimator="k1",
+    )  # fmt: skip
     full = {"old_logprobs": old, "ref_logprobs": ref, "values": values}
     tools = {k: _at_tools(v, 7.0) for k, v in full.items()}  # tool positions hold anything
     got, stats = experience.compute({0: _shard(rollout, tools)}, algo)
