@@ -556,11 +556,21 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         name="export-to-needs-an-export",
-        scope="checkpoint",
-        cel="!has(self.exportTo) || (has(self.path) && self.export != 'never')",
+        scope="",
+        # A runtime's checkpoint volume gives checkpoint.path (docs/runtimes.md): a runtime-bound job
+        # names none of its own.
+        cel="!has(self.checkpoint.exportTo) || ((has(self.checkpoint.path) || has(self.runtimeRef)) && "
+        "self.checkpoint.export != 'never')",
         field="checkpoint.exportTo",
-        message="checkpoint.exportTo uploads the export: it needs checkpoint.path and an export other than never",
-        check=lambda s: s.checkpoint.export_to is None or s.checkpoint.export_dir() is not None,
+        message="checkpoint.exportTo uploads the export: it needs checkpoint.path (or a runtime's checkpoint "
+        "volume) and an export other than never",
+        check=lambda s: (
+            s.checkpoint.export_to is None
+            or (
+                s.checkpoint.export != "never"
+                and (s.checkpoint.path is not None or s.runtime_ref is not None)
+            )
+        ),
     ),
     Rule(
         name="tracking-needs-a-sink",
@@ -610,13 +620,16 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="remote-model-needs-cache",
         scope="",
-        cel=f"!{_CEL_ANY_REMOTE} || (has(self.storage) && has(self.storage.modelCache))",
+        # A runtime's writable model cache is the job's (rlhf_api.runtime_merge checks it is there).
+        cel=f"!{_CEL_ANY_REMOTE} || has(self.runtimeRef) || (has(self.storage) && has(self.storage.modelCache))",
         field="storage.modelCache",
         message="a model from hf:// or s3:// is fetched into the model cache before the trainer starts: set "
         "storage.modelCache (a PersistentVolumeClaim and its mount path)",
         reason="FieldValueRequired",
         check=lambda s: (
-            s.storage.model_cache is not None or not any(parse_source(u).remote for u in _model_uris(s))
+            s.storage.model_cache is not None
+            or s.runtime_ref is not None
+            or not any(parse_source(u).remote for u in _model_uris(s))
         ),
     ),
     Rule(

@@ -26,6 +26,7 @@ from functools import cache
 from typing import Any, Final
 
 from rlhf_api import pod_settings, pod_shape
+from rlhf_api.model_source import parse_source
 from rlhf_api.runtime_spec import (
     CHECKPOINTS_VOLUME,
     RLHFRuntimeSpec,
@@ -209,6 +210,15 @@ def runtime_layer(runtime: RLHFRuntimeSpec, job: str, namespace: str) -> dict[st
     if storage and storage.checkpoints:
         path = f"{storage.checkpoints.mount_path.rstrip('/')}/{namespace}/{job}"
         layer["checkpoint"] = deep_merge(layer.get("checkpoint") or {}, {"path": path})
+    if (
+        storage
+        and storage.model_cache
+        and storage.model_cache.claim_name
+        and not storage.model_cache.read_only
+    ):
+        # A writable cache is where the fetch step puts the job's hf:// and s3:// models.
+        cache = {"claimName": storage.model_cache.claim_name, "mountPath": storage.model_cache.mount_path}
+        layer["storage"] = deep_merge(layer.get("storage") or {}, {"modelCache": cache})
     return layer
 
 
@@ -247,7 +257,34 @@ def merge(
     mine = _tree([(path, value) for path, value in leaves if _get(layer, path) != value])
     _check_storage_names(mine.get("pods"), runtime, ref)
     template = runtime.storage.claim_template() if runtime.storage else None
-    return Merged(_over(layer, mine), claim_name(job) if template is not None else None)
+    merged = _over(layer, mine)
+    _check_remote_models(merged, ref)
+    checkpoint = merged.get("checkpoint") or {}
+    if checkpoint.get("exportTo") and not checkpoint.get("path"):
+        # Admission let exportTo through on the promise of the runtime's checkpoint volume.
+        raise MergeError(
+            "spec.checkpoint.exportTo",
+            f"{ref} has no checkpoint volume, so the job has no checkpoint.path to export from: set "
+            "checkpoint.path, or ask the platform team for storage.checkpoints on the runtime",
+        )
+    return Merged(merged, claim_name(job) if template is not None else None)
+
+
+def _check_remote_models(merged: dict[str, Any], ref: str) -> None:
+    """Admission let hf:// and s3:// models through on the promise of the runtime's model cache."""
+    if (merged.get("storage") or {}).get("modelCache"):
+        return
+    model = merged.get("model") or {}
+    fields = {f"spec.model.{k}": model.get(k) for k in ("actor", "critic", "reference")}
+    fields["spec.model.reward.model"] = (model.get("reward") or {}).get("model")
+    for field, uri in fields.items():
+        if isinstance(uri, str) and parse_source(uri).remote:
+            raise MergeError(
+                field,
+                f"{uri} is fetched into a model cache before the trainer starts, and {ref} has no writable "
+                "storage.modelCache: name a path on the runtime's volumes, or ask the platform team for a "
+                "writable model cache",
+            )
 
 
 def _over(layer: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:

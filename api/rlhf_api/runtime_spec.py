@@ -18,7 +18,8 @@ NAMESPACED_KIND: Final = "RLHFRuntime"
 CLUSTER_PLURAL: Final = "clusterrlhfruntimes"
 NAMESPACED_PLURAL: Final = "rlhfruntimes"
 # The job fields a runtime lets jobs set when it names none: the experiment, not the infrastructure
-# (image, rayVersion, pods and security stay the runtime's). `runtimeRef` is always the job's.
+# (image, rayVersion, pods, security and the volumes stay the runtime's; the job names the Secrets of its
+# own object store and Hub account). `runtimeRef` is always the job's.
 DEFAULT_OVERRIDABLE: Final[tuple[str, ...]] = (
     "model",
     "data",
@@ -29,6 +30,10 @@ DEFAULT_OVERRIDABLE: Final[tuple[str, ...]] = (
     "checkpoint",
     "monitoring",
     "runPolicy",
+    "evaluation",
+    "tracking",
+    "storage.s3",
+    "storage.huggingFace",
 )
 ABSOLUTE_PATH = r"^/.*"
 AccessMode = Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]

@@ -97,7 +97,9 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
             queue and kueue.holds_replicas(cluster)
         ):
             obs["rollout_pods"] = cache.rollout_pods(namespace, job, cluster)  # the engine plan's
-    if cluster is not None and cluster.get("status", {}).get("state") != "ready":
+    if cluster is not None and (
+        cluster.get("status", {}).get("state") != "ready" or _models_unconfirmed(body, job)
+    ):
         obs["pods"] = cache.cluster_pods(namespace, cluster["metadata"]["name"])
         obs["fetch_log"] = _fetch_log(namespace, obs["pods"])
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":
@@ -206,6 +208,14 @@ def trainer_metrics(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any]) -> d
         metrics.SCRAPES.labels("malformed").inc()
     state.last_scrape = (now, result)
     return result
+
+
+def _models_unconfirmed(body: kopf.Body, job: RLHFJob) -> bool:
+    """Remote models whose ModelsReady is not True yet: the head pod's finished fetch step (its bytes) is
+    read once more after the cluster is ready, in case it finished between two rounds."""
+    conditions = body.status.get("conditions") or []
+    confirmed = any(c.get("type") == "ModelsReady" and c.get("status") == "True" for c in conditions)
+    return not confirmed and bool(manifests.remote_models(job.spec))
 
 
 def _fetch_log(namespace: str, pods: list[dict[str, Any]]) -> str | None:

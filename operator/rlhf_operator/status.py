@@ -450,11 +450,13 @@ def _models(r: Round, d: Draft) -> bool:
     Once the cluster is ready the step has succeeded (the head's Ray container runs only after it)."""
     if not remote_models(r.spec):
         return False
+    state = model_fetch.fetch_state(r.observed.pods or [], r.observed.fetch_log)
     if cluster_ready(r.cluster):
-        if not d.has("ModelsReady", "True"):
+        if state is not None and state.phase == "done":  # its bytes, from the head's finished step
+            d.cond("ModelsReady", *model_fetch.models_condition(state), r.now)
+        elif not d.has("ModelsReady", "True"):
             d.cond("ModelsReady", True, "ModelsFetched", "models fetched into the cache", r.now)
         return False
-    state = model_fetch.fetch_state(r.observed.pods or [], r.observed.fetch_log)
     if state is None:
         return False
     if state.permanent:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from rlhf_api import pod_settings
+from rlhf_api.rules import violated
 from rlhf_api.runtime_merge import (
     MergeError,
     allowed,
@@ -283,6 +284,33 @@ def test_checkpoints_go_under_namespace_and_job_unless_the_job_says_where() -> N
     rt = runtime(storage=STORAGE)
     assert merged(job(), rt).checkpoint.path == f"/checkpoints/{NAMESPACE}/{JOB}"
     assert merged(job(checkpoint={"path": "/checkpoints/mine"}), rt).checkpoint.path == "/checkpoints/mine"
+
+
+def test_an_export_upload_takes_its_path_from_the_runtimes_checkpoint_volume() -> None:
+    """Admission lets checkpoint.exportTo through without checkpoint.path on a runtime-bound job (the
+    runtime's checkpoint volume gives the path); a runtime without one is refused at the merge, by name."""
+    upload = job(storage={"s3": {"credentialsSecret": "s3"}}, checkpoint={"exportTo": "s3://models/run-1"})
+    assert not [r.name for r in violated(RLHFJobSpec.model_validate(upload))]
+    spec = merged(upload, runtime(storage=STORAGE))
+    assert spec.checkpoint.export_dir() == f"/checkpoints/{NAMESPACE}/{JOB}/model"
+    e = refused(upload, runtime(storage={"modelCache": STORAGE["modelCache"]}))
+    assert e.path == "spec.checkpoint.exportTo" and "no checkpoint volume" in str(e), e
+    alone = {k: v for k, v in upload.items() if k != "runtimeRef"}
+    assert [r.name for r in violated(RLHFJobSpec.model_validate(alone))] == ["export-to-needs-an-export"]
+
+
+def test_a_remote_model_is_fetched_into_the_runtimes_writable_model_cache() -> None:
+    """A runtime-bound job names an s3:// model and its own object store's Secret; the runtime's model
+    cache (writable) becomes storage.modelCache; a read-only or missing cache is refused naming the model."""
+    remote = job(model={"actor": "s3://team-models/tiny"}, storage={"s3": {"credentialsSecret": "s3"}})
+    assert not [r.name for r in violated(RLHFJobSpec.model_validate(remote))]
+    writable = {**STORAGE, "modelCache": {**STORAGE["modelCache"], "readOnly": False}}
+    cache = merged(remote, runtime(storage=writable)).storage.model_cache
+    assert cache is not None and (cache.claim_name, cache.mount_path) == ("rlhf-models", "/models")
+    for storage in (STORAGE, {"checkpoints": STORAGE["checkpoints"]}):
+        e = refused(remote, runtime(storage=storage))
+        assert e.path == "spec.model.actor" and "no writable storage.modelCache" in str(e), e
+    assert merged(job(), runtime(storage=STORAGE)).storage.model_cache is None  # read-only: paths only
 
 
 def test_a_shared_checkpoint_claim_makes_no_claim_per_job() -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import kopf
 import pytest
-from rlhf_operator import model_fetch
+from rlhf_operator import model_fetch, observe
 from rlhf_operator.status import decide
 from testkit.status_inputs import SID, cluster, fetch_failed, head_pod, job, obs, remote_job
 
@@ -51,6 +52,31 @@ def test_done_is_true_with_the_bytes_fetched_or_cached() -> None:
 def test_a_ready_cluster_means_the_models_are_ready() -> None:
     d = decide(remote_job({"phase": "Provisioning"}), obs(), SID)
     assert condition(d.status)["status"] == "True"
+
+
+def test_a_fetch_that_ended_between_two_rounds_is_read_from_the_ready_clusters_head() -> None:
+    """The tiny model's fetch takes a fraction of a second: the cluster can be ready before a round saw
+    the step end, and its bytes still come from the head pod's finished step; a later attempt's head that
+    found everything cached says so."""
+    fetched = {"state": {"terminated": {"exitCode": 0, "message": '{"bytesFetched": 9, "bytesTotal": 9}'}}}
+    d = decide(remote_job({"phase": "Provisioning"}), obs(pods=[head_pod(fetched)]), SID)
+    c = condition(d.status)
+    assert (c["status"], c["reason"], c["message"]) == (
+        "True",
+        "ModelsFetched",
+        "models fetched into the cache (9 bytes)",
+    )
+    cached = {"state": {"terminated": {"exitCode": 0, "message": '{"bytesFetched": 0, "bytesTotal": 0}'}}}
+    again = decide(remote_job(d.status), obs(pods=[head_pod(cached)]), SID)
+    assert condition(again.status)["reason"] == "ModelsCached"
+
+
+def test_the_head_pod_is_read_after_ready_only_until_the_models_are_confirmed() -> None:
+    unconfirmed = remote_job({"phase": "Running"})
+    assert observe._models_unconfirmed(kopf.Body({"status": {"phase": "Running"}}), unconfirmed)
+    ready = {"conditions": [{"type": "ModelsReady", "status": "True"}]}
+    assert not observe._models_unconfirmed(kopf.Body({"status": ready}), unconfirmed)
+    assert not observe._models_unconfirmed(kopf.Body({"status": {}}), job({"phase": "Running"}))
 
 
 @pytest.mark.parametrize("reason", ["ModelNotFound", "RevisionNotFound", "CredentialsRefused"])

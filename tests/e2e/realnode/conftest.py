@@ -30,6 +30,7 @@ from testkit.realnode import (
     on_real_node,
     runtime_spec,
 )
+from testkit.realnode_io import Mlflow, mlflow
 from testkit.support import ROOT, Cluster, wait_for
 
 
@@ -154,3 +155,11 @@ def local_data(
     yield DATA_CLAIM
     for pv in pvs:
         cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def tracking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mlflow]:
+    """A real MLflow server the job's pods reach through the node's gateway, that the test can stop and
+    start again on the same port and store (testkit.realnode_io)."""
+    with mlflow(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server

@@ -14,20 +14,39 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rlhf_trainer.export_upload import read_marker
+from rlhf_trainer.object_store import S3Url
+from testkit.object_store import ObjectStore
 from testkit.realnode import (
     DATA_CLAIM,
+    DATA_UID,
     RUNTIME,
     Images,
     job_pods,
+    local_volume,
     on_real_node,
     realnode_job,
     wait_no_pods,
+)
+from testkit.realnode_io import (
+    EXPORTS,
+    S3_SECRET,
+    WRONG_SECRET,
+    Mlflow,
+    Sources,
+    condition,
+    io_spec,
+    metric_steps,
+    mlflow_run,
+    put_sources,
+    secret,
 )
 from testkit.support import (
     VENV_BIN,
@@ -165,6 +184,83 @@ def retired_engines(cluster: Cluster, namespace: str) -> list[str]:
     return re.findall(r"rollout engine \d+ retired: its node \S+ is draining.*", logs)
 
 
+def tracking_condition(cluster: Cluster, namespace: str, want: str) -> dict[str, Any] | None:
+    c = condition(status(cluster, namespace, "tiny"), "TrackingHealthy")
+    return c if c.get("status") == want else None
+
+
+def check_outputs(
+    cluster: Cluster, namespace: str, store: ObjectStore, mlflow_url: str, src: Sources
+) -> None:
+    """What the finished job left where the team keeps it: the exported model in the object store,
+    complete (its marker, written last, lists every file, each there with its size), and one MLflow run
+    that holds every step's metrics (the outage and the head's loss included), the evaluation every 5
+    steps and the spec as params."""
+    marker = read_marker(store.client(), S3Url(EXPORTS, "tiny"))
+    names = {f["path"] for f in marker["files"]}
+    assert {"config.json", "tokenizer.json"} <= names and any(n.endswith(".safetensors") for n in names), (
+        names
+    )
+    print(f"export in the object store: {sorted(names)}, step {marker.get('step')}")
+    assert marker.get("step") == STEPS, marker
+    client, run = mlflow_run(mlflow_url, "tiny")
+    steps = metric_steps(client, run.info.run_id, "reward_mean")
+    assert steps == list(range(1, STEPS + 1)), f"steps missing from the MLflow run: {steps}"
+    evaluated = metric_steps(client, run.info.run_id, "evaluation/reward_mean")
+    assert evaluated == list(range(5, STEPS + 1, 5)), evaluated
+    by_source = {k for k in run.data.metrics if k.startswith("evaluation/by_data_source/")}
+    assert by_source, sorted(run.data.metrics)
+    assert run.data.params.get("model.actor") == src.actor, run.data.params.get("model.actor")
+    assert run.data.params.get("data.prompts") == src.prompts, run.data.params.get("data.prompts")
+    print(f"MLflow run {run.info.run_id}: {len(run.data.metrics)} metrics, {sorted(by_source)}")
+
+
+def fetch_outcomes(
+    cluster: Cluster, namespace: str, store: ObjectStore, src: Sources, io: dict[str, Any], tmp_path: Path
+) -> None:
+    """Three more jobs on the same model cache, each told by its fetch step alone: the same model again
+    (nothing fetched: ModelsCached), a prefix that does not exist (ModelNotFound) and a refused key
+    (CredentialsRefused), the last two Failed at once with the field named and no restart."""
+    wrong = {**store.env(for_pods=True), "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    cluster.apply(secret(WRONG_SECRET, wrong), namespace)
+    cases = {
+        "again": {},
+        "gone": {"model": {**io["model"], "actor": src.actor + "-gone"}},
+        "refused": {"storage": {"s3": {"credentialsSecret": WRONG_SECRET}}},
+    }
+    for name, change in cases.items():
+        checkpoints = tmp_path / f"ckpt-{name}"
+        checkpoints.mkdir()
+        shutil.chown(checkpoints, DATA_UID, DATA_UID)
+        pv = f"rlhf-ckpt-{name}-{namespace}"[:63]
+        cluster.apply(local_volume(pv, checkpoints, namespace, f"{name}-checkpoints"))
+        spec = {**io, **change, "rollout": {"engines": 1}}
+        cluster.apply(realnode_job(name, DATA_CLAIM, steps=2, interval=2, **spec), namespace)
+
+    def told(name: str, reason: str) -> dict[str, Any] | None:
+        st = status(cluster, namespace, name)
+        c = condition(st, "ModelsReady")
+        return st if c.get("reason") == reason else None
+
+    again = wait_for(lambda: told("again", "ModelsCached"), 300, "the second job's ModelsCached")
+    print("the same model again:", condition(again, "ModelsReady"))
+    assert "(0 bytes fetched)" in condition(again, "ModelsReady")["message"]
+    for name, reason in (("gone", "ModelNotFound"), ("refused", "CredentialsRefused")):
+        st = wait_for(lambda n=name, r=reason: told(n, r), 300, f"{name}: ModelsReady {reason}")
+        st = wait_for(
+            lambda n=name: ((x := status(cluster, namespace, n)).get("phase") == "Failed" and x) or None,
+            120,
+            f"{name} Failed",
+        )
+        failed = condition(st, "Failed")
+        assert failed.get("reason") == reason and "spec.model.actor" in st.get("message", ""), st
+        assert (st.get("restarts") or 0) == 0, st
+        print(f"{name}: {st['message']}")
+    for name in cases:
+        cluster.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=false")
+    wait_no_pods(cluster, namespace, 180)
+
+
 # Enough steps for the whole scenario (the replacement rollout pod's engine is ready about a minute after
 # the loss, a scale-down's pod goes after its 30 s grace; the head was lost at step 16 in the first run),
 # with some left for the restarted attempt: the test fails, saying so, if too few are left.
@@ -184,10 +280,21 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     images: Images,
     operator_release: str,
     local_data: str,
+    object_store: ObjectStore,
+    tracking_server: Mlflow,
+    tiny_model: Path,
     tmp_path: Path,
 ) -> None:
     t0 = time.monotonic()
-    job = realnode_job("tiny", local_data, steps=STEPS, interval=INTERVAL, rollout={"engines": 2})
+    # Issue 34's inputs and outputs where a team keeps them: the actor fetched from s3:// into the
+    # runtime's model cache, chat-message prompts in a Parquet file and an evaluation split (every 5
+    # steps) in s3://, the run tracked in MLflow, the export uploaded to s3://.
+    src = put_sources(object_store, tiny_model)
+    cluster.apply(secret(S3_SECRET, object_store.env(for_pods=True)), namespace)
+    mlflow_server = tracking_server.start() if tracking_server.server is None else tracking_server.server
+    assert mlflow_server.pod_url, mlflow_server
+    io = io_spec(src, mlflow_server.pod_url)
+    job = realnode_job("tiny", local_data, steps=STEPS, interval=INTERVAL, rollout={"engines": 2}, **io)
     # The device map `rlhf plan` gives this spec (before the pods start: it runs a Ray of its own).
     manifest = tmp_path / "tiny.yaml"
     manifest.write_text(json.dumps(job))
@@ -249,6 +356,15 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     assert 0 < st["generationShare"] < 1 and st["lastStepTime"] and st["startTime"], st
     assert st["rollout"]["readyEngines"] == 2, st
     assert st["restarts"] == 0, st
+    # The actor came from the object store: the head's fetch step moved every byte of it, and the status
+    # says how many; the run's MLflow page is in the status and in `kubectl get -o wide`.
+    models = condition(st, "ModelsReady")
+    assert (models.get("status"), models.get("reason")) == ("True", "ModelsFetched"), models
+    assert f"({src.model_bytes} bytes)" in models.get("message", ""), (models, src.model_bytes)
+    run_page = (st.get("tracking") or {}).get("mlflow") or ""
+    assert run_page.startswith(f"{mlflow_server.pod_url}/#/experiments/"), st.get("tracking")
+    wide = cluster.kubectl("get", "rlhf", "tiny", "-n", namespace, "-o", "wide").stdout
+    assert run_page in wide, wide
 
     # Secure by default, in real pods: a pod outside the job reaches the head (the bridge CNI does not
     # enforce the job's NetworkPolicy, docs/security.md) but the Jobs API refuses it without the token,
@@ -259,10 +375,19 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     # 1. A rollout pod lost at once, as when its node dies: the step in flight keeps going on the other
     # engine (docs/reliability.md), KubeRay runs a replacement pod, whose Ray worker joins through the
     # head Service, and the trainer starts an engine on it.
+    # With it, MLflow goes down: training goes on, TrackingHealthy says so, and after MLflow is back
+    # nothing of the outage is missing from the run (checked at the end).
+    tracking_server.stop()
     victim = roles["rollout"][0]["metadata"]["name"]
     lost_at_step = status(cluster, namespace, "tiny").get("step") or 0
     cluster.kubectl("delete", "pod", victim, "-n", namespace, "--grace-period=0", "--force", "--wait=false")
     lost = time.monotonic()
+    down = wait_for(
+        lambda: tracking_condition(cluster, namespace, "False"), 120, "TrackingHealthy False, MLflow down"
+    )
+    assert down.get("reason") == "SinkFailing", down
+    tracking_server.start()
+    print(f"MLflow stopped for {time.monotonic() - lost:.0f}s: {down.get('message')}")
 
     def engines_used() -> list[int]:
         used = [len(r["engines"]) for r in head_steps(cluster, namespace)]
@@ -276,6 +401,7 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
         return used if 1 in after and 2 in after[after.index(1) :] else None
 
     used = wait_for(regained, 600, "a step on the engine left, then one on 2 engines again", interval=2)
+    wait_for(lambda: tracking_condition(cluster, namespace, "True"), 180, "TrackingHealthy True again")
     regained_at = len(used)
     print(f"rollout pod {victim} deleted at step {lost_at_step}; 2 engines again from step {regained_at}, "
           f"{time.monotonic() - lost:.0f}s after the loss")  # fmt: skip
@@ -372,6 +498,7 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     assert {len(r["engines"]) for r in reports} == {1}, reports
 
     assert st["completionTime"], st
+    check_outputs(cluster, namespace, object_store, mlflow_server.url, src)
     # The last step's checkpoint is on the job's own claim, in its directory, complete; a finished job
     # releases its pods.
     own = data_dir(cluster, namespace, "tiny-checkpoints") / namespace / "tiny"
@@ -389,3 +516,4 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     wait_for(
         lambda: cluster.get("pvc", "tiny-checkpoints", namespace) is None or None, 120, "the claim released"
     )
+    fetch_outcomes(cluster, namespace, object_store, src, io, tmp_path)
