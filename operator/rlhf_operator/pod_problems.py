@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_api.model_source import FETCH_CONTAINER
+
 # Container waiting reasons that mean "will not start without a change", worst first.
 WAITING_REASONS = (
     "InvalidImageName",
@@ -72,6 +74,25 @@ def diagnose(pods: list[dict[str, Any]]) -> PodProblem | None:
     return None
 
 
+def _fetch_step(cs: dict[str, Any]) -> dict[str, Any]:
+    """The head's fetch-models step as ModelsReady reads it (rlhf_operator.model_fetch): which state it is
+    in, and a finished run's exit code and termination message (its bytes, or its failure's reason), now
+    and before a restart."""
+
+    def slim(state: dict[str, Any] | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for kind, value in (state or {}).items():
+            keep = ("exitCode", "message", "reason") if kind in ("terminated", "waiting") else ()
+            out[kind] = {k: value[k] for k in keep if k in (value or {})}
+        return out
+
+    return {
+        "name": cs.get("name"),
+        "state": slim(cs.get("state")),
+        "lastState": slim({k: v for k, v in (cs.get("lastState") or {}).items() if k == "terminated"}),
+    }
+
+
 def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
     """A pod with only what `diagnose` and `scaling.engines_pending` read: its name, namespace, labels and
     deletion; its phase, its conditions' type, status, reason and message, and its containers' waiting
@@ -86,7 +107,9 @@ def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
         slim_status["conditions"] = conditions
     for key in ("initContainerStatuses", "containerStatuses"):
         containers = [
-            {"name": cs.get("name"), "state": {"waiting": waiting}}
+            _fetch_step(cs)
+            if cs.get("name") == FETCH_CONTAINER
+            else {"name": cs.get("name"), "state": {"waiting": waiting}}
             if (waiting := (cs.get("state") or {}).get("waiting"))
             else {"name": cs.get("name")}
             for cs in status.get(key) or []

@@ -7,6 +7,7 @@ import copy
 from typing import Any
 
 import pytest
+from rlhf_operator import model_fetch
 from rlhf_operator.pod_problems import diagnose, slim_pod
 from rlhf_operator.scaling import engines_pending
 
@@ -138,3 +139,29 @@ def test_a_slim_pod_keeps_the_identity_and_the_problems_only() -> None:
         "metadata": {"name": "x", "namespace": None, "labels": {}, "deletionTimestamp": None},
         "status": {"phase": None},
     }
+
+
+def test_a_slim_head_pod_keeps_its_fetch_step_as_models_ready_reads_it() -> None:
+    """The operator reads the fetch-models step from its pod cache: a slimmed head pod must give the same
+    ModelsReady as the whole pod, running, done with its bytes, and failed before a restart."""
+    done = {
+        "terminated": {"exitCode": 0, "message": '{"bytesFetched": 9, "bytesTotal": 9}', "startedAt": "t"}
+    }
+    failed = {"terminated": {"exitCode": 2, "message": '{"reason": "ModelNotFound", "message": "gone"}'}}
+    for state, last in (
+        ({"running": {"startedAt": "t"}}, {}),
+        (done, {}),
+        ({"waiting": {"reason": "CrashLoopBackOff"}}, failed),
+    ):
+        head = {
+            "metadata": {"name": "tiny-head-x", "labels": {"ray.io/node-type": "head"}},
+            "status": {
+                "phase": "Pending",
+                "initContainerStatuses": [
+                    {"name": "fetch-models", "state": state, "lastState": last, "ready": False}
+                ],
+            },
+        }
+        whole = model_fetch.fetch_state([head], None)
+        assert whole is not None and whole.phase != "waiting"
+        assert model_fetch.fetch_state([slim_pod(head)], None) == whole
