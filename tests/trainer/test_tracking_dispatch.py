@@ -127,6 +127,27 @@ def test_a_failing_call_is_retried_with_backoff_and_each_failure_counted() -> No
     assert series(m, "rlhf_tracking_up") == 1.0
 
 
+def test_by_default_an_outage_of_any_length_loses_nothing_the_queue_holds() -> None:
+    """The default policy never gives an event up while the dispatcher runs: 40 failed calls (minutes of
+    capped backoff) and then the server is back, and every queued step arrives, in order."""
+    sink, m = StubSink(down=True), exporter()
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 40:
+            sink.down = False
+
+    d = SinkDispatcher(sink, m.tracking, sleep=sleep).start()
+    for step in (1, 2, 3):
+        d.submit(Event("metrics", step, {"x": float(step)}))
+    d.close(5)
+    assert [s for _, s, _ in sink.got] == [1, 2, 3]
+    assert max(waits) == 15.0 and sum(waits) > 45, sum(waits)  # longer than the old 8 attempts' ~45 s
+    assert series(m, "rlhf_tracking_dropped_total") == 0
+    assert series(m, "rlhf_tracking_errors_total") == 40
+
+
 def test_backoff_doubles_up_to_its_cap() -> None:
     p = RetryPolicy(attempts=8, base_seconds=0.5, cap_seconds=4.0)
     assert [p.delay(k) for k in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]

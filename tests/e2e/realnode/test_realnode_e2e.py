@@ -197,7 +197,7 @@ def check_outputs(
     that holds every step's metrics (the outage and the head's loss included), the evaluation every 5
     steps and the spec as params."""
     marker = read_marker(store.client(), S3Url(EXPORTS, "tiny"))
-    names = {f["path"] for f in marker["files"]}
+    names = {f["name"] for f in marker["files"]}
     assert {"config.json", "tokenizer.json"} <= names and any(n.endswith(".safetensors") for n in names), (
         names
     )

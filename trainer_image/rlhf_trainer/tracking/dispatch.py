@@ -68,11 +68,13 @@ class Observer(Protocol):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Capped exponential backoff: attempt k (from 1) waits base * 2**(k-1), at most `cap` seconds; an event
-    that failed `attempts` times is dropped (counted) and the next one is tried. The defaults ride out an
-    outage of about 45 s (0.5 + 1 + 2 + 4 + 8 + 15 + 15 s) without losing an event."""
+    """Capped exponential backoff: attempt k (from 1) waits base * 2**(k-1), at most `cap` seconds. By
+    default (`attempts` None) an event is retried until it is delivered: an outage loses nothing while
+    the bounded queue has room (new events are dropped, counted, only when it is full; the real node's run
+    lost a step to an outage of about a minute when an event was given up after 8 attempts, ~45 s). With
+    `attempts`, an event that failed that many times is dropped (counted) and the next one is tried."""
 
-    attempts: int = 8
+    attempts: int | None = None
     base_seconds: float = 0.5
     cap_seconds: float = 15.0
 
@@ -160,8 +162,12 @@ class SinkDispatcher:
                 self._queue.task_done()
 
     def _deliver(self, event: Event) -> None:
-        """Open the run if needed, then the event, each try retried with backoff; dropped after the last."""
-        for attempt in range(1, self.policy.attempts + 1):
+        """Open the run if needed, then the event, each try retried with backoff until it is delivered (or
+        dropped after the policy's last attempt, or when the dispatcher stops)."""
+        limit = self.policy.attempts
+        attempt = 0
+        while limit is None or attempt < limit:
+            attempt += 1
             if self._stop.is_set():
                 self._drop(1)
                 return
@@ -173,7 +179,7 @@ class SinkDispatcher:
                 self._call(event)
             except Exception as e:
                 self._failed(e)
-                if attempt < self.policy.attempts:
+                if limit is None or attempt < limit:
                     self._pause(self.policy.delay(attempt))
                 continue
             self.delivered += 1
