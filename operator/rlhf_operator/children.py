@@ -26,7 +26,9 @@ log = logging.getLogger("rlhf_operator")
 
 # Creates the Secret and NetworkPolicy that follow a RayCluster, so the handler's thread is free for the next
 # job's RayCluster; they wait on the API server, not on the CPU.
-_SECURITY_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="security-objects")
+_SECURITY_POOL = ThreadPoolExecutor(
+    max_workers=kube.BACKGROUND_THREADS, thread_name_prefix="security-objects"
+)
 
 
 def _security_objects(body: kopf.Body, job: RLHFJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
