@@ -1,5 +1,6 @@
-"""The objects a job owns and the writes to them: its token Secret and NetworkPolicy, its RayCluster (create,
-adopt, refused with backoff, patch), the stall's stacks ConfigMap, and spec.rollout.engines.
+"""The objects a job owns and the writes to them: its token Secret and NetworkPolicy (in the order
+security.creation_order decides: with a token, after the RayCluster), its RayCluster (create, adopt, refused
+with backoff, patch), the stall's stacks ConfigMap, and spec.rollout.engines.
 
 Every write is idempotent (deterministic names; 409 is the object this would make).
 """
@@ -18,27 +19,45 @@ from kubernetes.client.exceptions import ApiException
 from rlhf_api.spec import GROUP, PLURAL, VERSION, RLHFJob
 
 from rlhf_operator import cache, diagnosis, failpoints, kube, manifests, metrics, rayjobs, runtime, security
+from rlhf_operator.job_state import JobState
 from rlhf_operator.status import cluster_rejected, status_patch
 
 log = logging.getLogger("rlhf_operator")
 
-_SECURITY_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="security-objects")
+# Creates the Secret and NetworkPolicy that follow a RayCluster, so the handler's thread is free for the next
+# job's RayCluster; they wait on the API server, not on the CPU.
+_SECURITY_POOL = ThreadPoolExecutor(
+    max_workers=kube.BACKGROUND_THREADS, thread_name_prefix="security-objects"
+)
+
+
+def _security_objects(body: kopf.Body, job: RLHFJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The job's Secret and NetworkPolicy, owned by the job: (before its RayCluster, after it, in order)."""
+    objs = manifests.security_objects(job, rayjobs.token_key(), runtime.CONFIG.policy_access)
+    for obj in objs:
+        kopf.adopt(obj, owner=body)
+    return security.creation_order(objs)
 
 
 def ensure_security_objects(body: kopf.Body, job: RLHFJob) -> None:
-    """Create the job's token Secret and NetworkPolicy, owned by the job, if they do not exist yet.
+    """Create the job's token Secret and NetworkPolicy, owned by the job, if they do not exist yet, one after
+    the other in `security.creation_order` (the NetworkPolicy before the Secret that lets pods start).
 
     Create only: the operator never reads a Secret (docs/security.md), and both objects are deterministic
     (the token is derived from the job's uid), so an existing one (409) is the one this would make.
     """
     namespace = body.metadata.namespace or "default"
-    objs = manifests.security_objects(job, rayjobs.token_key(), runtime.CONFIG.policy_access)
-    for obj in objs:
-        kopf.adopt(obj, owner=body)
-    # Both at once: one round trip before the RayCluster's POST instead of two.
-    for future in [_SECURITY_POOL.submit(_create_security_object, namespace, obj) for obj in objs]:
-        future.result()
-    runtime.state_of(body).security_ensured = True
+    before, after = _security_objects(body, job)
+    for obj in [*before, *after]:
+        _create_security_object(namespace, obj)
+    runtime.state_of(body).security = "made"
+
+
+def settle_security_objects(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any] | None) -> None:
+    """A reconcile round's backstop (JobState.security_due): the objects a background creation failed to
+    make, or a job's from before this operator version, made now; a refusal raises ClusterRefused."""
+    if runtime.state_of(body).security_due(cluster is not None, body.status.get("phase")):
+        ensure_security_objects(body, job)
 
 
 def _create_security_object(namespace: str, obj: dict[str, Any]) -> None:
@@ -54,8 +73,38 @@ def _create_security_object(namespace: str, obj: dict[str, Any]) -> None:
             ) from e
 
 
+def _follow_cluster(namespace: str, state: JobState, objs: list[dict[str, Any]]) -> None:
+    """Create `objs` one after the other in the background, after the RayCluster. A failure is logged and
+    leaves them to the next reconcile round (settle_security_objects), which says a refusal in the status."""
+    try:
+        for obj in objs:
+            _create_security_object(namespace, obj)
+        state.security = "made"
+    except Exception as e:  # nobody waits on this future: say it here, the next round retries
+        state.security = "unmade"
+        log.warning("%s: security objects not created yet, the next round retries: %s", namespace, e)
+
+
 def create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
-    ensure_security_objects(body, job)
+    """Create (or adopt) the job's RayCluster with its security objects in `security.creation_order`: those
+    that must come first, then the RayCluster, then the rest in the background (no round trip of theirs
+    stands between the job and its RayCluster: docs/benchmarks.md, operator_scale.py)."""
+    namespace = body.metadata.namespace or "default"
+    before, after = _security_objects(body, job)
+    for obj in before:
+        _create_security_object(namespace, obj)
+    created = _post_cluster(body, job)
+    state = runtime.state_of(body)
+    if not after:
+        state.security = "made"
+    elif state.security == "unmade":
+        state.security = "creating"
+        _SECURITY_POOL.submit(_follow_cluster, namespace, state, after)
+    return created
+
+
+def _post_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
+    """POST the job's RayCluster, owned by the job; a 409 adopts the one an earlier incarnation made."""
     manifest = manifests.build_raycluster(job, default_image=runtime.CONFIG.default_trainer_image)
     kopf.adopt(manifest, owner=body)  # owner reference: deleting the job deletes the cluster
     namespace = body.metadata.namespace or "default"
@@ -66,22 +115,6 @@ def create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
                 kube.RAY_GROUP, kube.RAY_VERSION, namespace, kube.RAY_PLURAL, manifest
             ),
         )
-        metrics.CLUSTERS_CREATED.labels(namespace).inc()
-        # As the index keeps it: the whole answer (pod templates) for each of a burst of new jobs was
-        # the largest thing the operator kept after the watch events (benchmarks.md, Round 3).
-        state = runtime.state_of(body)
-        state.expect.created_cluster(cache.slim_raycluster(created))
-        state.create_backoff = None
-        failpoints.hit("after_cluster_create")
-        kopf.event(
-            body,
-            type="Normal",
-            reason="RayClusterCreated",
-            message=f"created RayCluster {manifest['metadata']['name']}",
-        )
-        for warning in security.disabled_warnings(job):
-            kopf.event(body, type="Warning", reason="SecurityDisabled", message=warning)
-        return created
     except ApiException as e:
         if e.status == 409:  # created by an earlier incarnation of this operator: adopt it
             existing = kube.read_cluster(namespace, manifest["metadata"]["name"])
@@ -89,6 +122,22 @@ def create_cluster(body: kopf.Body, job: RLHFJob) -> dict[str, Any]:
                 runtime.state_of(body).expect.created_cluster(cache.slim_raycluster(existing))
                 return existing
         raise ClusterRefused(e.status, kube.api_message(e)) from e
+    metrics.CLUSTERS_CREATED.labels(namespace).inc()
+    # As the index keeps it: the whole answer (pod templates) for each of a burst of new jobs was
+    # the largest thing the operator kept after the watch events (benchmarks.md, Round 3).
+    state = runtime.state_of(body)
+    state.expect.created_cluster(cache.slim_raycluster(created))
+    state.create_backoff = None
+    failpoints.hit("after_cluster_create")
+    kopf.event(
+        body,
+        type="Normal",
+        reason="RayClusterCreated",
+        message=f"created RayCluster {manifest['metadata']['name']}",
+    )
+    for warning in security.disabled_warnings(job):
+        kopf.event(body, type="Warning", reason="SecurityDisabled", message=warning)
+    return created
 
 
 class ClusterRefused(Exception):

@@ -123,29 +123,9 @@ def on_event(
         return
     if body.status.get("phase") in TERMINAL_JOB_PHASES:
         return
-    state = runtime.state_of(body)
-    if body.status.get("phase"):
-        if not type and not state.security_ensured:  # the initial listing (no type): the operator's start
-            _resume_security_objects(body)
-        return
-    if state.first_written:
-        return  # its first status write is on its way through the watch
+    if body.status.get("phase") or runtime.state_of(body).first_written:
+        return  # under way: the reconcile timer's (its first status write may still be on its way)
     ensure_cluster(body, patch)
-
-
-def _resume_security_objects(body: kopf.Body) -> None:
-    """A job from before this operator version, or whose NetworkPolicy was deleted, gets its objects
-    again: once per job and process."""
-    job = cache.parse(body)
-    if isinstance(job, str):
-        return
-    namespace = body.metadata.namespace or "default"
-    if cache.get_cluster(body, manifests.raycluster_name(job.name)) is None:
-        return
-    try:
-        children.ensure_security_objects(body, job)
-    except children.ClusterRefused as e:
-        log.warning("%s/%s: security objects not created: %s", namespace, job.name, e)
 
 
 def ensure_cluster(body: kopf.Body, patch: kopf.Patch) -> None:
@@ -219,6 +199,7 @@ def reconcile(
             return  # a transient refusal's backoff: the status already says why
         try:
             status = act.act(body, job, observed, decision)
+            children.settle_security_objects(body, job, observed.raycluster)
         except children.ClusterRefused as refusal:
             children.refused(body, patch, job, refusal)
             return

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from rlhf_api.spec import RLHFJob
+from rlhf_api.spec import TERMINAL_JOB_PHASES, RLHFJob
 
 from rlhf_operator import rayjobs
 from rlhf_operator.expectations import DEFAULT_GRACE_SECONDS, Expectations
+
+SecurityObjects = Literal["unmade", "creating", "made"]
 
 
 @dataclass(slots=True)
@@ -32,8 +34,9 @@ class JobState:
     parsed: tuple[str, RLHFJob | str] | None = None
     # Its writes (status, RayCluster create and patch) that the watch has not shown yet.
     expect: Expectations = field(default_factory=Expectations)
-    # Whether its Secret and NetworkPolicy have been created or found (once per job and process).
-    security_ensured: bool = False
+    # Its Secret and NetworkPolicy: not made or found by this process yet, being created in the background
+    # after its RayCluster (children.create_cluster), or made or found (once per job and process).
+    security: SecurityObjects = "unmade"
     # Whether this process has written its first status (phase Provisioning).
     first_written: bool = False
     # Transient refusals of its RayCluster: (refusals in a row, monotonic time before which not to retry).
@@ -46,6 +49,13 @@ class JobState:
     claim_ensured: bool = False
     # Its Jobs API clients by head URL, kept between rounds so their connections stay open.
     ray_clients: dict[str, rayjobs.RayJobsClient] = field(default_factory=dict)
+
+    def security_due(self, cluster_exists: bool, phase: str | None) -> bool:
+        """Whether a reconcile round must create the job's Secret and NetworkPolicy itself: its RayCluster
+        exists (whose creation makes them), this process has neither made nor found them and is not making
+        them now (a background creation failed; a job from before this operator version, once per process),
+        and the job is not over."""
+        return cluster_exists and self.security == "unmade" and phase not in TERMINAL_JOB_PHASES
 
 
 class JobStates:

@@ -20,6 +20,9 @@ from rlhf_operator import runtime
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 JSON_PATCH = "application/json-patch+json"
+# Threads beside kopf's handler threads that call the API server (children's pool for the security objects
+# that follow a RayCluster); the client keeps a connection for each thread of both.
+BACKGROUND_THREADS = 8
 _api: k8s.ApiClient | None = None
 
 
@@ -31,7 +34,7 @@ def api() -> k8s.ApiClient:
         except k8s_config.ConfigException:
             k8s_config.load_kube_config()  # type: ignore[no-untyped-call]
         cfg = k8s.Configuration.get_default_copy()
-        cfg.connection_pool_maxsize = runtime.CONFIG.handler_threads
+        cfg.connection_pool_maxsize = runtime.CONFIG.handler_threads + BACKGROUND_THREADS
         _api = k8s.ApiClient(cfg)
     return _api
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,23 @@ def token_secret(metadata: Mapping[str, Any], token: str) -> dict[str, Any]:
         "immutable": True,
         "stringData": {TOKEN_SECRET_KEY: token},
     }
+
+
+def creation_order(
+    objects: Sequence[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Which of a job's security objects (manifests.security_objects) to create before its RayCluster, and
+    which after it, in this order.
+
+    With a token Secret the RayCluster goes first, so no round trip stands before it: no Ray container can
+    start before the Secret exists (each reads RAY_AUTH_TOKEN by a secretKeyRef that is not optional, and the
+    kubelet creates no container whose Secret is missing), and the NetworkPolicy is created before the
+    Secret, so it exists before any Ray process of the job can. Without a Secret (token authentication off)
+    nothing holds the pods back, so the NetworkPolicy stays before the RayCluster.
+    """
+    if not any(obj["kind"] == "Secret" for obj in objects):
+        return list(objects), []
+    return [], sorted(objects, key=lambda obj: obj["kind"] == "Secret")  # stable: the Secret last
 
 
 @dataclass(frozen=True)

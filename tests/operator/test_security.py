@@ -71,6 +71,44 @@ def test_security_objects_follow_the_spec() -> None:
     assert len(security.disabled_warnings(none)) == 2 and security.disabled_warnings(job()) == []
 
 
+def _kinds(objects: list[dict[str, Any]]) -> list[str]:
+    return [o["kind"] for o in objects]
+
+
+def test_with_a_token_the_raycluster_goes_first_and_the_policy_before_the_secret() -> None:
+    access = security.PolicyAccess("ops", {"app": "op"})
+    before, after = security.creation_order(manifests.security_objects(job(), KEY, access))
+    assert (_kinds(before), _kinds(after)) == ([], ["NetworkPolicy", "Secret"])
+    no_policy = manifests.security_objects(job(security={"networkPolicy": "Disabled"}), KEY, access)
+    assert security.creation_order(no_policy) == ([], no_policy)
+
+
+def test_without_a_token_nothing_holds_the_pods_back_so_the_policy_goes_first() -> None:
+    access = security.PolicyAccess("ops", {"app": "op"})
+    open_job = job(security={"rayAuthentication": "Disabled"})
+    before, after = security.creation_order(manifests.security_objects(open_job, KEY, access))
+    assert (_kinds(before), _kinds(after)) == (["NetworkPolicy"], [])
+    assert security.creation_order([]) == ([], [])
+
+
+@pytest.mark.parametrize("example", ["rlhfjob-tiny.yaml", "rlhfjob-tiny-s3-tracked.yaml"])
+def test_no_container_of_the_jobs_pods_can_start_without_its_secret(example: str) -> None:
+    """What lets the RayCluster go before the Secret (security.creation_order): every container of every pod
+    (init containers too) reads the token by a secretKeyRef that is not optional, so the kubelet starts none
+    of them before the Secret exists."""
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+    doc["metadata"].update(namespace="ns", uid="1234abcd-0000")
+    rc = manifests.build_raycluster(RLHFJob.model_validate(doc))
+    templates = [rc["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in rc["spec"]["workerGroupSpecs"]
+    ]
+    containers = [c for t in templates for c in t["spec"].get("initContainers", []) + t["spec"]["containers"]]
+    assert len(containers) >= len(templates)
+    for c in containers:
+        ref = next(e for e in c["env"] if e["name"] == "RAY_AUTH_TOKEN")["valueFrom"]["secretKeyRef"]
+        assert ref["name"].endswith("-ray-token-1234abcd") and not ref.get("optional"), (c["name"], ref)
+
+
 def test_the_policy_admits_the_job_the_operator_and_the_scrapers_only() -> None:
     j = job()
     port = j.spec.monitoring.metrics_port

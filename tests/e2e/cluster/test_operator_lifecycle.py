@@ -248,6 +248,10 @@ def test_operator_killed_at_a_reconcile_point_converges(
     job = cluster.get("rlhfjob", "crashy", namespace)
     assert job is not None
     uid = job["metadata"]["uid"][:8]
+    # Its Secret and NetworkPolicy, which follow the RayCluster: made once each, also when the kill came
+    # between the RayCluster and them (the restarted operator's round makes them: JobState.security_due).
+    assert len(audited_creates("networkpolicies", namespace, "crashy")) == 1
+    assert len(audited_creates("secrets", namespace, f"crashy-ray-token-{uid}")) == 1
     submitted = ray_submissions(f"rlhf-{namespace}-crashy-{uid}-")
     assert sorted(submitted) == [f"rlhf-{namespace}-crashy-{uid}-0", f"rlhf-{namespace}-crashy-{uid}-1"], (
         submitted

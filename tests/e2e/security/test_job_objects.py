@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testkit.support import Cluster, OperatorProcess, drop_rlhfjobs, events, example_job, free_port, wait_for
+from testkit.support import (
+    Cluster,
+    OperatorProcess,
+    audited_creates,
+    drop_rlhfjobs,
+    events,
+    example_job,
+    free_port,
+    wait_for,
+)
 
 pytestmark = pytest.mark.security
 
@@ -79,6 +88,20 @@ def test_the_job_owns_its_token_secret_and_network_policy(
     secret = wait_for(lambda: cluster.get("secret", secret_name, namespace), 60, f"Secret {secret_name}")
     policy = wait_for(lambda: cluster.get("networkpolicy", "sec", namespace), 60, "the NetworkPolicy")
     rc = wait_for(lambda: cluster.get("raycluster", "sec", namespace), 60, "the RayCluster")
+
+    # The order (docs/security.md, "The order of a job's objects"), from the API server's own record: the
+    # RayCluster's create answered before the NetworkPolicy's began, and the policy's before the Secret's.
+    (rc_create,) = audited_creates("rayclusters", namespace, "sec")
+    (policy_create,) = audited_creates("networkpolicies", namespace, "sec")
+    (secret_create,) = audited_creates("secrets", namespace, secret_name)
+    assert rc_create["stageTimestamp"] <= policy_create["requestReceivedTimestamp"], (
+        rc_create,
+        policy_create,
+    )
+    assert policy_create["stageTimestamp"] <= secret_create["requestReceivedTimestamp"], (
+        policy_create,
+        secret_create,
+    )
 
     # The Secret holds the token the operator derives (and sends on its Jobs API calls), and is the job's.
     token = base64.b64decode(secret["data"]["token"]).decode()
