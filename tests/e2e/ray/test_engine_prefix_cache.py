@@ -16,7 +16,9 @@ import pytest
 pytestmark = pytest.mark.trainer
 
 
-def test_prompt_prefill_is_cached_and_a_weight_sync_drops_the_cache(real_engine_checks: dict[str, Any]) -> None:
+def test_prompt_prefill_is_cached_and_a_weight_sync_drops_the_cache(
+    real_engine_checks: dict[str, Any],
+) -> None:
     r = real_engine_checks["prefix_cache"]
     assert "error" not in r, r.get("error")
     assert r["first"]["cached"] == 0
