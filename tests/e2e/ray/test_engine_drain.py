@@ -61,8 +61,13 @@ def two_nodes() -> Iterator[tuple[str, dict[str, str], Path]]:
     finally:
         for proc in procs:
             with_group(proc, signal.SIGTERM)
+        # one grace period for both nodes (each `ray start --block` takes longer than it to exit): ~5 s, not ~10
+        deadline = time.monotonic() + 5
         for proc in procs:
-            terminate(proc, grace=5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            terminate(proc, grace=0)
             with_group(proc, signal.SIGKILL)
 
 
