@@ -44,6 +44,7 @@ SAMPLES = 16 * 8  # rolloutBatchSize x samplesPerPrompt of the tiny example
 def test_async_agentic_grpo_learns_to_call_the_tool(tiny: Path, tmp_path: Path, ray_tmp: Path) -> None:
     port, ckpt = free_port(), tmp_path / "ckpt"
     sets = [*tiny_sets(tiny, ckpt), *GRPO, f"algorithm.totalSteps={STEPS}", f"checkpoint.intervalSteps={EVERY}",
+            "checkpoint.export=never",  # the export is test_trainer_run.py's and test_export_off_head.py's
             "algorithm.async.enabled=true",
             f"model.reward.function={TASK}:reward", f"rollout.agent.function={TASK}:agent",
             "rollout.agent.maxTurns=2", "rollout.agent.maxTokens=24", "rollout.agent.tool.workers=2",
