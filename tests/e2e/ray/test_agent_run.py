@@ -30,7 +30,11 @@ from testkit.trainer_runs import EXAMPLE, GRPO, run_cli, tiny_sets
 pytestmark = pytest.mark.trainer
 
 TASK = TESTKIT / "agent_task.py"
-STEPS = 20  # the issue asks for the gain within 30 steps: the policy learns it in about 10
+# The issue asks for the gain within 30 steps; the policy learns it in about 10 (measured 2026-11-28: reward
+# 0.17, 0.12, 0.16, 0.30, 0.37, 0.45, 0.48, 0.62, 0.86, 0.94 in steps 1-10, a gain of 0.45 over MIN_GAIN's
+# 0.10, then about 1.0 to step 20): 10 steps, and the checkpoint, evaluation and samples tables every 5.
+STEPS = 10
+EVERY = STEPS // 2
 MIN_GAIN = (
     0.10  # the reward is 0/1 a sample (128 a step): the untrained policy calls the tool ~17 % of the time
 )
@@ -39,13 +43,14 @@ SAMPLES = 16 * 8  # rolloutBatchSize x samplesPerPrompt of the tiny example
 
 def test_async_agentic_grpo_learns_to_call_the_tool(tiny: Path, tmp_path: Path, ray_tmp: Path) -> None:
     port, ckpt = free_port(), tmp_path / "ckpt"
-    sets = [*tiny_sets(tiny, ckpt), *GRPO, f"algorithm.totalSteps={STEPS}", "checkpoint.intervalSteps=10",
+    sets = [*tiny_sets(tiny, ckpt), *GRPO, f"algorithm.totalSteps={STEPS}", f"checkpoint.intervalSteps={EVERY}",
+            "checkpoint.export=never",  # the export is test_trainer_run.py's and test_export_off_head.py's
             "algorithm.async.enabled=true",
             f"model.reward.function={TASK}:reward", f"rollout.agent.function={TASK}:agent",
             "rollout.agent.maxTurns=2", "rollout.agent.maxTokens=24", "rollout.agent.tool.workers=2",
-            f"data.eval.prompts={tiny}/eval.jsonl", "evaluation.everySteps=10",
+            f"data.eval.prompts={tiny}/eval.jsonl", f"evaluation.everySteps={EVERY}",
             # spec.tracking from the step loop (the async path): scalars and samples tables
-            f"tracking.tensorboard.logDir={tmp_path / 'tb'}", "tracking.samplesEverySteps=10",
+            f"tracking.tensorboard.logDir={tmp_path / 'tb'}", f"tracking.samplesEverySteps={EVERY}",
             "tracking.samplesPerTable=3"]  # fmt: skip
     t0 = time.monotonic()
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port, timeout=1500)
@@ -79,8 +84,8 @@ def test_async_agentic_grpo_learns_to_call_the_tool(tiny: Path, tmp_path: Path, 
     # (step 1, synchronous) the gap of a single-turn run (test_trainer_run.py's bound)
     assert steps[0]["training"]["logprob_gap_p99"] <= 0.01, steps[0]["training"]
 
-    # the held-out split, through the agent (greedy), after steps 10 and 20
-    assert [s["step"] for s in steps if "eval_reward_mean" in s] == [10, 20]
+    # the held-out split, through the agent (greedy), after steps 5 and 10
+    assert [s["step"] for s in steps if "eval_reward_mean" in s] == [EVERY, STEPS]
     assert all(s["eval"]["samples"] == 16 and s["eval"]["reward_errors"] == 0 for s in steps if s["eval"])
 
     # asynchronous: every batch after the first generated while the last step trained
@@ -95,10 +100,10 @@ def test_async_agentic_grpo_learns_to_call_the_tool(tiny: Path, tmp_path: Path, 
         assert 0.5 < weight < 2.0 and weight != 1.0, x
     # the engines generated during every step but the last (the next batch); the last launches none
     assert all(x["rollout_idle_ratio"] < 1.0 for x in steps[1:-1]), steps
-    # 20 batches of 16 prompts trained; the step-10 checkpoint does not count the batch drawn ahead
+    # 10 batches of 16 prompts trained; the step-5 checkpoint does not count the batch drawn ahead
     assert run.summary["data_position"] == {"epoch": 0, "offset": STEPS * 16}
-    state = json.loads((ckpt / "step-00000010" / "trainer_state.json").read_text())
-    assert state["data"] == {"epoch": 0, "offset": 10 * 16}, state["data"]
+    state = json.loads((ckpt / f"step-{EVERY:08d}" / "trainer_state.json").read_text())
+    assert state["data"] == {"epoch": 0, "offset": EVERY * 16}, state["data"]
 
     scraped = [t for t in run.scrapes if "rlhf_agent_tool_calls{" in t and "rlhf_steps_completed_total{" in t]
     assert scraped, "the agent series were never scraped"
@@ -128,6 +133,6 @@ def assert_tracked(log_dir: Path, steps: list[dict[str, Any]]) -> None:
     ]
     assert [e.step for e in events.Scalars("phase_seconds/generation")] == [x["step"] for x in steps]
     tables = events.Tensors("samples/text_summary")
-    assert [e.step for e in tables] == [10, 20]
+    assert [e.step for e in tables] == [EVERY, STEPS]
     rows = tables[0].tensor_proto.string_val[0].decode().splitlines()[2:]
-    assert len(rows) == 3 and all(row.startswith("| 10 | ") for row in rows), rows
+    assert len(rows) == 3 and all(row.startswith(f"| {EVERY} | ") for row in rows), rows

@@ -61,8 +61,13 @@ def two_nodes() -> Iterator[tuple[str, dict[str, str], Path]]:
     finally:
         for proc in procs:
             with_group(proc, signal.SIGTERM)
+        # one grace period for both nodes (each `ray start --block` takes longer than it to exit): ~5 s, not ~10
+        deadline = time.monotonic() + 5
         for proc in procs:
-            terminate(proc, grace=5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            terminate(proc, grace=0)
             with_group(proc, signal.SIGKILL)
 
 
@@ -146,9 +151,12 @@ def test_a_hook_that_cannot_drain_says_why_and_exits_0(tmp_path: Path) -> None:
     """No Ray cluster to drain: the hook must not fail the pod's deletion (a failed hook only makes an
     Event), and it says what went wrong in the container's log."""
     env = {**_ray_env(tmp_path), "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
+    # Ray's GCS client waits for an absent GCS 1 s per connection (of 2) and then py_gcs_connect_timeout_s
+    # (30 s by default) for the cluster id: the same error path, reached in about 5 s instead of 35.
+    fast = {"RAY_gcs_rpc_server_connect_timeout_s": "1", "RAY_py_gcs_connect_timeout_s": "2"}
     hook = subprocess.run(
         [sys.executable, "-m", "rlhf_trainer.drain", "--node-id", "ab" * 28, "--deadline-seconds", "5"],
-        env={**env, "RAY_gcs_rpc_server_connect_timeout_s": "2"}, capture_output=True, text=True, timeout=120,
+        env={**env, **fast}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert hook.returncode == 0, hook.stderr
     assert hook.stdout.startswith("drain: error: "), hook.stdout + hook.stderr[-1000:]
