@@ -148,6 +148,30 @@ def test_by_default_an_outage_of_any_length_loses_nothing_the_queue_holds() -> N
     assert series(m, "rlhf_tracking_errors_total") == 40
 
 
+@dataclass
+class RefusingSink(StubSink):
+    """A backend that refuses one event for good (as MLflow answers 400 to a changed param)."""
+
+    def log_params(self, params: dict[str, str]) -> None:
+        raise ValueError("INVALID_PARAMETER_VALUE: changing param values is not allowed")
+
+    def permanent(self, error: BaseException) -> bool:
+        return isinstance(error, ValueError)
+
+
+def test_an_event_the_backend_refuses_is_dropped_at_once_and_the_next_ones_flow() -> None:
+    """Retrying until delivered must not hold every later step behind an event the backend refuses."""
+    sink, m = RefusingSink(), exporter()
+    d = SinkDispatcher(sink, m.tracking, policy=RetryPolicy(base_seconds=0.0, cap_seconds=0.0)).start()
+    d.submit(Event("params", 0, {"rollout.engines": "1"}))
+    for step in (1, 2):
+        d.submit(Event("metrics", step, {"x": 1.0}))
+    d.close(5)
+    assert [s for kind, s, _ in sink.got if kind == "metrics"] == [1, 2]
+    assert series(m, "rlhf_tracking_errors_total") == 1
+    assert series(m, "rlhf_tracking_dropped_total") == 1
+
+
 def test_backoff_doubles_up_to_its_cap() -> None:
     p = RetryPolicy(attempts=8, base_seconds=0.5, cap_seconds=4.0)
     assert [p.delay(k) for k in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]

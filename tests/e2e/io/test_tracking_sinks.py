@@ -148,6 +148,27 @@ def test_mlflow_stopped_mid_run_never_holds_a_step_and_the_sink_resumes_after_a_
     assert errors_while_down >= 2
 
 
+def test_a_restarted_attempt_goes_on_with_the_run_though_a_param_changed(
+    mlflow_server: MlflowServer,
+) -> None:
+    """After a restart the job's spec can differ (rollout.engines after a scale): MLflow refuses a changed
+    param (400), so the resumed run keeps its params, adds new ones, and the steps go on."""
+    spec = spec_with({"mlflow": {"trackingUri": mlflow_server.url, "experiment": "restarted"}})
+    for attempt, engines in ((1, 2), (2, 1)):
+        changed = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engines": engines})})
+        m = TrainerExporter("job-a", CollectorRegistry())
+        tracker = Tracker.start(changed, "job-a", m.tracking)
+        assert tracker is not None
+        tracker.step(attempt, report(attempt))
+        tracker.close(60)
+        assert sample(m, "rlhf_tracking_dropped_total", "mlflow") == 0, attempt
+    client, _, run = mlflow_run(mlflow_server.url, "restarted")
+    assert (
+        run.data.params["rollout.engines"] == "2"
+    )  # the first attempt's: MLflow keeps a param's first value
+    assert [x.step for x in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2]
+
+
 def test_wandb_offline_writes_its_run_directory_with_the_metrics_config_and_samples(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

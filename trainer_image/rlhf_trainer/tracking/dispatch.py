@@ -179,6 +179,8 @@ class SinkDispatcher:
                 self._call(event)
             except Exception as e:
                 self._failed(e)
+                if self._permanent(e):  # the backend refused this event: no retry can change that
+                    break
                 if limit is None or attempt < limit:
                     self._pause(self.policy.delay(attempt))
                 continue
@@ -186,6 +188,12 @@ class SinkDispatcher:
             self.observer.tracking_succeeded(self.sink.name)
             return
         self._drop(1)
+
+    def _permanent(self, e: BaseException) -> bool:
+        """Whether the sink says `e` is the backend refusing the event itself (a 4xx answer), not being
+        unreachable: retrying it would hold every later event behind it (a sink may define `permanent`)."""
+        permanent = getattr(self.sink, "permanent", None)
+        return bool(permanent(e)) if callable(permanent) else False
 
     def _pause(self, seconds: float) -> None:
         if self.sleep is not None:

@@ -64,10 +64,22 @@ class MlflowSink:
         self._client = client
         return run_url(self.spec.tracking_uri, exp_id, self.run_id)
 
+    def permanent(self, error: BaseException) -> bool:
+        """A 4xx answer (a bad or refused request) is permanent; unreachable, 5xx, 408 and 429 are not."""
+        from mlflow.exceptions import MlflowException
+
+        if not isinstance(error, MlflowException):
+            return False
+        status = int(error.get_http_status_code())
+        return 400 <= status < 500 and status not in (408, 429)
+
     def log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, v) for k, v in sorted(params.items())]
+        # A resumed run keeps the params it has: MLflow refuses a changed value (400), and a restarted
+        # attempt's spec can differ where the job was changed while it ran (rollout.engines after a scale).
+        kept = self._client.get_run(self.run_id).data.params if self._client is not None else {}
+        items = [Param(k, v) for k, v in sorted(params.items()) if k not in kept]
         for i in range(0, len(items), 100):  # MLflow's batch limit on params
             self._client.log_batch(self.run_id, params=items[i : i + 100])
 
