@@ -70,7 +70,7 @@ class MlflowSink:
 
         if not isinstance(error, MlflowException):
             return False
-        status = int(error.get_http_status_code())
+        status = int(error.get_http_status_code())  # type: ignore[no-untyped-call]
         return 400 <= status < 500 and status not in (408, 429)
 
     def log_params(self, params: dict[str, str]) -> None:
