@@ -259,15 +259,19 @@ def merge(
     template = runtime.storage.claim_template() if runtime.storage else None
     merged = _over(layer, mine)
     _check_remote_models(merged, ref)
+    _check_export(merged, ref)
+    return Merged(merged, claim_name(job) if template is not None else None)
+
+
+def _check_export(merged: dict[str, Any], ref: str) -> None:
+    """Admission let checkpoint.exportTo through on the promise of the runtime's checkpoint volume."""
     checkpoint = merged.get("checkpoint") or {}
     if checkpoint.get("exportTo") and not checkpoint.get("path"):
-        # Admission let exportTo through on the promise of the runtime's checkpoint volume.
         raise MergeError(
             "spec.checkpoint.exportTo",
             f"{ref} has no checkpoint volume, so the job has no checkpoint.path to export from: set "
             "checkpoint.path, or ask the platform team for storage.checkpoints on the runtime",
         )
-    return Merged(merged, claim_name(job) if template is not None else None)
 
 
 def _check_remote_models(merged: dict[str, Any], ref: str) -> None:

@@ -102,10 +102,8 @@ def run(
 
     With `stop` (installed by the front door), a SIGTERM ends the run at the next step boundary, and the
     summary then holds `preempted` (its `line` is what the front door prints; the exit is 143)."""
-    submitted, spec = (
-        spec,
-        localized(spec),
-    )  # hf:// and s3:// models load from the cache the fetch step filled
+    submitted = spec  # what the run's tracked config shows (model.actor: s3://..., not the cache path)
+    spec = localized(spec)  # hf:// and s3:// models load from the cache the fetch step filled
     data = data or preflight(spec)
     try:
         info = device.for_job(os.environ)  # the job's pods asked for GPUs; never the head's hardware
@@ -156,7 +154,6 @@ def run(
         stop.install()  # ray.init replaced it with Ray's own (which exits at once)
     stacks_dump.arm("driver", "driver")
     watch: PhaseWatchdog | None = None
-    # The run's config is the spec as submitted (model.actor: s3://..., not the cache path it loads from).
     tracker = Tracker.start(submitted, job, metrics.tracking)  # its threads only; a sink connects in its own
     if tracker is not None:
         log(f"tracking to {', '.join(spec.tracking.sinks()) if spec.tracking else ''}")
