@@ -618,6 +618,17 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: s.monitoring.stall_timeout_seconds >= 2 * s.monitoring.scrape_interval_seconds,
     ),
     Rule(
+        name="startup-timeout-covers-a-step",
+        scope="monitoring",
+        cel="!has(self.startupTimeoutSeconds) || self.startupTimeoutSeconds >= self.stallTimeoutSeconds",
+        field="monitoring.startupTimeoutSeconds",
+        message="startupTimeoutSeconds must be at least stallTimeoutSeconds (it covers start-up and the first step)",
+        check=lambda s: (
+            s.monitoring.startup_timeout_seconds is None
+            or s.monitoring.startup_timeout_seconds >= s.monitoring.stall_timeout_seconds
+        ),
+    ),
+    Rule(
         name="remote-model-needs-cache",
         scope="",
         # A runtime's writable model cache is the job's (rlhf_api.runtime_merge checks it is there).

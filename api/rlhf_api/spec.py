@@ -948,6 +948,13 @@ class MonitoringSpec(_Spec):
         ge=1,
         description="A step running longer than this is a stall; at least 2 x scrapeIntervalSeconds.",
     )
+    startup_timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="How long an attempt may run before its first step completes (start-up: loading the "
+        "models, starting the engines, and that step) before that is a stall. Unset: stallTimeoutSeconds. "
+        "Set it above stallTimeoutSeconds when start-up takes longer than a step (a large model).",
+    )
     metrics_port: int = Field(
         default=9400, ge=1, le=65535, description="Port of the trainer's Prometheus /metrics."
     )
@@ -968,6 +975,13 @@ class MonitoringSpec(_Spec):
         "condition, an Event and the ConfigMap <job>-stacks (`rlhf diagnose JOB`); onStall: Restart "
         "restarts once it is taken or this many seconds have passed. 0: no snapshot.",
     )
+
+    def timeout_in_force(self, first_step_done: bool) -> int:
+        """The stall timeout an attempt is held to: startupTimeoutSeconds until its first step completes
+        (when set), stallTimeoutSeconds after. The trainer exports it, and the operator applies it."""
+        if first_step_done or self.startup_timeout_seconds is None:
+            return self.stall_timeout_seconds
+        return self.startup_timeout_seconds
 
 
 # Secret names as the API server spells them (a DNS subdomain); the operator injects the Secret's keys

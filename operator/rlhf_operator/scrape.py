@@ -32,6 +32,7 @@ class ScrapedMetrics:
     steps_completed: int = 0
     total_steps: int | None = None
     last_step_completed_ts: float | None = None
+    driver_started_ts: float | None = None
     stall_timeout_seconds: float | None = None
     step_phase_seconds: dict[str, float] = field(default_factory=dict)
     last_step_seconds: float | None = None  # rlhf_step_seconds
@@ -101,7 +102,7 @@ class ScrapedMetrics:
 def _converter(name: str) -> Callable[[float], Any]:
     """How a sample's value converts into the field `name`: by the field's type; a timestamp's 0 is
     "not set"."""
-    if name == "last_step_completed_ts":
+    if name in ("last_step_completed_ts", "driver_started_ts"):
         return lambda v: v or None
     return int if "int" in str(get_type_hints(ScrapedMetrics)[name]) else float
 

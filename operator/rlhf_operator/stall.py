@@ -37,6 +37,7 @@ class Stall:
     timeout_seconds: int
     last_progress: datetime
     scraped: bool
+    startup: bool = False  # the attempt has completed no step: held to startupTimeoutSeconds
 
     @property
     def reason(self) -> str:
@@ -56,7 +57,10 @@ class Stall:
     def message(self) -> str:
         """Human-readable, with the numbers: how long since progress and how long the phase has run."""
         idle, since = _duration(self.seconds_since_progress), iso(self.last_progress)
-        head = f"no step completed for {idle} (since {since}; stallTimeoutSeconds={self.timeout_seconds})"
+        limit = "startupTimeoutSeconds" if self.startup else "stallTimeoutSeconds"
+        head = f"no step completed for {idle} (since {since}; {limit}={self.timeout_seconds})"
+        if self.startup:
+            head += "; the attempt has completed no step yet (start-up)"
         if not self.scraped:
             return f"{head}; trainer metrics unavailable, phase in progress unknown"
         if self.step_phase is None:
@@ -78,7 +82,8 @@ def detect_stall(
     Progress is the latest of: the start of the current attempt (`attempt_started`: a restart resets
     the clock), `last_step_time` (the previous status' lastStepTime, known even when the trainer cannot
     be scraped) and the trainer's own `rlhf_last_step_completed_timestamp_seconds`. The job is stalled
-    when more than `monitoring.stallTimeoutSeconds` have passed since then. `metrics` is None when the
+    when more than the timeout in force have passed since then: `monitoring.startupTimeoutSeconds` (when
+    set) while the attempt has completed no step (`in_startup`), `stallTimeoutSeconds` after. `metrics` is None when the
     trainer could not be scraped: that alone is no stall before the timeout (it is MetricsUnavailable),
     and a stall after it with the phase unknown. A completed step moves progress forward, so a stall
     clears on the first reconcile that sees it. All datetimes are timezone-aware.
@@ -89,7 +94,9 @@ def detect_stall(
     if metrics is not None and metrics.last_step_completed_ts:
         progress = max(progress, datetime.fromtimestamp(metrics.last_step_completed_ts, UTC))
     idle = (now - progress).total_seconds()
-    if idle <= monitoring.stall_timeout_seconds:
+    startup = in_startup(metrics, attempt_started, last_step_time)
+    timeout = monitoring.timeout_in_force(first_step_done=not startup)
+    if idle <= timeout:
         return None
     step_phase = metrics.in_progress_step_phase if metrics is not None else None
     running: float | None = None
@@ -99,10 +106,25 @@ def detect_stall(
         step_phase=step_phase,
         seconds_since_progress=idle,
         step_phase_running_seconds=running,
-        timeout_seconds=monitoring.stall_timeout_seconds,
+        timeout_seconds=timeout,
         last_progress=progress,
         scraped=metrics is not None,
+        startup=startup and timeout != monitoring.stall_timeout_seconds,
     )
+
+
+def in_startup(
+    metrics: ScrapedMetrics | None, attempt_started: datetime, last_step_time: datetime | None
+) -> bool:
+    """Whether the running attempt has completed no step yet. Scraped, the trainer says so: its last step
+    is no later than its driver's start (`rlhf_driver_started_timestamp_seconds`), which also holds for
+    a restarted attempt while the stopped one's late steps are still in the status. Unscraped (or a
+    trainer without that series): no step known after the attempt began."""
+    if metrics is not None and metrics.driver_started_ts:
+        return (
+            not metrics.last_step_completed_ts or metrics.last_step_completed_ts <= metrics.driver_started_ts
+        )
+    return last_step_time is None or last_step_time <= attempt_started
 
 
 def set_stalled_condition(

@@ -171,3 +171,69 @@ def test_an_onstall_restart_keeps_the_stall_open_until_a_later_step_completes() 
     over = decide(job(again.status), obs(now=later, ray_job=ray("RUNNING", sid=sid1), metrics=done), sid1)
     assert "openStall" not in over.status
     assert status_patch(again.status, over.status)["openStall"] is None  # the merge patch deletes it
+
+
+# ---- start-up: monitoring.startupTimeoutSeconds holds until the attempt's first step, read through the
+# trainer's own exporter and the operator's parser (the two sides of the contract).
+
+STARTUP = MonitoringSpec(stallTimeoutSeconds=60, startupTimeoutSeconds=600)
+
+
+def _scraped(m: Any) -> ScrapedMetrics:
+    from prometheus_client import generate_latest
+    from rlhf_operator.scrape import parse_metrics
+
+    return parse_metrics(generate_latest(m.registry).decode(), "j")
+
+
+def _driver(started: datetime, mon: MonitoringSpec = STARTUP) -> Any:
+    from prometheus_client import CollectorRegistry
+    from rlhf_trainer.metrics import TrainerExporter
+
+    m = TrainerExporter("j", CollectorRegistry())
+    m.driver_started(mon, at=started.timestamp())
+    return m
+
+
+def test_start_up_is_held_to_the_startup_timeout_then_steps_to_the_stall_timeout() -> None:
+    now = datetime.now(UTC)
+    started = now - timedelta(seconds=300)
+    m = _driver(started)
+    scraped = _scraped(m)
+    # The trainer exports the timeout in force (the alert rule's threshold) and its start.
+    assert scraped.stall_timeout_seconds == 600 and scraped.driver_started_ts == started.timestamp()
+    # 300 s into start-up: past stallTimeoutSeconds, within startupTimeoutSeconds.
+    assert detect_stall(STARTUP, scraped, started, None, now) is None
+    stall = detect_stall(STARTUP, scraped, started, None, now + timedelta(seconds=301))
+    assert stall is not None and stall.startup and stall.timeout_seconds == 600, stall
+    assert "startupTimeoutSeconds=600" in stall.message and "start-up" in stall.message
+    # The first step ends start-up: from then on, 60 s without a step is a stall.
+    m.step_done({"generation": 1.0}, 1.0)
+    scraped = _scraped(m)
+    assert scraped.stall_timeout_seconds == 60
+    assert detect_stall(STARTUP, scraped, started, None, datetime.now(UTC) + timedelta(seconds=30)) is None
+    stall = detect_stall(STARTUP, scraped, started, None, datetime.now(UTC) + timedelta(seconds=61))
+    assert stall is not None and not stall.startup and "stallTimeoutSeconds=60" in stall.message
+
+
+def test_without_a_startup_timeout_start_up_is_held_to_the_stall_timeout() -> None:
+    now = datetime.now(UTC)
+    mon = MonitoringSpec(stallTimeoutSeconds=60)
+    m = _driver(now - timedelta(seconds=61), mon)
+    assert _scraped(m).stall_timeout_seconds == 60
+    stall = detect_stall(mon, _scraped(m), now - timedelta(seconds=61), None, now)
+    assert stall is not None and not stall.startup and "stallTimeoutSeconds=60" in stall.message
+
+
+def test_a_restarted_attempt_is_in_start_up_though_the_stopped_one_completed_a_late_step() -> None:
+    """The stopped attempt finishes its step after the restart began (it stops at a step boundary), so
+    the status' lastStepTime is later than the restart; the new driver has completed nothing."""
+    now = datetime.now(UTC)
+    restarted = now - timedelta(seconds=200)
+    late_step = restarted + timedelta(seconds=10)
+    m = _driver(restarted + timedelta(seconds=20))
+    assert detect_stall(STARTUP, _scraped(m), restarted, late_step, now) is None
+    # Unscraped, the status alone: a step after the restart began reads as the attempt's.
+    stall = detect_stall(STARTUP, None, restarted, late_step, now)
+    assert stall is not None and not stall.startup
+    assert detect_stall(STARTUP, None, restarted, restarted - timedelta(seconds=5), now) is None

@@ -89,7 +89,8 @@ class Mlflow:
 
     def start(self) -> MlflowServer:
         self.server = self._stack.enter_context(
-            running_mlflow_server(self.workdir, for_pods=True, port=self.port)
+            # Up to 4 minutes: it starts beside a replacement pod's engine and the trainer on 2 cores.
+            running_mlflow_server(self.workdir, for_pods=True, port=self.port, timeout=240)
         )
         return self.server
 

@@ -114,11 +114,11 @@ def run(
     except ValueError as e:
         raise InputError(str(e)) from e
     metrics = TrainerExporter(job)
-    metrics.driver_started()  # the stall clock runs from here until the first step completes
+    # The stall clock runs from here, at the start-up timeout until the first step completes.
+    metrics.driver_started(spec.monitoring)
     metrics.total_steps.labels(job).set(spec.algorithm.total_steps)
     if spec.rollout.agent is not None:
         metrics.agentic()
-    metrics.stall_timeout.labels(job).set(spec.monitoring.stall_timeout_seconds)
     port = (
         metrics_port
         if metrics_port is not None

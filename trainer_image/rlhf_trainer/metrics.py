@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.metrics import MetricWrapperBase
@@ -26,6 +26,9 @@ from rlhf_api.trainer_metrics import (
     STALE_ACTIONS,
     Series,
 )
+
+if TYPE_CHECKING:
+    from rlhf_api.spec import MonitoringSpec
 
 __all__ = ["AGENT_END_REASONS", "ENGINE_STATES", "PHASES", "STALE_ACTIONS", "PhaseTimer", "TrainerExporter"]
 _M = TypeVar("_M", bound=MetricWrapperBase)
@@ -102,6 +105,8 @@ class TrainerExporter:
         self.step_seconds = self.gauge("rlhf_step_seconds")
         self.steps_completed = self.counter("rlhf_steps_completed_total")
         self.last_step_ts = self.gauge("rlhf_last_step_completed_timestamp_seconds")
+        self.driver_started_ts = self.gauge("rlhf_driver_started_timestamp_seconds")
+        self._step_timeout: int | None = None
         self.total_steps = self.gauge("rlhf_total_steps")
         self.stall_timeout = self.gauge("rlhf_stall_timeout_seconds")
         self.nccl_transport = self.gauge("rlhf_nccl_transport")
@@ -163,10 +168,17 @@ class TrainerExporter:
         for state in ENGINE_STATES:
             self.rollout_engines.labels(self.job, state).set(counts.get(state, 0))
 
-    def driver_started(self, at: float | None = None) -> None:
+    def driver_started(self, monitoring: MonitoringSpec | None = None, at: float | None = None) -> None:
         """The driver's start: `rlhf_last_step_completed_timestamp_seconds` holds it until the first step
-        completes, so the step-stall alert also catches a run stuck in (or before) its first step."""
-        self.last_step_ts.labels(self.job).set(time.time() if at is None else at)
+        completes, so the step-stall alert also catches a run stuck in (or before) its first step, held
+        to the start-up timeout (`rlhf_stall_timeout_seconds`) until then; the operator reads the start
+        from `rlhf_driver_started_timestamp_seconds`."""
+        started = time.time() if at is None else at
+        self.last_step_ts.labels(self.job).set(started)
+        self.driver_started_ts.labels(self.job).set(started)
+        if monitoring is not None:
+            self._step_timeout = monitoring.timeout_in_force(first_step_done=True)
+            self.stall_timeout.labels(self.job).set(monitoring.timeout_in_force(first_step_done=False))
 
     def resumed(self, steps_done: int) -> None:
         """After a resume from step N's checkpoint (called once, before any step), `rlhf_steps_completed_total`
@@ -216,6 +228,8 @@ class TrainerExporter:
             self.step_phase_seconds.labels(self.job, phase).set(phase_seconds.get(phase, 0.0))
         self.steps_completed.labels(self.job).inc()
         self.last_step_ts.labels(self.job).set(time.time())
+        if self._step_timeout is not None:  # start-up is over: the step timeout holds from here
+            self.stall_timeout.labels(self.job).set(self._step_timeout)
 
 
 class PhaseTimer:

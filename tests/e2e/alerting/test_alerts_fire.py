@@ -151,9 +151,10 @@ def test_healthy_steps_alert_nothing_then_stall_reward_errors_and_a_restart_noti
     sel = f'namespace="{ns}", rlhfjob="{name}"'
     control = tmp_path / "reward-mode"
     control.write_text("ok")
-    # Above the trainer's start-up (30-45 s here; the stall clock starts with the driver), so the only
-    # stall is the one the test makes.
-    stall_timeout = 60
+    # The steps' stall timeout; each attempt's start-up and first step (60-90 s here, more on a busy
+    # machine; the stall clock starts with the driver) get startupTimeoutSeconds, so the only stall is the
+    # one the test makes, and a restarted attempt's start-up is no second one.
+    stall_timeout, startup_timeout = 60, 600
     # backoffLimit 1: the on-stall restart uses it, so the trainer's next end fails the job (RLHFJobFailed).
     doc = tiny_job(name, tiny_model, tmp_path / "ckpt", steps=200, runPolicy={"backoffLimit": 1})
     doc["spec"]["model"]["reward"] = {
@@ -166,7 +167,9 @@ def test_healthy_steps_alert_nothing_then_stall_reward_errors_and_a_restart_noti
     # onStall: Restart, the policy a user running unattended picks: the operator stops the stuck
     # attempt at the stall timeout and restarts it; the alert must still fire and name the phase, and
     # resolve only when the restarted attempt completes a step.
-    doc["spec"]["monitoring"].update(stallTimeoutSeconds=stall_timeout, onStall="Restart")
+    doc["spec"]["monitoring"].update(
+        stallTimeoutSeconds=stall_timeout, startupTimeoutSeconds=startup_timeout, onStall="Restart"
+    )
     doc["spec"]["pods"] = {"env": [{"name": "RLHF_TEST_REWARD_CONTROL", "value": str(control)}]}
     t_apply = time.time()
     cluster.apply(doc, ns)
@@ -177,7 +180,8 @@ def test_healthy_steps_alert_nothing_then_stall_reward_errors_and_a_restart_noti
 
         def healthy() -> dict[str, Any] | None:
             st = job_status(cluster, ns, name)
-            assert st.get("phase") != "Failed", st
+            assert st.get("phase") not in ("Failed", "Stalled", "Restarting"), json.dumps(st, indent=1)
+            assert not st.get("restarts"), json.dumps(st, indent=1)
             if st.get("phase") == "Running" and (st.get("step") or 0) >= 1:
                 for _, expr in exprs:
                     n = len(m.stack.query(substitute(expr, ns, name)))
