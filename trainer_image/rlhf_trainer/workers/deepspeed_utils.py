@@ -8,6 +8,7 @@ micro-batch, padded or packed (`trainer.packing`: one row, no padding). No Ray h
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -151,9 +152,9 @@ def init_distributed(backend: str) -> None:
     on it forever. Marking the op incompatible makes DeepSpeed skip it.
     """
     deepspeed = import_deepspeed()
-    import deepspeed.ops
+    ops = importlib.import_module("deepspeed.ops")
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
