@@ -109,7 +109,7 @@ def detect_stall(
         timeout_seconds=timeout,
         last_progress=progress,
         scraped=metrics is not None,
-        startup=startup and timeout != monitoring.stall_timeout_seconds,
+        startup=startup and monitoring.startup_timeout_seconds is not None,
     )
 
 

@@ -168,7 +168,7 @@ class TrainerExporter:
         for state in ENGINE_STATES:
             self.rollout_engines.labels(self.job, state).set(counts.get(state, 0))
 
-    def driver_started(self, monitoring: MonitoringSpec | None = None, at: float | None = None) -> None:
+    def driver_started(self, monitoring: MonitoringSpec, at: float | None = None) -> None:
         """The driver's start: `rlhf_last_step_completed_timestamp_seconds` holds it until the first step
         completes, so the step-stall alert also catches a run stuck in (or before) its first step, held
         to the start-up timeout (`rlhf_stall_timeout_seconds`) until then; the operator reads the start
@@ -176,9 +176,8 @@ class TrainerExporter:
         started = time.time() if at is None else at
         self.last_step_ts.labels(self.job).set(started)
         self.driver_started_ts.labels(self.job).set(started)
-        if monitoring is not None:
-            self._step_timeout = monitoring.timeout_in_force(first_step_done=True)
-            self.stall_timeout.labels(self.job).set(monitoring.timeout_in_force(first_step_done=False))
+        self._step_timeout = monitoring.timeout_in_force(first_step_done=True)
+        self.stall_timeout.labels(self.job).set(monitoring.timeout_in_force(first_step_done=False))
 
     def resumed(self, steps_done: int) -> None:
         """After a resume from step N's checkpoint (called once, before any step), `rlhf_steps_completed_total`
