@@ -41,6 +41,10 @@ def serve_stand_in(port: int) -> None:
     metrics_body = trainer_metrics(time.time()).encode()
 
     class Handler(BaseHTTPRequestHandler):
+        # Connections stay open between requests, as the Ray dashboard's (aiohttp) and the driver's do:
+        # HTTP/1.0 closed each after one answer, whatever the operator kept.
+        protocol_version = "HTTP/1.1"
+
         def _reply(self, code: int, body: bytes, ctype: str = "application/json") -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
@@ -82,5 +86,6 @@ def serve_stand_in(port: int) -> None:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True  # a thread per open connection: up to two per job
     print("READY", flush=True)
     server.serve_forever()

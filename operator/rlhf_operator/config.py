@@ -67,6 +67,14 @@ class OperatorConfig:
     metrics_addr: str = "127.0.0.1"
 
     @property
+    def head_keepalive(self) -> float:
+        """How long a job's idle connections to its head (Jobs API, trainer /metrics) stay open: past its
+        next round, so each round reuses them. httpx's default, 5 s, closed them between rounds, and
+        opening a connection was a fifth of the operator's steady CPU at 1,000 jobs (docs/benchmarks.md,
+        operator_scale.py)."""
+        return 2 * self.reconcile_interval + 5.0
+
+    @property
     def unseen_write_grace(self) -> float:
         """How long a write of ours may stay unseen by the watch (expectations.py)."""
         return max(15.0, 5 * self.reconcile_interval)

@@ -251,5 +251,5 @@ def _forget(body: kopf.Body) -> None:
         log.warning("could not stop %s: %s", sid, e)
     finally:
         state = runtime.JOBS.forget(body.metadata.uid or "")
-        for client in state.ray_clients.values() if state is not None else ():
-            client.close()
+        if state is not None:
+            state.close()

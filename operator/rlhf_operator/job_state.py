@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import httpx
 from rlhf_api.spec import TERMINAL_JOB_PHASES, RLHFJob
 
 from rlhf_operator import rayjobs
@@ -47,8 +48,25 @@ class JobState:
     # whether its per-job checkpoint claim has been made or found.
     runtime: Any = None
     claim_ensured: bool = False
-    # Its Jobs API clients by head URL, kept between rounds so their connections stay open.
+    # Its Jobs API clients by head URL and its scrape client, kept between rounds so their connections
+    # stay open (config.head_keepalive).
     ray_clients: dict[str, rayjobs.RayJobsClient] = field(default_factory=dict)
+    scrape_client: httpx.Client | None = None
+    # Its Ray job as last read from the Jobs API while RUNNING (None otherwise): a round whose scrape shows
+    # the trainer answering keeps it instead of reading it again (observe.ray_job_and_metrics).
+    running_job: rayjobs.RayJobInfo | None = None
+
+    def close(self) -> None:
+        """Close the connections it holds open (the job is gone, or this process lost the lead)."""
+        for client in self.ray_clients.values():
+            client.close()
+        self.ray_clients.clear()
+        self.close_scrape()
+
+    def close_scrape(self) -> None:
+        if self.scrape_client is not None:
+            self.scrape_client.close()
+            self.scrape_client = None
 
     def security_due(self, cluster_exists: bool, phase: str | None) -> bool:
         """Whether a reconcile round must create the job's Secret and NetworkPolicy itself: its RayCluster

@@ -1,6 +1,6 @@
 """What a reconcile round observes besides the cache: the job's Ray job through the Jobs API (one client per
-job and head, kept in its state), the trainer's /metrics at most once per scrape interval, the stall's stack
-snapshot, and Kueue's Workload.
+job and head, kept in its state), the trainer's /metrics at most once per scrape interval (its client kept
+too), the stall's stack snapshot, and Kueue's Workload.
 
 Reads only, each remote call in a slot of the limiter (runtime.REMOTE).
 """
@@ -53,7 +53,9 @@ def ray_client(url: str, body: kopf.Body) -> Iterator[rayjobs.RayJobsClient]:
     clients = runtime.state_of(body).ray_clients
     client = clients.get(url)
     if client is None:
-        client = clients[url] = rayjobs.RayJobsClient(url, token=ray_token(body))
+        client = clients[url] = rayjobs.RayJobsClient(
+            url, token=ray_token(body), keepalive=runtime.CONFIG.head_keepalive
+        )
     try:
         yield client
     except rayjobs.RayJobsError:
@@ -103,20 +105,39 @@ def observe(body: kopf.Body, job: RLHFJob, submission: str) -> Observed:
         obs["pods"] = cache.cluster_pods(namespace, cluster["metadata"]["name"])
         obs["fetch_log"] = _fetch_log(namespace, obs["pods"])
     if cluster is not None and cluster.get("status", {}).get("state") == "ready":
-        try:
-            url = dashboard_url(cluster)
-            with runtime.REMOTE.slot(url), ray_client(url, body) as rj:
-                obs["ray_job"] = rj.get(body.status.get("submissionId") or submission)
-                if obs["ray_job"] is None:  # about to submit: is the attempt before still stopping?
-                    obs["previous_running"] = _previous_running(rj, body, job)
-        except rayjobs.RayJobsError as e:
-            obs["ray_job_error"] = str(e)
-        if obs.get("ray_job") is not None and obs["ray_job"].status == rayjobs.RUNNING:
-            obs.update(trainer_metrics(body, job, cluster))
+        obs.update(ray_job_and_metrics(body, job, cluster, body.status.get("submissionId") or submission))
         taking = body.status.get("diagnosis") or {}
         if taking.get("state") == "Taking" and obs.get("ray_job_error") is None:
             obs["stacks"] = _snapshot_result(cluster, body, str(taking.get("submissionId")))
     return Observed(**obs)
+
+
+def ray_job_and_metrics(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any], sid: str) -> dict[str, Any]:
+    """The Ray job (Jobs API) and, while it runs, the trainer's metrics. A job whose Ray job was RUNNING at
+    the last read and whose trainer answers a scrape due now with this job's series is still RUNNING (its
+    driver serves /metrics, and Ray ends the job only after the driver exits): that round skips the Jobs
+    API read, half of a running job's calls to its head."""
+    state = runtime.state_of(body)
+    known = state.running_job
+    if known is not None and known.submission_id == sid and scrape_due(body, job):
+        scraped = trainer_metrics(body, job, cluster)
+        m = scraped.get("metrics")
+        if m is not None and (m.total_steps is not None or m.driver_started_ts is not None):
+            return {"ray_job": known, **scraped}
+    out: dict[str, Any] = {}
+    try:
+        url = dashboard_url(cluster)
+        with runtime.REMOTE.slot(url), ray_client(url, body) as rj:
+            out["ray_job"] = rj.get(sid)
+            if out["ray_job"] is None:  # about to submit: is the attempt before still stopping?
+                out["previous_running"] = _previous_running(rj, body, job)
+    except rayjobs.RayJobsError as e:
+        out["ray_job_error"] = str(e)
+    running = out.get("ray_job") is not None and out["ray_job"].status == rayjobs.RUNNING
+    state.running_job = out["ray_job"] if running else None
+    if running:
+        out.update(trainer_metrics(body, job, cluster))
+    return out
 
 
 def _snapshot_result(cluster: dict[str, Any], body: kopf.Body, sid: str) -> diagnosis.SnapshotResult | None:
@@ -184,6 +205,12 @@ def _workload(namespace: str, cluster: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def scrape_due(body: kopf.Body, job: RLHFJob) -> bool:
+    """Whether monitoring.scrapeIntervalSeconds has passed since the job's last scrape (or none was made)."""
+    cached = runtime.state_of(body).last_scrape
+    return cached is None or time.monotonic() - cached[0] >= job.spec.monitoring.scrape_interval_seconds
+
+
 def trainer_metrics(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any]) -> dict[str, Any]:
     """The trainer's metrics, read at most once per monitoring.scrapeIntervalSeconds however often the
     reconcile timer fires (JobState.last_scrape), so the status moves at most once per interval."""
@@ -191,15 +218,17 @@ def trainer_metrics(body: kopf.Body, job: RLHFJob, cluster: dict[str, Any]) -> d
     state = runtime.state_of(body)
     now = time.monotonic()
     cached = state.last_scrape
-    if cached is not None and now - cached[0] < job.spec.monitoring.scrape_interval_seconds:
+    if cached is not None and not scrape_due(body, job):
         return cached[1]
     result: dict[str, Any]
     try:
         url = metrics_url(cluster, job)
+        http = state.scrape_client = state.scrape_client or scrape.client(runtime.CONFIG.head_keepalive)
         with runtime.REMOTE.slot(url):
-            result = {"metrics": scrape.fetch_metrics(url, job.name)}
+            result = {"metrics": scrape.fetch_metrics(url, job.name, http)}
         metrics.SCRAPES.labels("ok").inc()
     except scrape.MetricsUnavailable as e:
+        state.close_scrape()  # a fresh connection next time (a new head, a restarted driver)
         result = {"metrics_error": str(e)}
         metrics.SCRAPES.labels("unavailable").inc()
     except scrape.MalformedMetrics as e:

@@ -57,6 +57,11 @@ def tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+def kept_connection(keepalive: float) -> httpx.Limits:
+    """One idle connection kept per client (a job's calls to its head come one at a time), for `keepalive` s."""
+    return httpx.Limits(max_keepalive_connections=1, keepalive_expiry=keepalive)
+
+
 TOKEN_KEY_ENV = "RLHF_RAY_TOKEN_KEY_FILE"
 
 
@@ -98,10 +103,15 @@ def _default_key_path() -> Path:
 class RayJobsClient:
     """A small synchronous client; the operator calls it from kopf's handler threads."""
 
-    def __init__(self, dashboard_url: str, timeout: float = 10.0, token: str | None = None) -> None:
+    def __init__(
+        self, dashboard_url: str, timeout: float = 10.0, token: str | None = None, keepalive: float = 5.0
+    ) -> None:
+        """`keepalive`: seconds an idle connection is kept for the next call (one connection per client)."""
         self.base = dashboard_url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(timeout=timeout, headers=headers, verify=tls_context())
+        self._http = httpx.Client(
+            timeout=timeout, headers=headers, verify=tls_context(), limits=kept_connection(keepalive)
+        )
 
     def close(self) -> None:
         self._http.close()

@@ -16,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rlhf_api.trainer_metrics import JOB_LABEL, SERIES, series_of
 
-from rlhf_operator.rayjobs import tls_context
+from rlhf_operator.rayjobs import kept_connection, tls_context
 
 
 class MalformedMetrics(ValueError):
@@ -199,9 +199,15 @@ def _take_tracking(out: ScrapedMetrics, name: str, value: float, labels: dict[st
         out.tracking_last_error[sink] = labels["error"]
 
 
-def fetch_metrics(url: str, rlhfjob: str | None = None, timeout: float = 5.0) -> ScrapedMetrics:
+def client(keepalive: float, timeout: float = 5.0) -> httpx.Client:
+    """A job's scrape client, kept between its rounds so its connection to the trainer stays open."""
+    return httpx.Client(timeout=timeout, verify=tls_context(), limits=kept_connection(keepalive))
+
+
+def fetch_metrics(url: str, rlhfjob: str | None = None, http: httpx.Client | None = None) -> ScrapedMetrics:
+    """The trainer's metrics at `url`, through `http` (a kept client) or a client of this call's own."""
     try:
-        resp = httpx.get(url, timeout=timeout, verify=tls_context())
+        resp = httpx.get(url, timeout=5.0, verify=tls_context()) if http is None else http.get(url)
     except httpx.HTTPError as e:
         raise MetricsUnavailable(f"{url}: {e.__class__.__name__}: {e}") from e
     if resp.status_code != 200:

@@ -32,6 +32,12 @@ def test_defaults() -> None:
     assert cfg.policy_access == security.policy_access_from_env({})
 
 
+@pytest.mark.parametrize("interval", [0.5, 2.0, 30.0, 120.0])
+def test_a_heads_connections_outlive_the_gap_between_two_rounds(interval: float) -> None:
+    """Kept past the next round (with room for a late one), so the round reuses them."""
+    assert from_env({"RLHF_RECONCILE_INTERVAL": str(interval)}).head_keepalive >= 2 * interval + 5
+
+
 def test_blank_is_the_default() -> None:
     assert from_env({"RLHF_HANDLER_THREADS": "", "RLHF_DEFAULT_TRAINER_IMAGE": "  "}) == OperatorConfig()
 

@@ -66,11 +66,25 @@ class _FakeCustomObjects:
 class _FakeRayJobs:
     closed = 0
 
-    def __init__(self, url: str, token: str) -> None:
+    def __init__(self, url: str, token: str, keepalive: float) -> None:
+        assert keepalive == runtime.CONFIG.head_keepalive  # its connection kept between rounds
         self.url = url
+
+    def get(self, sid: str) -> rayjobs.RayJobInfo:
+        return rayjobs.RayJobInfo(sid, rayjobs.RUNNING, "", None, None)
 
     def close(self) -> None:
         _FakeRayJobs.closed += 1
+
+
+class _FakeScrapeClient:
+    closed = 0
+
+    def __init__(self, keepalive: float) -> None:
+        assert keepalive == runtime.CONFIG.head_keepalive
+
+    def close(self) -> None:
+        _FakeScrapeClient.closed += 1
 
 
 @pytest.fixture
@@ -83,13 +97,14 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(observe, "ray_token", lambda body: f"token-{body.metadata.uid}")
     monkeypatch.setattr(kopf, "event", lambda *a, **k: None)
     monkeypatch.setattr(rayjobs, "RayJobsClient", _FakeRayJobs)
-    monkeypatch.setattr(scrape, "fetch_metrics", lambda url, name: None)
+    monkeypatch.setattr(scrape, "fetch_metrics", lambda url, name, http: None)
+    monkeypatch.setattr(scrape, "client", _FakeScrapeClient)
     monkeypatch.setattr(handlers, "_stopped", {})
     monkeypatch.setattr(runtimes, "_read_snapshot", lambda namespace, job, uid: None)
     monkeypatch.setattr(runtimes, "_read_runtime", lambda namespace, kind, name: RUNTIME)
     monkeypatch.setattr(runtimes, "_write_snapshot", lambda body, namespace, job, bound: None)
     monkeypatch.setattr(runtimes, "_create_claim", lambda namespace, claim: True)
-    _FakeRayJobs.closed = 0
+    _FakeRayJobs.closed = _FakeScrapeClient.closed = 0
 
 
 def _give_state(i: int) -> None:
@@ -100,9 +115,8 @@ def _give_state(i: int) -> None:
     cluster = cache.get_cluster(body, "tiny")
     assert cluster is not None, "the cluster just created is seen before the watch delivers it"
     children.patch_raycluster(body, cluster, {"spec": {"suspend": False}})
-    observe.trainer_metrics(body, job, cluster)
-    with observe.ray_client("http://head:8265", body):
-        pass
+    observed = observe.ray_job_and_metrics(body, job, cluster, f"sid-{i}")  # Ray client, scrape client
+    assert observed["ray_job"].status == rayjobs.RUNNING
 
 
 def _module_tables() -> dict[str, int]:
@@ -135,6 +149,7 @@ def test_deleting_a_thousand_jobs_leaves_nothing_per_job() -> None:
         handlers.on_event(type="DELETED", body=_body(i), patch=kopf.Patch())
     assert len(runtime.JOBS) == 0
     assert _FakeRayJobs.closed == JOBS, "each job's Ray client connection closed, not just dropped"
+    assert _FakeScrapeClient.closed == JOBS, "each job's scrape connection closed, not just dropped"
     grew = {k: n for k, n in _module_tables().items() if n >= JOBS and n > before.get(k, 0)}
     assert not grew, f"module tables that kept something per job: {grew}"
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import kopf
 import pytest
 from prometheus_client import generate_latest
+from rlhf_operator import job_state, observe, runtime
 from rlhf_operator.scrape import MalformedMetrics, MetricsUnavailable, fetch_metrics, parse_metrics
+from rlhf_operator.scrape import client as scrape_client
 from rlhf_trainer.metrics import PhaseTimer, TrainerExporter
 
 pytestmark = pytest.mark.unit
@@ -93,15 +96,20 @@ def server() -> Iterator[dict[str, Any]]:
     state: dict[str, Any] = {"status": 200, "body": b""}
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keeps connections open, as the Ray dashboard and the driver do
+
         def do_GET(self) -> None:
+            state.setdefault("peers", []).append(self.client_address)
             self.send_response(state["status"])
+            self.send_header("Content-Length", str(len(state["body"])))
             self.end_headers()
             self.wfile.write(state["body"])
 
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     state["url"] = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
     yield state
@@ -115,6 +123,48 @@ def test_fetch_reads_a_live_endpoint(server: dict[str, Any]) -> None:
     assert fetch_metrics(server["url"], "job-a").steps_completed == 1
 
 
+def test_a_kept_client_scrapes_over_one_connection_where_each_call_alone_opens_one(
+    server: dict[str, Any],
+) -> None:
+    """The operator keeps a job's scrape client between rounds (observe.trainer_metrics), so a round reuses
+    the connection the round before opened, as long as it stays idle for less than the keep-alive."""
+    m = TrainerExporter("job-a")
+    server["body"] = generate_latest(m.registry)
+    with scrape_client(30.0) as http:
+        for _ in range(3):
+            fetch_metrics(server["url"], "job-a", http)
+    assert len(set(server["peers"])) == 1, server["peers"]
+    for _ in range(2):
+        fetch_metrics(server["url"], "job-a")  # the control: a call without a kept client connects anew
+    assert len(set(server["peers"])) == 3, server["peers"]
+
+
+def test_a_jobs_rounds_reuse_its_scrape_connection_until_a_scrape_fails(
+    server: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from testkit import status_inputs
+
+    job = status_inputs.job()
+    body = kopf.Body({"metadata": {"name": job.name, "namespace": "ns", "uid": "uid-1"}, "status": {}})
+    monkeypatch.setattr(runtime, "JOBS", job_state.JobStates())
+    monkeypatch.setattr(observe, "metrics_url", lambda cluster, job: server["url"])
+    server["body"] = generate_latest(TrainerExporter(job.name).registry)
+
+    def round_() -> dict[str, Any]:
+        runtime.state_of(body).last_scrape = None  # the scrape interval has passed
+        return observe.trainer_metrics(body, job, {})
+
+    for _ in range(3):
+        assert "metrics" in round_()
+    assert len(set(server["peers"])) == 1, server["peers"]
+    server["status"] = 503
+    assert "HTTP 503" in round_()["metrics_error"]
+    assert runtime.state_of(body).scrape_client is None  # dropped with its connection
+    server["status"] = 200
+    assert "metrics" in round_()
+    assert len(set(server["peers"])) == 2, server["peers"]
+
+
 def test_fetch_of_an_http_error_is_unavailable(server: dict[str, Any]) -> None:
     server["status"] = 503
     with pytest.raises(MetricsUnavailable, match="HTTP 503"):
@@ -126,7 +176,7 @@ def test_fetch_of_a_closed_port_is_unavailable() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
         with pytest.raises(MetricsUnavailable, match=str(port)):
-            fetch_metrics(f"http://127.0.0.1:{port}/metrics", "job-a", timeout=2)
+            fetch_metrics(f"http://127.0.0.1:{port}/metrics", "job-a", scrape_client(1.0, timeout=2))
 
 
 LITERAL = """# HELP rlhf_steps_completed_total Steps completed.
