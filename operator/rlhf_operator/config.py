@@ -69,9 +69,8 @@ class OperatorConfig:
     @property
     def head_keepalive(self) -> float:
         """How long a job's idle connections to its head (Jobs API, trainer /metrics) stay open: past its
-        next round, so each round reuses them. httpx's default, 5 s, closed them between rounds, and
-        opening a connection was a fifth of the operator's steady CPU at 1,000 jobs (docs/benchmarks.md,
-        operator_scale.py)."""
+        next round, so each round reuses them. httpx's default, 5 s, closed them between rounds at any
+        interval over 5 s (docs/results/2026-11-28-operator-scale-1000-connections.md)."""
         return 2 * self.reconcile_interval + 5.0
 
     @property

@@ -57,7 +57,7 @@ class JobState:
     running_job: rayjobs.RayJobInfo | None = None
 
     def close(self) -> None:
-        """Close the connections it holds open (the job is gone, or this process lost the lead)."""
+        """Close the connections it holds open (the job is forgotten: handlers._forget)."""
         for client in self.ray_clients.values():
             client.close()
         self.ray_clients.clear()
