@@ -396,6 +396,30 @@ def tiny_job(name: str, model: Path, ckpt: Path, steps: int, **spec: Any) -> dic
     return doc
 
 
+def submit_standin_trainer(cluster: Cluster, namespace: str, name: str, command: str = "sleep 900") -> str:
+    """Submit `command` as the STAND-IN TRAINER of the RLHFJob `namespace/name`'s first attempt: a Ray job
+    on the local head under the submission id the operator will use, so it adopts it as its trainer and
+    starts no real one. For tests where the operator's handling is what is proved, not the trainer (its
+    succeeding or failing follows the command's exit). Fails if that id already exists: the operator
+    submitted first, so the test would run a real trainer it was not sized for."""
+    from rlhf_api.spec import RLHFJob
+    from rlhf_operator import manifests
+
+    obj = cluster.get("rlhfjob", name, namespace)
+    assert obj is not None, f"no RLHFJob {namespace}/{name}"
+    sid = manifests.submission_id(RLHFJob.model_validate(obj), obj["metadata"]["uid"], 0)
+    resp = httpx.post(
+        f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/",
+        json={"entrypoint": command, "submission_id": sid, "metadata": {"stand-in": "trainer"}},
+        timeout=30,
+    )
+    assert resp.status_code in (200, 201), (
+        f"stand-in trainer for {name} not submitted (the operator's own submission first?): "
+        f"HTTP {resp.status_code}: {resp.text[:300]}"
+    )
+    return sid
+
+
 def audited_creates(resource: str, namespace: str, name: str) -> list[dict[str, Any]]:
     """The successful creates of `resource` `namespace/name` in the API server's audit log, in order.
 
