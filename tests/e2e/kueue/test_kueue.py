@@ -215,7 +215,9 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
         # operator cannot have submitted a trainer of its own.
         for doc in holders:
             cluster.apply(doc, namespace)
-            sids[doc["metadata"]["name"]] = submit_standin_trainer(cluster, namespace, doc["metadata"]["name"])
+            sids[doc["metadata"]["name"]] = submit_standin_trainer(
+                cluster, namespace, doc["metadata"]["name"]
+            )
         make_queue(cluster, namespace, 2 * per_job, f"cq-{namespace}")
         for doc in holders:
             wait_for(
