@@ -46,12 +46,18 @@ def ds_config(
     train: bool,
     lr: float = 1e-6,
     use_client_optimizer: bool = True,
+    memory_efficient_linear: bool = True,
 ) -> dict[str, Any]:
+    """`memory_efficient_linear`: ZeRO-3's own linear (DeepSpeed's default), which replaces
+    `torch.nn.functional.linear` for the whole process. On CPU it is a `matmul` over the 3-D input instead
+    of torch's fused linear, and a ZeRO-3 training step costs 22 % more CPU than plain torch's against 5 %
+    with torch's linear (docs/benchmarks.md, e2e_vs_trl.py): `build_engine` turns it off on CPU."""
     zero: dict[str, Any] = {
         "stage": zero_stage,
         "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
         "stage3_prefetch_bucket_size": 5e7,
         "reduce_bucket_size": 5e7,
+        "memory_efficient_linear": memory_efficient_linear,
     }
     if offload:
         zero["offload_param"] = {"device": "cpu"}
@@ -203,6 +209,9 @@ def build_engine(
         bf16=settings["bf16"],
         offload=settings["offload"],
         train=train,
+        # On CPU, torch's own linear (ds_config); elsewhere DeepSpeed's default. Settings without a
+        # device (tests that build engines directly) get DeepSpeed's default.
+        memory_efficient_linear=settings.get("device") != "cpu",
     )
     model, keepalive = load_hf_model(path, head, cfg, dtype)
     sequence_parallel.enable(model, sp)

@@ -104,7 +104,7 @@ class ModelRank:
         if self.sp_size > 1:
             self.sp = sequence_parallel.init_groups(self.sp_size)
         for role in self.roles:
-            s = {**settings[role], "rank": self.rank, "world_size": self.world_size}
+            s = {**settings[role], "rank": self.rank, "world_size": self.world_size, "device": self.info.kind}
             if role == "actor":
                 self.models[role] = PolicyModel(s["path"], s, self.sp)
             elif role == "critic":
