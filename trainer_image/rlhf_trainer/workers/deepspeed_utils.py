@@ -50,8 +50,8 @@ def ds_config(
 ) -> dict[str, Any]:
     """`memory_efficient_linear`: ZeRO-3's own linear (DeepSpeed's default), which replaces
     `torch.nn.functional.linear` for the whole process. On CPU it is a `matmul` over the 3-D input instead
-    of torch's fused linear, and a ZeRO-3 training step costs 22 % more CPU than plain torch's against 5 %
-    with torch's linear (docs/benchmarks.md, e2e_vs_trl.py): `build_engine` turns it off on CPU."""
+    of torch's fused linear: a 1-rank ZeRO-3 training step took 17 % longer than plain torch's with it and
+    9 % with torch's (benchmarks/zero3_linear.py): `build_engine` turns it off on CPU."""
     zero: dict[str, Any] = {
         "stage": zero_stage,
         "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
