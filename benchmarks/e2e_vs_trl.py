@@ -32,7 +32,7 @@ def child(way: str, scale: int, args: argparse.Namespace) -> None:
     steps = args.warmup + (args.steps or size.steps)
     if way == "ours":
         grpo.use_private_ray()
-        manifest = grpo.ours_manifest(base, size, steps, args.ours_ranks)
+        manifest = grpo.ours_manifest(base, size, steps, ranks_for(args, scale))
         per_step = grpo.counted(grpo.run_ours(manifest, steps), args.warmup)
     else:
         try:
@@ -41,6 +41,12 @@ def child(way: str, scale: int, args: argparse.Namespace) -> None:
             print(f"BASELINE-UNAVAILABLE {e}", file=sys.stderr, flush=True)
             sys.exit(3)
     print("CHILD " + json.dumps({"steps": per_step}), flush=True)
+
+
+def ranks_for(args: argparse.Namespace, scale: int) -> int:
+    """Our actor's ranks at this size: `--ours-ranks` is one count for every size or one per size."""
+    counts = [int(x) for x in str(args.ours_ranks).split(",") if x.strip()]
+    return counts[min(scale, len(counts) - 1)]
 
 
 def trl_vllm_sizes(args: argparse.Namespace) -> set[int]:
@@ -60,7 +66,12 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1, help="steps per process not counted")
     p.add_argument("--steps", type=int, default=0, help="steps counted per process (0: the size's default)")
     p.add_argument("--sizes", default="0,1", help="which sizes: 0 tiny, 1 medium (the RESULT)")
-    p.add_argument("--ours-ranks", type=int, default=2, help="our actor's ZeRO-3 ranks (processes)")
+    p.add_argument(
+        "--ours-ranks",
+        default="2,1",
+        help="our actor's ZeRO-3 ranks (processes): one count, or one per size (tiny,medium); the default is "
+        "each size's fastest measured on 2 cores (docs/benchmarks.md)",
+    )
     p.add_argument("--trl-vllm", type=int, default=0, help=argparse.SUPPRESS)  # set per size by the parent
     p.add_argument(
         "--trl-vllm-sizes", default="", help="sizes where TRL generates with vLLM colocate (else HF generate)"
@@ -109,7 +120,7 @@ def main() -> int:
         for way in ("ours", "trl"):
             st = steps_of(way, s)
             used = (
-                f"{args.ours_ranks} ZeRO-3 ranks + 1 vLLM engine, fp32"
+                f"{ranks_for(args, s)} ZeRO-3 rank(s) + 1 vLLM engine, fp32"
                 if way == "ours"
                 else f"{'vLLM colocate' if s in trl_vllm_sizes(args) else 'HF generate'}, 1 process, fp32"
             )
