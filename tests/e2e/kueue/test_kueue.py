@@ -334,7 +334,10 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
     finally:
         delete_queue(cluster, f"cq-{namespace}")
         for sid in sids.values():  # the holders' sleeping stand-ins, if their jobs' deletion left them
-            httpx.post(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/{sid}/stop", timeout=10)
+            try:
+                httpx.post(f"http://127.0.0.1:{RAY_DASHBOARD_PORT}/api/jobs/{sid}/stop", timeout=10)
+            except httpx.HTTPError as e:  # a head already gone: nothing left to stop, and the test's own
+                print(f"stand-in {sid} not stopped: {e}")  # failure, if any, stays the one reported
 
 
 def test_preemption_saves_a_checkpoint_and_the_job_resumes_from_it_when_readmitted(
