@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import start_http_server
-from rlhf_api.spec import RLHFJob
-from rlhf_operator import manifests, rayjobs
+from rlhf_operator import rayjobs
 from rlhf_trainer.metrics import TrainerExporter
 from testkit.support import (
     Cluster,
@@ -31,6 +30,7 @@ from testkit.support import (
     free_port,
     job_status,
     rollout_group_replicas,
+    submit_standin_trainer,
     wait_for,
 )
 
@@ -64,11 +64,7 @@ def adopted_job(
     takes it as the trainer; starting the operator only afterwards makes that race-free.
     """
     cluster.apply(doc, ns)
-    obj = cluster.get("rlhfjob", doc["metadata"]["name"], ns)
-    assert obj is not None
-    sid = manifests.submission_id(RLHFJob.model_validate(obj), obj["metadata"]["uid"], 0)
-    with rayjobs.RayJobsClient(ray_head.dashboard_url) as rj:
-        rj.submit(sid, "sleep 900", metadata={"stand-in": "trainer"})
+    sid = submit_standin_trainer(cluster, ns, doc["metadata"]["name"])
     op = OperatorProcess(cluster, log)
     op.start()
     try:

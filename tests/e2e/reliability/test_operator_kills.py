@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rlhf_api.spec import RLHFJob
-from rlhf_operator import manifests, rayjobs
+from rlhf_operator import rayjobs
 from testkit.support import (
     START_FAULT,
     Cluster,
@@ -34,6 +33,7 @@ from testkit.support import (
     audited,
     audited_creates,
     ray_submissions,
+    submit_standin_trainer,
     tiny_job,
     wait_for,
 )
@@ -100,12 +100,7 @@ def test_operator_killed_repeatedly_while_ten_jobs_start_and_run(
         for name in batch:
             doc = tiny_job(name, tiny_model, tmp_path / name, steps=2, runPolicy={"backoffLimit": 1})
             cluster.apply(doc, namespace)
-            obj = cluster.get("rlhfjob", name, namespace)
-            assert obj is not None
-            sids[name] = manifests.submission_id(RLHFJob.model_validate(obj), obj["metadata"]["uid"], 0)
-        with rayjobs.RayJobsClient(ray_head.dashboard_url) as rj:
-            for name in batch:
-                rj.submit(sids[name], "sleep 900", metadata={"stand-in": "trainer"})
+            sids[name] = submit_standin_trainer(cluster, namespace, name)
 
     def statuses() -> dict[str, dict[str, Any]]:
         return {n: (cluster.get("rlhfjob", n, namespace) or {}).get("status", {}) for n in names}
