@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `make test`: set-up, the local control plane, then every test group with lint beside them, with each stage's time.
 # Every pytest stage must collect tests (exit 5 is a failure). Ends with one "N passed, N failed" line.
+# A stage collects only its paths (the whole tree's imports cost about 12 s a stage); the unit stage and
+# `make lint` collect the whole tree, where tests/testkit/stages.py fails a test its stages do not reach.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -74,36 +76,36 @@ started_cluster=0
 if ! python3 devcluster/devcluster.py status >/dev/null 2>&1; then started_cluster=1; fi
 bg_start cluster-build python3 devcluster/devcluster.py build up
 
-pytest_stage trainer tests -m trainer || status=1
+pytest_stage trainer tests/e2e/ray -m trainer || status=1
 # The GPU path on Ray's logical GPUs: `rlhf plan` on four geometries (the real-node run is in realnode).
-pytest_stage gpushape tests -m "gpushape and not realnode" || status=1
+pytest_stage gpushape tests/e2e/gpushape -m "gpushape and not realnode" || status=1
 bg_join cluster-build || { summary; exit 1; }
 bg_start test-binaries python3 devcluster/devcluster.py build test
 bg_join images || status=1
 # The built images run by containerd the way a node runs them (uid, read-only root, imports, tiny model).
-pytest_stage images tests -m images || status=1
+pytest_stage images tests/e2e/images -m images || status=1
 stage cluster-up python3 devcluster/devcluster.py up || { summary; exit 1; }
 pytest_stage unit tests -m unit || status=1  # the chart's unit tests run the Helm built above
 # Lint (about 3 min of CPU) beside the cluster tests, which mostly wait on the operator and the control
 # plane: at the lowest priority it only takes the CPU they leave idle.
 bg_start lint make -s lint
-pytest_stage cluster tests -m cluster || status=1
+pytest_stage cluster tests/e2e/cluster -m cluster || status=1
 # Object stores and tracking against real servers started by the fixtures (moto's S3 server, an MLflow
 # server): s3:// datasets, exports, model fetches and tracking sinks, mostly without pods (docs/development.md).
-pytest_stage io tests -m io || status=1
+pytest_stage io tests/e2e/io -m io || status=1
 bg_join lint || status=1
 # Jobs on platform runtimes (docs/runtimes.md): the pods they get, generations, failures, per-job claims.
-pytest_stage runtime tests -m "runtime and not unit and not realnode" || status=1
-pytest_stage security tests -m "security and not realnode" || status=1
-pytest_stage reliability tests -m reliability || status=1
+pytest_stage runtime tests/e2e/cluster/test_runtimes.py -m "runtime and not unit and not realnode" || status=1
+pytest_stage security tests/e2e/security -m "security and not realnode" || status=1
+pytest_stage reliability tests/e2e/reliability -m reliability || status=1
 bg_join test-binaries || status=1
 # A real Kueue (built with the test binaries) over the operator: quota, preemption, no fight (docs/kueue.md).
-pytest_stage kueue tests -m kueue || status=1
-pytest_stage alerting tests -m alerting || status=1
+pytest_stage kueue tests/e2e/kueue -m kueue || status=1
+pytest_stage alerting tests/e2e/alerting -m alerting || status=1
 # The user's path on the real node: the chart installed with the images built above, the tiny job in real
 # pods (docs/development.md, "The real node").
-pytest_stage realnode tests -m realnode || status=1
-pytest_stage floor tests -m floor || status=1
+pytest_stage realnode tests/e2e/realnode -m realnode || status=1
+pytest_stage floor tests/e2e/cluster/test_kubernetes_floor.py -m floor || status=1
 
 if [ $started_cluster = 1 ] && [ "${KEEP_CLUSTER:-0}" != 1 ]; then
   python3 devcluster/devcluster.py down >/dev/null 2>&1 || true
