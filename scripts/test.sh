@@ -85,7 +85,9 @@ bg_join images || status=1
 # The built images run by containerd the way a node runs them (uid, read-only root, imports, tiny model).
 pytest_stage images tests/e2e/images -m images || status=1
 stage cluster-up python3 devcluster/devcluster.py up || { summary; exit 1; }
-pytest_stage unit tests -m unit || status=1  # the chart's unit tests run the Helm built above
+# Unit tests are CPU-bound and independent: two pytest-xdist workers use both cores (the chart's unit
+# tests run the Helm built above).
+pytest_stage unit tests -m unit -n 2 || status=1
 # Lint (about 3 min of CPU) beside the cluster tests, which mostly wait on the operator and the control
 # plane: at the lowest priority it only takes the CPU they leave idle.
 bg_start lint make -s lint

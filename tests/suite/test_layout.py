@@ -23,34 +23,37 @@ def _modules() -> list[Path]:
     return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def _collected(expr: str) -> set[Path]:
-    """The files of the tests `pytest -m EXPR` selects over the whole tree (pytest's own collection)."""
+_MARKERS_OF_FILES = """
+import sys, pytest
+
+class Report:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            unit = any(m.name == "unit" for m in item.iter_markers())
+            print("FILE", "unit" if unit else "slow", item.nodeid.split("::", 1)[0])
+
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[1]], plugins=[Report()]))
+"""
+
+
+def _collected() -> tuple[set[Path], set[Path]]:
+    """The files of the unit tests and of the others over the whole tree, from one pytest collection."""
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            expr,
-            str(TESTS),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=TESTS.parent,
-        timeout=300,
-    )
+        [sys.executable, "-c", _MARKERS_OF_FILES, str(TESTS)],
+        capture_output=True, text=True, cwd=TESTS.parent, timeout=300,
+    )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    files = {TESTS.parent / line.split("::", 1)[0] for line in out.stdout.splitlines() if "::" in line}
-    assert files, f"`pytest -m {expr}` collected nothing:\n{out.stdout[-2000:]}"
-    return files
+    found: dict[str, set[Path]] = {"unit": set(), "slow": set()}
+    for line in out.stdout.splitlines():
+        if line.startswith("FILE "):
+            _, kind, file = line.split(" ", 2)
+            found[kind].add(TESTS.parent / file)
+    assert found["unit"] and found["slow"], f"the collection found no unit or no other test:\n{out.stdout[-2000:]}"
+    return found["unit"], found["slow"]
 
 
 def test_fast_tests_live_in_the_package_folders_and_end_to_end_tests_under_e2e() -> None:
-    unit, slow = _collected("unit"), _collected("not unit")
+    unit, slow = _collected()
     misplaced_unit = sorted(str(p.relative_to(TESTS)) for p in unit if E2E in p.parents)
     misplaced_slow = sorted(str(p.relative_to(TESTS)) for p in slow if E2E not in p.parents)
     assert not misplaced_unit, f"fast (unit) tests under tests/e2e/: {misplaced_unit}"
