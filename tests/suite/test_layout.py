@@ -48,7 +48,9 @@ def _collected() -> tuple[set[Path], set[Path]]:
         if line.startswith("FILE "):
             _, kind, file = line.split(" ", 2)
             found[kind].add(TESTS.parent / file)
-    assert found["unit"] and found["slow"], f"the collection found no unit or no other test:\n{out.stdout[-2000:]}"
+    assert found["unit"] and found["slow"], (
+        f"the collection found no unit or no other test:\n{out.stdout[-2000:]}"
+    )
     return found["unit"], found["slow"]
 
 

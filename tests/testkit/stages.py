@@ -45,7 +45,9 @@ def stage_table(script: Path = TEST_SCRIPT) -> dict[str, Stage]:
         words = shlex.split(match.group(1))
         paths = tuple(words[1 : words.index("-m")]) if "-m" in words else ()
         if not paths or not all(p == "tests" or p.startswith("tests/") for p in paths):
-            raise ValueError(f"{script}: a stage must run `PATH... -m EXPR`, paths under tests/: {line.strip()!r}")
+            raise ValueError(
+                f"{script}: a stage must run `PATH... -m EXPR`, paths under tests/: {line.strip()!r}"
+            )
         stages[words[0]] = Stage(paths, words[words.index("-m") + 1])
     if not stages:
         raise ValueError(f"{script}: no `pytest_stage NAME PATH... -m EXPR` line found")
