@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 from _pytest.mark.expression import Expression
 
-TESTS = Path(__file__).resolve().parents[1]
-TEST_SCRIPT = TESTS.parent / "scripts" / "test.sh"
+TEST_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "test.sh"
 _STAGE_LINE = re.compile(r"^\s*pytest_stage\s+(.*?)\s*(?:\|\||$)")
 
 
