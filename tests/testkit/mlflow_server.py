@@ -1,4 +1,5 @@
-"""A real MLflow tracking server for the io stage: `mlflow server` from the dev venv on a free port, with
+"""A real MLflow tracking server for the io stage: `mlflow server` from its own environment (setup.sh links it
+as .venv/bin/mlflow-server: the dev venv, like the trainer image, has only MLflow's client) on a free port, with
 a sqlite backend and the artifacts it serves itself in a temporary directory.
 
 Owns: starting and stopping the process and its state directory. It must not stand in for any MLflow
@@ -56,10 +57,11 @@ def running_mlflow_server(
     """`mlflow server` (one worker) on a free port (or `port`: a server restarted where its clients
     expect it): on loopback, or on every address (`for_pods`) so that pods reach it through the dev
     cluster's gateway. Its runs and artifacts live under `workdir` (a restart keeps them)."""
-    binary = VENV_BIN / "mlflow"
+    binary = VENV_BIN / "mlflow-server"
     if not binary.exists():
         raise AssertionError(
-            f"{binary} not found: the dev venv's `mlflow` provides `mlflow server` (scripts/setup.sh)"
+            f"{binary} not found: scripts/setup.sh installs the MLflow server in its own environment and "
+            "links it there (run `make setup`)"
         )
     state = workdir / "mlflow"
     state.mkdir(parents=True, exist_ok=True)
