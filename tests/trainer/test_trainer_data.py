@@ -3,8 +3,13 @@ its resumable position, prompt shapes and the errors that name the field and the
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from rlhf_trainer import data as data_mod
-from rlhf_trainer.data import DatasetError, PromptDataset
+from rlhf_trainer.data import DatasetError, DatasetUnavailable, EvalPrompts, PromptDataset
 
 pytestmark = pytest.mark.unit
 
@@ -254,3 +259,154 @@ def test_preflight_refuses_chat_prompts_when_the_actor_has_no_chat_template(tmp_
         preflight(spec)
     (actor / "chat_template.jinja").write_text("{{ messages }}")
     assert preflight(spec).first_chat == "line 2"
+
+
+# s3:// datasets whose store fails, read by a real botocore client over HTTP: the store's own failure
+# (unreachable, a 5xx, throttling) is DatasetUnavailable, which is not an input error, so the attempt
+# fails and the operator restarts it; the request's (no such object, refused keys) stays a DatasetError.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _point_s3_at(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoint: str) -> None:
+    """The pod's S3 variables (spec.storage.s3's Secret) aimed at `endpoint`: one attempt per request,
+    no config file, no proxy, no instance metadata, so that a failure comes back at once."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "AKIATEST",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_REGION": "us-east-1",
+        "AWS_MAX_ATTEMPTS": "1",
+        "AWS_RETRY_MODE": "standard",
+        "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "NO_PROXY": "127.0.0.1",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@dataclass
+class _Answers:
+    """What the stub store answers: to every HEAD, then to every GET (status, S3 error code)."""
+
+    head: int = 200
+    get: tuple[int, str] = (200, "")
+
+
+@pytest.fixture
+def stub_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[_Answers]:
+    """An HTTP server on loopback answering S3 requests with the statuses asked for (a HEAD: a 1 KiB
+    object; a GET: an S3 XML error), the S3 variables pointed at it."""
+    answers = _Answers()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:
+            self.send_response(answers.head)
+            self.send_header("Content-Length", "1024" if answers.head == 200 else "0")
+            self.send_header("ETag", '"e"')
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            status, code = answers.get
+            body = f"<Error><Code>{code}</Code><Message>m</Message></Error>".encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    _point_s3_at(monkeypatch, tmp_path, f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        yield answers
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_unreachable_store_is_unavailable_not_a_dataset_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Nothing listens at the endpoint: the JSONL prompts and the Parquet eval split each fail as
+    DatasetUnavailable (not a ValueError), naming the field and the URL."""
+    _point_s3_at(monkeypatch, tmp_path, f"http://127.0.0.1:{_free_port()}")
+    with pytest.raises(DatasetUnavailable) as e:
+        PromptDataset("s3://bucket/p.jsonl", "prompt", None, seed=0)
+    assert not isinstance(e.value, ValueError)
+    assert str(e.value).startswith("data.prompts s3://bucket/p.jsonl: cannot reach the object store: ")
+    with pytest.raises(
+        DatasetUnavailable, match=r"^data\.eval\.prompts s3://bucket/e\.parquet: cannot reach the object"
+    ):
+        EvalPrompts("s3://bucket/e.parquet", "prompt", None)
+
+
+@pytest.mark.parametrize(
+    ("head", "get", "unavailable", "needle"),
+    [
+        (404, (200, ""), False, "no such object"),
+        (403, (200, ""), False, "access refused (403)"),
+        (503, (200, ""), True, "the object store answered 503: try again later"),
+        (200, (503, "SlowDown"), True, "the object store answered SlowDown: try again later"),
+        (200, (500, "InternalError"), True, "the object store answered InternalError: try again later"),
+        (200, (404, "NoSuchKey"), False, "no such object"),  # deleted between the HEAD and the GET
+    ],
+)
+@pytest.mark.parametrize("name", ["p.jsonl", "p.parquet"])
+def test_the_stores_answer_decides_unavailable_or_a_dataset_error(
+    stub_store: _Answers, name: str, head: int, get: tuple[int, str], unavailable: bool, needle: str
+) -> None:
+    stub_store.head, stub_store.get = head, get
+    url = f"s3://bucket/{name}"
+    with pytest.raises((DatasetError, DatasetUnavailable)) as e:
+        PromptDataset(url, "prompt", None, seed=0)
+    assert isinstance(e.value, DatasetUnavailable) is unavailable, e.value
+    assert isinstance(e.value, DatasetError) is not unavailable, e.value
+    assert str(e.value).startswith(f"data.prompts {url}: {needle}"), e.value
+
+
+def test_the_driver_exits_1_on_an_unreachable_store_and_2_on_a_missing_object(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    stub_store: _Answers,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The operator restarts exit 1 (within runPolicy.backoffLimit) and fails the job at once on exit 2
+    (InvalidInput): an unreachable store is the first, a missing object the second. Both `error:` lines
+    name the field and the URL. Before Ray starts: preflight fails first."""
+    import yaml
+    from rlhf_api.constants import INPUT_ERROR_EXIT_CODE
+    from rlhf_trainer import driver
+    from rlhf_trainer.cli import apply_overrides
+
+    monkeypatch.delenv("RLHF_TRAINER_FAULTS", raising=False)
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    (actor / "config.json").write_text('{"num_attention_heads": 2, "num_key_value_heads": 2}')
+    example = Path(__file__).resolve().parents[2] / "examples" / "rlhfjob-tiny.yaml"
+    url = "s3://bucket/p.jsonl"
+    sets = [f"model.actor={actor}", f"model.critic={actor}", f"data.prompts={url}", "algorithm.klCoef=0"]
+    sets.append("storage.s3.credentialsSecret=store")  # the admission rule for an s3:// dataset
+    manifest = apply_overrides(yaml.safe_load(example.read_text()), sets)
+    spec_json = ["--spec-json", json.dumps(manifest["spec"])]
+
+    stub_store.head = 404
+    assert driver.main(spec_json) == INPUT_ERROR_EXIT_CODE == 2
+    assert f"error: spec.data.prompts {url}: no such object" in capsys.readouterr().err
+
+    _point_s3_at(monkeypatch, tmp_path, f"http://127.0.0.1:{_free_port()}")
+    assert driver.main(spec_json) == 1
+    err = capsys.readouterr().err
+    assert f"error: DatasetUnavailable: data.prompts {url}: cannot reach the object store: " in err, err

@@ -36,7 +36,15 @@ REMOTE_LINE_BUFFER = 64 * 1024  # bytes of an s3:// JSONL file fetched per row r
 
 
 class DatasetError(ValueError):
-    pass
+    """A dataset that cannot be used as given (missing, refused, malformed): config.preflight makes it an
+    input error, which fails the job at once."""
+
+
+class DatasetUnavailable(RuntimeError):
+    """An s3:// dataset the object store could not serve now: unreachable, timed out, a 5xx or throttling
+    answer. Not a ValueError, so not an input error: the attempt fails (the driver exits 1) and the
+    operator restarts it within runPolicy.backoffLimit, where a DatasetError would fail the job for good.
+    The message names the field and the URL, as a DatasetError's does."""
 
 
 @dataclass
@@ -304,8 +312,9 @@ def _open_remote(path: str, field: str) -> S3RangeReader:
 
 @contextmanager
 def _remote_errors(field: str, path: str) -> Iterator[None]:
-    """An S3 failure as a DatasetError naming the field and URL (what it means: no such object, refused
-    keys, no credentials, an unreachable store); anything else passes through."""
+    """An S3 failure naming the field and URL: the store's own (unreachable, a 5xx, throttling) as
+    DatasetUnavailable, any other (no such object, refused keys, no credentials) as a DatasetError;
+    anything else passes through."""
     try:
         yield
     except ObjectStoreError as e:
@@ -313,7 +322,10 @@ def _remote_errors(field: str, path: str) -> Iterator[None]:
     except Exception as e:
         if not type(e).__module__.startswith(("botocore", "boto3", "urllib3")):
             raise
-        raise DatasetError(object_store.describe_error(e, field, path)) from e
+        message = object_store.describe_error(e, field, path)
+        if object_store.is_transient(e):
+            raise DatasetUnavailable(message) from e
+        raise DatasetError(message) from e
 
 
 def _release_arrow_memory() -> None:

@@ -76,9 +76,49 @@ def client() -> Any:
     return boto3.session.Session().client("s3")
 
 
+# botocore's errors for a store that did not answer: no connection, a timeout, a connection closed
+# before the response, a response body cut off mid-read. Another attempt may well succeed.
+_UNREACHABLE = frozenset(
+    {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError"}
+)
+_CUT_OFF = "ResponseStreamingError"
+# The store's own failures and its throttling (S3's codes; a HEAD's error has only its HTTP status):
+# the request was fine, the store could not serve it now.
+_SERVER_CODES = frozenset(
+    {
+        "InternalError",
+        "ServiceUnavailable",
+        "SlowDown",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "500",
+        "502",
+        "503",
+        "504",
+        "429",
+    }
+)
+_SERVER_STATUSES = frozenset({500, 502, 503, 504, 429})
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether an S3 failure is the store's, not the request's: an unreachable endpoint, a timeout, a
+    connection closed or a read cut off, a 5xx or throttling answer. Another attempt may succeed; a
+    missing object, refused or absent keys, a malformed URL cannot. Pure: reads the error's type name
+    and response, imports nothing."""
+    if type(error).__name__ in _UNREACHABLE or type(error).__name__ == _CUT_OFF:
+        return True
+    return _error_code(error) in _SERVER_CODES or _http_status(error) in _SERVER_STATUSES
+
+
 def describe_error(error: Exception, field: str, url: S3Url | str) -> str:
     """What an S3 failure means for the user, naming the field and the URL: a missing object or bucket,
-    refused credentials, none at all, or an unreachable endpoint."""
+    refused credentials, none at all, an unreachable endpoint, or the store's own failure (5xx,
+    throttling)."""
     where = f"{field} {url}"
     code = _error_code(error)
     if code in {"404", "NoSuchKey", "NotFound"}:
@@ -93,21 +133,30 @@ def describe_error(error: Exception, field: str, url: S3Url | str) -> str:
     name = type(error).__name__
     if name in {"NoCredentialsError", "PartialCredentialsError"}:
         return f"{where}: no object-store credentials: set spec.storage.s3.credentialsSecret ({error})"
-    if name in {
-        "EndpointConnectionError",
-        "ConnectTimeoutError",
-        "ReadTimeoutError",
-        "ConnectionClosedError",
-    }:
+    if name in _UNREACHABLE:
         return f"{where}: cannot reach the object store: {error}"
+    if name == _CUT_OFF:
+        return f"{where}: the object store's answer was cut off: {error}"
+    if is_transient(error):
+        return f"{where}: the object store answered {code or _http_status(error)}: try again later ({error})"
     return f"{where}: {error}"
 
 
-def _error_code(error: Exception) -> str:
+def _error_code(error: BaseException) -> str:
     response = getattr(error, "response", None)
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
     return ""
+
+
+def _http_status(error: BaseException) -> int:
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        try:
+            return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        except (TypeError, ValueError):
+            return 0
+    return 0
 
 
 class S3RangeReader(io.RawIOBase):
