@@ -46,7 +46,8 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 # trainer is a stand-in that sleeps STANDIN_S, so the deadline covers the admission, KWOK's pods, the
 # submission and that sleep: seconds, not a real trainer's start-up (35-228 s measured on this machine).
 # QUEUED_S also spans many of the test operator's 1 s rounds, in which it must write nothing Kueue owns.
-QUEUED_S, DEADLINE_S, STANDIN_S = 75, 60, 5
+# Seen admitted to Succeeded: 2.4 s (2026-11-29, printed below); the deadline leaves a loaded machine 12 times that.
+QUEUED_S, DEADLINE_S, STANDIN_S = 40, 30, 5
 
 
 def kueue_version(cluster: Cluster) -> str:
@@ -323,6 +324,8 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
         st = wait_for(
             lambda: phase_in(cluster, namespace, "third", "Succeeded"), 180, "third Succeeded", interval=1
         )
+        print(f"third: admitted {(admitted - queued_at).total_seconds():.0f}s after it queued, Succeeded "
+              f"{(datetime.now(UTC) - admitted).total_seconds():.1f}s after (deadline {DEADLINE_S}s)")  # fmt: skip
         assert (admitted - queued_at).total_seconds() > DEADLINE_S, (
             "the third queued longer than its deadline"
         )
