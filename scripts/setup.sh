@@ -50,7 +50,7 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # uv installs: it fetches in parallel and, warm, links every package from its cache (~/.cache/uv) instead
-# of unpacking 3 GiB of wheels again: a fresh clone's venv takes about 110 s warm (pip: about 4 min).
+# of unpacking 3 GiB of wheels again: a fresh clone's venv takes about 90 s warm, offline (pip: about 4 min).
 "$VENV/bin/python" -m pip install --progress-bar off -q --upgrade pip 'uv>=0.9,<1'
 # --compile-bytecode: pip compiles at install time and uv does not by default; where
 # PYTHONDONTWRITEBYTECODE is set (it is on these machines) every process, each Ray worker included,
