@@ -589,9 +589,12 @@ def _running(r: Round, d: Draft, info: rayjobs.RayJobInfo) -> bool:
 
 def _stall(r: Round, d: Draft, info: rayjobs.RayJobInfo) -> bool:
     """Stall detection: no completed step within stallTimeoutSeconds of the latest progress. The clock of
-    an attempt starts when it starts, so a restart gets a full timeout. Stalled -> Running when it clears."""
+    an attempt starts when it starts, so a restart gets a full timeout, and so does a resume or a Kueue
+    readmission (activeSince: the first attempt's start and last step may be hours old, and the new
+    attempt serves no metrics while it starts). Stalled -> Running when it clears."""
     st, monitoring = d.st, r.spec.monitoring
-    started = max(t for t in (r.cur.start_time or r.now, r.cur.last_restart_time) if t is not None)
+    starts = (r.cur.start_time or r.now, r.cur.last_restart_time, r.cur.active_since)
+    started = max(t for t in starts if t is not None)
     stall = detect_stall(monitoring, r.observed.metrics, started, r.cur.last_step_time, r.now)
     before = d.has("Stalled", "True")
     if stall is not None or d.has("Stalled"):  # else set_stalled_condition changes nothing

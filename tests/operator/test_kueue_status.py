@@ -103,6 +103,23 @@ def test_admission_starts_the_deadline_clock_and_provisions() -> None:
     assert later.status["phase"] == "Running"
 
 
+def test_readmission_restarts_the_deadline_clock_though_the_job_started_before() -> None:
+    # Evicted after it ran: its startTime is its first admission's, 3 h ago. Counted from there, the
+    # 60 s deadline would fail the job at once; from its readmission, it has all 60 s again.
+    started = iso(NOW - timedelta(hours=3))
+    readmitted = queued_job({"phase": "Queued", "startTime": started, "preemptions": 1}, activeDeadlineSeconds=60)
+    readmitted.metadata["creationTimestamp"] = started
+    d = decide(readmitted, obs(raycluster=kcluster(False, state=None)), SID)
+    assert d.status["phase"] == "Provisioning", d.status
+    assert d.status["activeSince"] == iso(NOW)
+    later = decide(
+        queued_job(d.status, activeDeadlineSeconds=60),
+        obs(raycluster=kcluster(False), ray_job=ray("RUNNING"), now=NOW + timedelta(seconds=30)),
+        SID,
+    )
+    assert later.status["phase"] == "Running", later.status
+
+
 def test_a_queued_job_never_fails_its_deadline() -> None:
     queued = queued_job({"phase": "Queued"}, activeDeadlineSeconds=5)
     queued.metadata["creationTimestamp"] = iso(NOW - timedelta(hours=3))

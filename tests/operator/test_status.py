@@ -270,6 +270,22 @@ def test_resume_unsuspends_the_cluster() -> None:
     assert d.status["phase"] == "Suspended"  # until the new attempt runs
 
 
+def test_a_resumed_job_gets_a_whole_stall_timeout_before_its_first_step() -> None:
+    """Suspended for hours, then resumed: the new attempt's clock starts at the resume (activeSince), not
+    at the first attempt's start or its last step, so its start-up (metrics not served yet) is no stall."""
+    hours_ago = iso(NOW - timedelta(hours=3))
+    st = {"phase": "Suspended", "startTime": hours_ago, "lastStepTime": hours_ago, "step": 5}
+    resuming = decide(job(st), obs(raycluster=cluster(None, suspend=True)), SID)
+    assert resuming.status["activeSince"] == iso(NOW), resuming.status
+    later = NOW + timedelta(seconds=60)
+    d = decide(job(resuming.status), obs(ray_job=ray("RUNNING"), metrics=None, now=later), SID)
+    assert d.status["phase"] == "Running", d.status.get("message")
+    # Past the stall timeout since the resume with still no step, it is a stall again.
+    past = NOW + timedelta(seconds=301)
+    stalled = decide(job(d.status), obs(ray_job=ray("RUNNING"), metrics=None, now=past), SID)
+    assert stalled.status["phase"] == "Stalled", stalled.status
+
+
 def test_active_deadline_fails_and_stops() -> None:
     started = iso(NOW - timedelta(seconds=61))
     d = decide(

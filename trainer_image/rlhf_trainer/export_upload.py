@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rlhf_trainer.object_store import S3Url, describe_error
+from rlhf_trainer.object_store import S3Url, describe_error, error_code
 
 MARKER = "rlhf-export-complete.json"  # written last; its presence is what makes the prefix a model
 MARKER_FORMAT = 1
@@ -178,7 +178,7 @@ def _same_object(s3: Any, bucket: str, key: str, f: ExportFile) -> bool:
     try:
         head = s3.head_object(Bucket=bucket, Key=key)
     except Exception as e:
-        if type(e).__name__ == "ClientError" and _code(e) in {"404", "NoSuchKey", "NotFound"}:
+        if type(e).__name__ == "ClientError" and error_code(e) in {"404", "NoSuchKey", "NotFound"}:
             return False
         raise UploadError(describe_error(e, FIELD, f"s3://{bucket}/{key}")) from e
     return int(head.get("ContentLength", -1)) == f.size and head.get("Metadata", {}).get("sha256") == f.sha256
@@ -208,17 +208,12 @@ def _retried(call: Callable[[], Any], sleep: Callable[[float], None], where: str
             return call()
         except Exception as e:
             cause = getattr(e, "last_exception", None) or e  # the transfer manager wraps the client's error
-            permanent = _code(cause) in _PERMANENT or type(cause).__name__ in {"NoCredentialsError"}
+            permanent = error_code(cause) in _PERMANENT or type(cause).__name__ in {"NoCredentialsError"}
             if permanent or attempt == UPLOAD_ATTEMPTS:
                 message = describe_error(cause, FIELD, where)
                 raise UploadError(f"{message} (after {attempt} attempt(s))") from e
             sleep(RETRY_BASE_SECONDS * 2 ** (attempt - 1))
     raise AssertionError("unreachable")
-
-
-def _code(error: BaseException) -> str:
-    response = getattr(error, "response", None)
-    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
 
 
 def read_marker(s3: Any, prefix: S3Url) -> dict[str, Any]:
@@ -227,7 +222,7 @@ def read_marker(s3: Any, prefix: S3Url) -> dict[str, Any]:
     try:
         body = s3.get_object(Bucket=prefix.bucket, Key=prefix.child(MARKER).key)["Body"].read()
     except Exception as e:
-        if _code(e) in {"404", "NoSuchKey"}:
+        if error_code(e) in {"404", "NoSuchKey"}:
             raise UploadError(
                 f"{prefix}: not a complete export (no {MARKER}: an upload unfinished or failed)"
             ) from e

@@ -112,7 +112,7 @@ def is_transient(error: BaseException) -> bool:
     and response, imports nothing."""
     if type(error).__name__ in _UNREACHABLE or type(error).__name__ == _CUT_OFF:
         return True
-    return _error_code(error) in _SERVER_CODES or _http_status(error) in _SERVER_STATUSES
+    return error_code(error) in _SERVER_CODES or _http_status(error) in _SERVER_STATUSES
 
 
 def describe_error(error: Exception, field: str, url: S3Url | str) -> str:
@@ -120,7 +120,7 @@ def describe_error(error: Exception, field: str, url: S3Url | str) -> str:
     refused credentials, none at all, an unreachable endpoint, or the store's own failure (5xx,
     throttling)."""
     where = f"{field} {url}"
-    code = _error_code(error)
+    code = error_code(error)
     if code in {"404", "NoSuchKey", "NotFound"}:
         return f"{where}: no such object"
     if code == "NoSuchBucket":
@@ -142,7 +142,8 @@ def describe_error(error: Exception, field: str, url: S3Url | str) -> str:
     return f"{where}: {error}"
 
 
-def _error_code(error: BaseException) -> str:
+def error_code(error: BaseException) -> str:
+    """The S3 error code of a botocore ClientError ("NoSuchKey", "403", ...); "" for any other error."""
     response = getattr(error, "response", None)
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))

@@ -151,7 +151,7 @@ def test_ppo_gae_with_sequence_parallel_2_learns_checkpoints_and_serves_metrics(
 # The GRPO run is DAPO-style (issue 36): a pass/fail vowel reward, so many groups score all equal;
 # dynamic sampling drops them and refills the batch; clip-higher; Dr. GRPO's advantages (no std) and
 # constant normaliser; and top-p 0.8, whose nucleus the trainer's log-probs share with vLLM's.
-DAPO_STEPS = 30
+DAPO_STEPS = 20
 DAPO = [
     "model.reward.function=rlhf_trainer.tasks.tiny:vowel_pass",
     "algorithm.samplesPerPrompt=4",
@@ -161,7 +161,7 @@ DAPO = [
     "algorithm.dynamicSampling.maxExtraRounds=6",
     "algorithm.grpoStdNormalization=false",
     "algorithm.lossAggregation=seq-mean-token-sum-norm",
-    "algorithm.actorLearningRate=2.5e-4",  # slow enough that the pass rate does not saturate in 30 steps
+    "algorithm.actorLearningRate=2.5e-4",  # slow enough that the pass rate does not saturate in the run
     "rollout.topP=0.8",
 ]
 
