@@ -154,7 +154,7 @@ def test_healthy_steps_alert_nothing_then_stall_reward_errors_and_a_restart_noti
     # The steps' stall timeout; each attempt's start-up and first step (60-90 s here, more on a busy
     # machine; the stall clock starts with the driver) get startupTimeoutSeconds, so the only stall is the
     # one the test makes, and a restarted attempt's start-up is no second one.
-    stall_timeout, startup_timeout = 60, 600
+    stall_timeout, startup_timeout = 30, 600
     # backoffLimit 1: the on-stall restart uses it, so the trainer's next end fails the job (RLHFJobFailed).
     doc = tiny_job(name, tiny_model, tmp_path / "ckpt", steps=200, runPolicy={"backoffLimit": 1})
     doc["spec"]["model"]["reward"] = {
