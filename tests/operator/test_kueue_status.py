@@ -107,7 +107,9 @@ def test_readmission_restarts_the_deadline_clock_though_the_job_started_before()
     # Evicted after it ran: its startTime is its first admission's, 3 h ago. Counted from there, the
     # 60 s deadline would fail the job at once; from its readmission, it has all 60 s again.
     started = iso(NOW - timedelta(hours=3))
-    readmitted = queued_job({"phase": "Queued", "startTime": started, "preemptions": 1}, activeDeadlineSeconds=60)
+    readmitted = queued_job(
+        {"phase": "Queued", "startTime": started, "preemptions": 1}, activeDeadlineSeconds=60
+    )
     readmitted.metadata["creationTimestamp"] = started
     d = decide(readmitted, obs(raycluster=kcluster(False, state=None)), SID)
     assert d.status["phase"] == "Provisioning", d.status
