@@ -112,7 +112,7 @@ def _shuffled(n_or_rows: range, rng: random.Random) -> array[int]:
     """random.shuffle over an int64 array: the same order as over a list (what the dataset always
     served), at 8 bytes a row."""
     order = array("q", n_or_rows)
-    rng.shuffle(order)  # type: ignore[arg-type]  # a mutable sequence: shuffle only swaps items
+    rng.shuffle(order)  # an array is a MutableSequence: shuffle only swaps items
     return order
 
 
@@ -279,7 +279,7 @@ class ParquetRows:
             window = array("q")
             for g in groups[w : w + SHUFFLE_WINDOW_ROW_GROUPS]:
                 window.extend(range(self.starts[g], self.starts[g + 1]))
-            rng.shuffle(window)  # type: ignore[arg-type]
+            rng.shuffle(window)
             order.extend(window)
         return order
 
