@@ -547,9 +547,9 @@ def _may_wait_for_previous(r: Round) -> bool:
     """Whether to go on waiting for a stopping previous attempt: for its stop budget and 30 s more after
     the restart (or admission) that ended it; past that Ray's own SIGKILL has failed, and waiting longer
     would hang the job."""
-    since = r.cur.last_restart_time or r.cur.active_since
+    ends = [t for t in (r.cur.last_restart_time, r.cur.active_since) if t is not None]
     limit = r.spec.run_policy.termination_grace_period_seconds + 30
-    return since is None or (r.now - since).total_seconds() < limit
+    return not ends or (r.now - max(ends)).total_seconds() < limit
 
 
 def _succeeded(r: Round, d: Draft) -> bool:

@@ -422,6 +422,21 @@ def test_the_next_attempt_waits_for_the_previous_one_to_stop() -> None:
     assert decide(job(late), obs(previous_running=previous), SID).action_kinds == ["submit"]
 
 
+def test_after_a_readmission_the_wait_for_the_previous_attempt_counts_from_it_not_an_older_restart() -> None:
+    """Restarted an hour ago, then evicted and readmitted 5 s ago: the attempt stopping now is the
+    evicted one, so the grace counts from the readmission (activeSince), not from the old restart."""
+    readmitted = {
+        "phase": "Provisioning",
+        "restarts": 1,
+        "preemptions": 1,
+        "lastRestartTime": iso(NOW - timedelta(hours=1)),
+        "activeSince": iso(NOW - timedelta(seconds=5)),
+    }
+    previous = "rlhf-ns-tiny-0123abcd-1"
+    d = decide(job(readmitted), obs(previous_running=previous), SID)
+    assert d.action_kinds == [] and previous in d.status["message"], d.status
+
+
 def test_the_previous_attempt_is_one_restart_or_one_readmission_ago() -> None:
     j, uid = job(), "0123abcd-ffff"
     assert manifests.previous_submission_ids(j, uid, 0, 0) == []
