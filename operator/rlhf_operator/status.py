@@ -399,11 +399,17 @@ def _deadline(r: Round, d: Draft) -> bool:
 # --------------------------------------------------------------------------- the attempt's RayCluster
 
 
+def _latest(*times: datetime | None) -> datetime | None:
+    """The latest of the times that are set: where an attempt's clocks start (its job's start, its last
+    restart, its last resume or Kueue admission)."""
+    return max((t for t in times if t is not None), default=None)
+
+
 def _provisioning_timeout(r: Round, d: Draft) -> bool:
     """-> Restarting or Failed (runPolicy.onProvisioningTimeout): this attempt has not reached a running
     trainer within runPolicy.provisioningTimeoutSeconds."""
     timeout, st = r.spec.run_policy.provisioning_timeout_seconds, d.st
-    attempt_start = max(t for t in (st.active_since, r.cur.last_restart_time) if t is not None)
+    attempt_start = _latest(st.active_since, r.cur.last_restart_time) or r.now
     if timeout is None or (r.now - attempt_start).total_seconds() <= timeout:
         return False
     why = f"not running after runPolicy.provisioningTimeoutSeconds={timeout}: {st.message or d.phase}"
@@ -547,9 +553,9 @@ def _may_wait_for_previous(r: Round) -> bool:
     """Whether to go on waiting for a stopping previous attempt: for its stop budget and 30 s more after
     the restart (or admission) that ended it; past that Ray's own SIGKILL has failed, and waiting longer
     would hang the job."""
-    ends = [t for t in (r.cur.last_restart_time, r.cur.active_since) if t is not None]
+    since = _latest(r.cur.last_restart_time, r.cur.active_since)
     limit = r.spec.run_policy.termination_grace_period_seconds + 30
-    return not ends or (r.now - max(ends)).total_seconds() < limit
+    return since is None or (r.now - since).total_seconds() < limit
 
 
 def _succeeded(r: Round, d: Draft) -> bool:
@@ -593,8 +599,7 @@ def _stall(r: Round, d: Draft, info: rayjobs.RayJobInfo) -> bool:
     readmission (activeSince: the first attempt's start and last step may be hours old, and the new
     attempt serves no metrics while it starts). Stalled -> Running when it clears."""
     st, monitoring = d.st, r.spec.monitoring
-    starts = (r.cur.start_time or r.now, r.cur.last_restart_time, r.cur.active_since)
-    started = max(t for t in starts if t is not None)
+    started = _latest(r.cur.start_time or r.now, r.cur.last_restart_time, r.cur.active_since) or r.now
     stall = detect_stall(monitoring, r.observed.metrics, started, r.cur.last_step_time, r.now)
     before = d.has("Stalled", "True")
     if stall is not None or d.has("Stalled"):  # else set_stalled_condition changes nothing
