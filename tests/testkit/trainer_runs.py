@@ -29,6 +29,10 @@ EXAMPLE = ROOT / "examples" / "rlhfjob-tiny.yaml"
 # The tiny task with the critic-free estimators instead of PPO (gae).
 GRPO = ["algorithm.advantageEstimator=grpo", "model.critic=null", "trainer.critic=null"]
 REINFORCE_PP = ["algorithm.advantageEstimator=reinforce_pp", "model.critic=null", "trainer.critic=null"]
+# One actor+reference rank instead of the example's two: for runs whose proof does not involve ZeRO-3
+# across ranks (a rank's start-up is about 10 CPU-seconds of the 2 cores; the runs that shard across
+# ranks are test_trainer_run.py's GRPO, PPO and preemption runs).
+ONE_RANK = ["trainer.actor.gpusPerNode=1"]
 
 
 def tiny_sets(tiny: Path, ckpt: Path) -> list[str]:

@@ -156,7 +156,7 @@ def test_healthy_steps_alert_nothing_then_stall_reward_errors_and_a_restart_noti
     # one the test makes, and a restarted attempt's start-up is no second one.
     stall_timeout, startup_timeout = 30, 600
     # backoffLimit 1: the on-stall restart uses it, so the trainer's next end fails the job (RLHFJobFailed).
-    doc = tiny_job(name, tiny_model, tmp_path / "ckpt", steps=200, runPolicy={"backoffLimit": 1})
+    doc = tiny_job(name, tiny_model, tmp_path / "ckpt", steps=200, lean=True, runPolicy={"backoffLimit": 1})
     doc["spec"]["model"]["reward"] = {
         "type": "function",
         "function": f"{HERE.parents[1] / 'testkit' / 'control_reward.py'}:reward",

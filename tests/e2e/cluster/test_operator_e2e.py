@@ -36,7 +36,9 @@ def ray_job_status(submission_id: str) -> str:
 def test_active_deadline_stops_a_running_trainer(
     cluster: Cluster, namespace: str, operator: OperatorProcess, tiny_model: Path, tmp_path: Path
 ) -> None:
-    doc = tiny_job("late", tiny_model, tmp_path / "ckpt", steps=200, runPolicy={"activeDeadlineSeconds": 15})
+    doc = tiny_job(
+        "late", tiny_model, tmp_path / "ckpt", steps=200, lean=True, runPolicy={"activeDeadlineSeconds": 15}
+    )
     cluster.apply(doc, namespace)
 
     def failed() -> dict[str, Any] | None:

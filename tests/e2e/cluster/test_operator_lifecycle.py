@@ -102,7 +102,9 @@ def test_bad_input_found_by_the_trainer_fails_the_job_at_once_naming_it(
     """A reward function that does not import passes admission (the image's modules are not known
     there); the trainer exits 2 naming it, and retrying could only fail the same way. (The model and the
     prompts exist, so the reward is what the trainer refuses.)"""
-    bad = support.tiny_job("typo", tiny_model, tmp_path / "ckpt", steps=2, runPolicy={"backoffLimit": 3})
+    bad = support.tiny_job(
+        "typo", tiny_model, tmp_path / "ckpt", steps=2, lean=True, runPolicy={"backoffLimit": 3}
+    )
     bad["spec"]["model"]["reward"]["function"] = "rlhf_no_such_module:reward"
     cluster.apply(bad, namespace)
     st = wait_for(
@@ -127,7 +129,9 @@ def test_a_rank_promised_a_gpu_that_sees_none_fails_the_job_naming_its_pod_witho
     """The job opts out of the operator's CPU stand-in (RLHF_GPU_STANDIN=cpu): its processes compute on
     the GPUs its pods asked for. Ray gives each rank a whole logical GPU, and no CUDA device exists here:
     the first rank to look fails the job as bad input, naming itself, its pod and what it saw, once."""
-    job = support.tiny_job("nogpu", tiny_model, tmp_path / "ckpt", steps=2, runPolicy={"backoffLimit": 3})
+    job = support.tiny_job(
+        "nogpu", tiny_model, tmp_path / "ckpt", steps=2, lean=True, runPolicy={"backoffLimit": 3}
+    )
     job["spec"]["pods"] = {"env": [{"name": "RLHF_GPU_STANDIN", "value": ""}]}
     cluster.apply(job, namespace)
     st = wait_for(

@@ -66,7 +66,11 @@ def test_each_stall_names_who_is_stuck_where_and_a_restart_waits_for_it(
 ) -> None:
     control, marks, ckpt = tmp_path / "reward-control", tmp_path / "faults", tmp_path / "ckpt"
     control.write_text("hang")  # from the start: step 1 cannot complete until the test says ok
-    doc = tiny_job(NAME, tiny_model, ckpt, steps=3, runPolicy={"backoffLimit": 1})
+    # lean, with its two actor ranks back: one rank hangs while the other waits in the collective
+    actor = {"nodes": 1, "gpusPerNode": 2}
+    doc = tiny_job(
+        NAME, tiny_model, ckpt, steps=3, lean=True, runPolicy={"backoffLimit": 1}, trainer={"actor": actor}
+    )
     doc["spec"]["checkpoint"].update(intervalSteps=1)
     doc["spec"]["model"]["reward"] = {
         "type": "function",

@@ -353,10 +353,11 @@ def test_preemption_saves_a_checkpoint_and_the_job_resumes_from_it_when_readmitt
         tmp_path / "low",
         steps=6,
         priority="rlhf-low",
+        lean=True,
         runPolicy={"terminationGracePeriodSeconds": 120},  # an unmeasured save is taken as 60 s
     )
     low["spec"]["checkpoint"]["intervalSteps"] = 100  # no regular checkpoint: only the preemption's
-    high = queued_tiny("high", tiny_model, tmp_path / "high", steps=2, priority="rlhf-high")
+    high = queued_tiny("high", tiny_model, tmp_path / "high", steps=2, priority="rlhf-high", lean=True)
     make_queue(cluster, namespace, job_gpus(low, namespace), f"cq-{namespace}")
     try:
         cluster.apply(low, namespace)

@@ -25,7 +25,7 @@ import pytest
 from testkit import TESTKIT
 from testkit.support import free_port
 from testkit.support import metric_value as _value
-from testkit.trainer_runs import EXAMPLE, GRPO, run_cli, tiny_sets
+from testkit.trainer_runs import EXAMPLE, GRPO, ONE_RANK, run_cli, tiny_sets
 
 pytestmark = pytest.mark.trainer
 
@@ -43,7 +43,7 @@ SAMPLES = 16 * 8  # rolloutBatchSize x samplesPerPrompt of the tiny example
 
 def test_async_agentic_grpo_learns_to_call_the_tool(tiny: Path, tmp_path: Path, ray_tmp: Path) -> None:
     port, ckpt = free_port(), tmp_path / "ckpt"
-    sets = [*tiny_sets(tiny, ckpt), *GRPO, f"algorithm.totalSteps={STEPS}", f"checkpoint.intervalSteps={EVERY}",
+    sets = [*tiny_sets(tiny, ckpt), *GRPO, *ONE_RANK, f"algorithm.totalSteps={STEPS}", f"checkpoint.intervalSteps={EVERY}",
             "checkpoint.export=never",  # the export is test_trainer_run.py's and test_export_off_head.py's
             "algorithm.async.enabled=true",
             f"model.reward.function={TASK}:reward", f"rollout.agent.function={TASK}:agent",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from testkit.support import free_port, metric_value
-from testkit.trainer_runs import EXAMPLE, GRPO, run_cli, tiny_sets
+from testkit.trainer_runs import EXAMPLE, GRPO, ONE_RANK, run_cli, tiny_sets
 
 pytestmark = pytest.mark.trainer
 
@@ -29,7 +29,7 @@ def test_engine_killed_in_generation_has_its_chunks_regenerated_in_the_same_step
     tiny: Path, tmp_path: Path, ray_tmp: Path
 ) -> None:
     port = free_port()
-    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *GRPO, "rollout.engines=2", "algorithm.totalSteps=3",
+    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *GRPO, *ONE_RANK, "rollout.engines=2", "algorithm.totalSteps=3",
             "checkpoint.path=null"]  # fmt: skip
     faults = {"RLHF_TRAINER_FAULTS": "generation@2", "RLHF_TRAINER_FAULTS_DIR": str(tmp_path / "faults")}
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp, port=port, env=faults)

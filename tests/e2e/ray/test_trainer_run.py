@@ -28,6 +28,7 @@ from testkit.support import metric_value as _value
 from testkit.trainer_runs import (
     EXAMPLE,
     GRPO,
+    ONE_RANK,
     REINFORCE_PP,
     run_cli,
     run_driver_and_stop,
@@ -395,7 +396,7 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     # whole, which tests/trainer/test_trainer_delta_sync.py covers)
     delta = ["rollout.dtype=bfloat16", "weightSync.delta.enabled=true", "weightSync.delta.verifyEvery=3",
              "weightSync.delta.choose=bytes", "algorithm.actorLearningRate=2.0e-5"]  # fmt: skip
-    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *REINFORCE_PP, f"model.reward.function={flaky}:reward",
+    sets = [*tiny_sets(tiny, tmp_path / "ckpt"), *REINFORCE_PP, *ONE_RANK, f"model.reward.function={flaky}:reward",
             "model.reward.onError=skipSample", "algorithm.totalSteps=10", "checkpoint.path=null",
             "algorithm.epochs=1", "algorithm.klCoef=0", *delta,
             f"data.eval.prompts={tiny}/eval.jsonl", "evaluation.everySteps=4"]  # fmt: skip
@@ -422,7 +423,7 @@ def test_reward_errors_are_counted_and_follow_on_error(tiny: Path, tmp_path: Pat
     _check_evaluation(run.summary["steps"], run.scrapes)
 
     ckpt = tmp_path / "ckpt-fail"
-    sets = [*tiny_sets(tiny, ckpt), *GRPO, f"model.reward.function={flaky}:reward",
+    sets = [*tiny_sets(tiny, ckpt), *GRPO, *ONE_RANK, f"model.reward.function={flaky}:reward",
             "model.reward.onError=failStep", "algorithm.totalSteps=2", "checkpoint.intervalSteps=1"]  # fmt: skip
     run = run_cli(EXAMPLE, sets, tmp_path, ray_tmp)
     assert run.returncode == 3, run.stderr[-3000:]

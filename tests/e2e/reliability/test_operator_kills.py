@@ -201,7 +201,7 @@ def test_a_raycluster_deleted_by_hand_is_recreated_with_a_warning(
     new head has no job and the same attempt's id is submitted again (the trainer resumes from its
     checkpoint): `unit/test_status.py::test_a_running_jobs_lost_cluster_is_recreated_then_the_same_attempt_resubmitted`.
     """
-    cluster.apply(tiny_job("orphan", tiny_model, tmp_path / "ckpt", steps=200), namespace)
+    cluster.apply(tiny_job("orphan", tiny_model, tmp_path / "ckpt", steps=200, lean=True), namespace)
     try:
 
         def status() -> dict[str, Any]:

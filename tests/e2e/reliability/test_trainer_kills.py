@@ -40,7 +40,9 @@ def test_actor_killed_in_each_phase_restarts_from_the_last_checkpoint_and_comple
     cluster: Cluster, namespace: str, operator: OperatorProcess, tiny_model: Path, tmp_path: Path
 ) -> None:
     ckpt, marks = tmp_path / "ckpt", tmp_path / "faults"
-    doc = tiny_job("faulty", tiny_model, ckpt, steps=STEPS, runPolicy={"backoffLimit": len(FAULTS)})
+    doc = tiny_job(
+        "faulty", tiny_model, ckpt, steps=STEPS, lean=True, runPolicy={"backoffLimit": len(FAULTS)}
+    )
     doc["spec"]["checkpoint"].update(intervalSteps=1, keepLast=3)
     armed = ",".join(f"{phase}@{step}" for step, phase in FAULTS.items())
     doc["spec"].setdefault("pods", {})["env"] = [
