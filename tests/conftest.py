@@ -8,7 +8,6 @@ A missing prerequisite (Go, a failed build, a busy port) fails the test with the
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import tempfile
 import uuid
@@ -27,6 +26,7 @@ from testkit.support import (
     OperatorProcess,
     RayHead,
     _dashboard_up,
+    stop_ray_start,
     wait_for,
 )
 
@@ -188,23 +188,11 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
         try:
             wait_for(dashboard_or_exit, 120, "the Ray dashboard")
         except BaseException:
-            _stop_group(proc)
+            stop_ray_start(proc)
             raise
     yield RayHead(address=f"127.0.0.1:{RAY_PORT}", dashboard_url=f"http://127.0.0.1:{RAY_DASHBOARD_PORT}")
     if proc is not None:
-        _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=grace)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        stop_ray_start(proc)
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,10 @@ head and the operator as a local process. Fixtures that use them live in conftes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -278,6 +280,23 @@ def terminate(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait(10)
+
+
+def stop_ray_start(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
+    """Stop a `ray start --block` started in its own process group (start_new_session), and its node.
+
+    SIGTERM goes to the `ray start` process alone: it drains its node through the GCS and stops its
+    children (2.3 s measured, 2026-11-29). Sent to the whole group, the GCS dies at once and the drain
+    waits its 30 s for it (33.6 s measured), which every stage with a Ray head paid at its end. Whatever
+    of the group outlives `grace` is SIGKILLed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(10)
 
 
