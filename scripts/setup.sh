@@ -60,11 +60,15 @@ relink_paths() {  # relink_paths DIR FROM TO: the environment's own path in its 
 }
 FROM_CACHE=0
 if [ ! -e "$VENV" ] && [ -f "$ENV_CACHE/.complete" ]; then
-  echo "[setup] .venv from the cached environment $ENV_CACHE (hard links)"
-  cp -al "$ENV_CACHE" "$VENV"
-  rm -f "$VENV/.complete"
-  relink_paths "$VENV" "$(cat "$ENV_CACHE/.complete")" "$VENV_ABS"
-  FROM_CACHE=1
+  if cp -al "$ENV_CACHE" "$VENV" 2>/dev/null; then
+    echo "[setup] .venv from the cached environment $ENV_CACHE (hard links)"
+    rm -f "$VENV/.complete"
+    relink_paths "$VENV" "$(cat "$ENV_CACHE/.complete")" "$VENV_ABS"
+    FROM_CACHE=1
+  else  # another file system than the cache's: no hard links, a full install
+    echo "[setup] the cached environment cannot be linked here (another file system?): installing"
+    rm -rf "$VENV"
+  fi
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # uv installs: it fetches in parallel and, warm, links every package from its cache (~/.cache/uv) instead
@@ -121,8 +125,12 @@ echo "$inputs_hash" > "$STAMP"
 if [ ! -f "$ENV_CACHE/.complete" ]; then
   echo "[setup] keeping this environment for the next fresh clone: $ENV_CACHE"
   rm -rf "$ENV_CACHE.tmp" "$(dirname "$ENV_CACHE")"/venv-*  # older inputs' environments go
-  cp -al "$VENV_ABS" "$ENV_CACHE.tmp"
-  echo "$VENV_ABS" > "$ENV_CACHE.tmp/.complete"  # the path its scripts name, rewritten at each copy
-  mv "$ENV_CACHE.tmp" "$ENV_CACHE"
+  if mkdir -p "$(dirname "$ENV_CACHE")" && cp -al "$VENV_ABS" "$ENV_CACHE.tmp" 2>/dev/null; then
+    echo "$VENV_ABS" > "$ENV_CACHE.tmp/.complete"  # the path its scripts name, rewritten at each copy
+    mv "$ENV_CACHE.tmp" "$ENV_CACHE"
+  else
+    rm -rf "$ENV_CACHE.tmp"
+    echo "[setup] not kept: $VENV cannot be hard-linked into $(dirname "$ENV_CACHE") (another file system?)"
+  fi
 fi
 echo "[setup] done"
