@@ -290,14 +290,9 @@ def stop_ray_start(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
     children (2.3 s measured, 2026-11-29). Sent to the whole group, the GCS dies at once and the drain
     waits its 30 s for it (33.6 s measured), which every stage with a Ray head paid at its end. Whatever
     of the group outlives `grace` is SIGKILLed."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace)
+    terminate(proc, grace)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(10)
 
 
 def rollout_group_replicas(raycluster: dict[str, Any]) -> int | None:
