@@ -151,9 +151,18 @@ class Draft:
     events: list[Event] = field(default_factory=list)
     new_stall: Stall | None = None
 
-    def go(self, phase: JobPhase, message: str, reason: str | None = None, warning: bool = False) -> None:
-        """Move to `phase` with `message`; an Event (`reason`, else the phase's name) when the phase changes."""
-        if phase != self.phase:
+    def go(
+        self,
+        phase: JobPhase,
+        message: str,
+        reason: str | None = None,
+        warning: bool = False,
+        every: bool = False,
+    ) -> None:
+        """Move to `phase` with `message`; an Event (`reason`, else the phase's name) when the phase changes,
+        or each time with `every` (a restart: an attempt that fails before it is seen running restarts
+        from Restarting, and each restart is an Event and a count of rlhf_operator's restarts counter)."""
+        if phase != self.phase or every:
             self.events.append(event(reason or phase, message, warning))
         self.st.phase = phase
         self.st.message = message
@@ -294,7 +303,7 @@ def _restart_or_fail(r: Round, d: Draft, reason: str, limit_reason: str) -> bool
     d.st.last_restart_time = second(r.now)
     d.st.submission_id = None
     message = f"{reason}; restart {restarts + 1}/{limit} from the last checkpoint"
-    d.go("Restarting", message, "Restarting", warning=True)
+    d.go("Restarting", message, "Restarting", warning=True, every=True)
     d.cond("Running", False, "Restarting", reason, r.now)
     return True
 
@@ -475,6 +484,16 @@ def _models(r: Round, d: Draft) -> bool:
     return False
 
 
+def _starting(d: Draft, message: str) -> None:
+    """Pending or Provisioning -> Provisioning. A resumed job too (Suspended, its RayCluster un-suspended or
+    its trainer submitted): it is no longer suspended, though its trainer does not run yet (a Resumed
+    Event). Restarting and the running phases keep theirs."""
+    if d.phase in ("Pending", "Provisioning"):
+        d.go("Provisioning", message)
+    elif d.phase == "Suspended":
+        d.go("Provisioning", f"resumed: {message}", "Resumed")
+
+
 def _unready_cluster(r: Round, d: Draft) -> bool:
     """The RayCluster is not ready: Pending -> Provisioning with KubeRay's or the pods' reason."""
     name = d.st.ray_cluster_name
@@ -495,8 +514,10 @@ def _unready_cluster(r: Round, d: Draft) -> bool:
         d.cond("PodsReady", False, pod_problem.reason, pod_problem.describe(), r.now)
     elif before is not None and before.status == "False":
         d.cond("PodsReady", True, "PodsScheduled", "no pod problem found", r.now)
-    if d.phase in ("Pending", "Provisioning", "Restarting"):
-        d.go("Provisioning" if d.phase != "Restarting" else "Restarting", msg)
+    if d.phase == "Restarting":
+        d.go("Restarting", msg)
+    else:
+        _starting(d, msg)
     return True
 
 
@@ -519,8 +540,7 @@ def _attempt(r: Round, d: Draft) -> bool:
         reason = f"Ray job {info.submission_id} {info.status.lower()}: {info.message[-300:]}".strip()
         return _restart_or_fail(r, d, reason, "BackoffLimitExceeded")
     if info.status == rayjobs.PENDING:
-        if d.phase in ("Pending", "Provisioning"):
-            d.go("Provisioning", f"trainer job {info.submission_id} is pending on the Ray cluster")
+        _starting(d, f"trainer job {info.submission_id} is pending on the Ray cluster")
         return True
     return _running(r, d, info)
 
@@ -530,8 +550,7 @@ def _no_ray_job(r: Round, d: Draft) -> bool:
     error, previous = r.observed.ray_job_error, r.observed.previous_running
     if error:
         d.cond("JobSubmitted", False, "RayDashboardUnavailable", error, r.now)
-        if d.phase in ("Pending", "Provisioning"):
-            d.go("Provisioning", f"cannot reach the Ray dashboard: {error}")
+        _starting(d, f"cannot reach the Ray dashboard: {error}")
         return True
     if previous and _may_wait_for_previous(r):
         # Never two attempts at once: they would share the checkpoint directory and the metrics port.
@@ -544,8 +563,7 @@ def _no_ray_job(r: Round, d: Draft) -> bool:
     d.st.submission_id = r.submission_id
     d.st.head_pod = head_pod_name(r.cluster)
     d.cond("JobSubmitted", True, "Submitted", f"submitted {r.submission_id}", r.now)
-    if d.phase in ("Pending", "Provisioning"):
-        d.go("Provisioning", f"submitting trainer job {r.submission_id}")
+    _starting(d, f"submitting trainer job {r.submission_id}")
     return True
 
 

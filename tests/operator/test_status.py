@@ -215,6 +215,17 @@ def test_failure_restarts_within_backoff_limit_then_fails() -> None:
     assert "backoffLimit 1 reached" in d2.status["message"]
 
 
+def test_an_attempt_that_fails_before_it_is_seen_running_is_a_restart_event_of_its_own() -> None:
+    """A trainer that crashes at once fails its attempt while the job is still Restarting from the last
+    one: the phase does not change, yet it is another restart, with its own Warning Event (which also
+    counts rlhf_operator's restarts counter). Found when the lifecycle tests' crash got faster."""
+    restarting = {"phase": "Restarting", "restarts": 1, "submissionId": SID}
+    d = decide(job(restarting, backoffLimit=3), obs(ray_job=ray("FAILED", message="boom")), SID)
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 2, d.status
+    assert [(t, r) for t, r, _ in d.events] == [("Warning", "Restarting")], d.events
+    assert "restart 2/3" in d.events[0][2], d.events
+
+
 # What Ray's Jobs API says of a driver that exited 2 on bad input: the log's tail, the error last.
 INPUT_FAILURE = (
     "Job entrypoint command failed with exit code 2, last available logs (truncated to 20,000 chars):\n"
@@ -267,7 +278,34 @@ def test_suspend_stops_the_trainer_and_suspends_the_cluster() -> None:
 def test_resume_unsuspends_the_cluster() -> None:
     d = decide(job({"phase": "Suspended"}), obs(raycluster=cluster(None, suspend=True)), SID)
     assert "suspend_cluster" in d.action_kinds
-    assert d.status["phase"] == "Suspended"  # until the new attempt runs
+    # No longer suspended from this round (its condition says so too), though the trainer does not run yet:
+    # Provisioning, so the provisioning timeout and the model fetch are followed again (once a resumed job
+    # stayed Suspended until its Ray job was seen running, and a fast crash went Suspended -> Failed).
+    assert d.status["phase"] == "Provisioning", d.status
+    assert [(t, r) for t, r, _ in d.events] == [("Normal", "Resumed")], d.events
+    submitted = decide(job({"phase": "Suspended"}), obs(), SID)
+    assert submitted.action_kinds == ["submit"] and submitted.status["phase"] == "Provisioning"
+
+
+def test_a_resumed_job_whose_pods_never_come_back_meets_its_provisioning_timeout() -> None:
+    """docs/api.md: provisioningTimeoutSeconds counts from the unsuspension. A resumed job whose RayCluster
+    stays unready (pods unschedulable) fails at the timeout; it once stayed Suspended, where no
+    provisioning timeout applied, until its activeDeadline if any."""
+    hours_ago = iso(NOW - timedelta(hours=3))
+    st = {"phase": "Suspended", "startTime": hours_ago, "step": 5}
+    resuming = decide(
+        job(st, provisioningTimeoutSeconds=120), obs(raycluster=cluster(None, suspend=True)), SID
+    )
+    assert resuming.status["phase"] == "Provisioning" and resuming.status["activeSince"] == iso(NOW)
+    unready = cluster(None)
+    for seconds, phase in ((119, "Provisioning"), (121, "Failed")):
+        later = decide(
+            job(resuming.status, provisioningTimeoutSeconds=120),
+            obs(raycluster=unready, now=NOW + timedelta(seconds=seconds)),
+            SID,
+        )
+        assert later.status["phase"] == phase, (seconds, later.status.get("message"))
+    assert "provisioningTimeoutSeconds=120" in later.status["message"], later.status
 
 
 def test_a_resumed_job_gets_a_whole_stall_timeout_before_its_first_step() -> None:

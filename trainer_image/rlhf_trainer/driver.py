@@ -10,6 +10,11 @@ Run as `python -m rlhf_trainer.driver --job-name NAME --spec-env RLHF_SPEC_JSON`
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `start@0` fails the attempt before torch and Ray load (3.6 s of imports)
+    from rlhf_trainer.fault_env import crash_if_start_armed
+
+    crash_if_start_armed()
+
 import argparse
 import json
 import os

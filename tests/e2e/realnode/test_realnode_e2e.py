@@ -256,9 +256,10 @@ def fetch_outcomes(
         assert failed.get("reason") == reason and "spec.model.actor" in st.get("message", ""), st
         assert (st.get("restarts") or 0) == 0, st
         print(f"{name}: {st['message']}")
+    # Deleted, not waited for (as the namespace fixture deletes its namespace): the pods of the two failed
+    # jobs take their 30 s grace to go (their Ray never started; 31 s measured), and nothing after needs them gone.
     for name in cases:
         cluster.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=false")
-    wait_no_pods(cluster, namespace, 180)
 
 
 # Enough steps for the whole scenario (the replacement rollout pod's engine is ready about a minute after
