@@ -55,8 +55,16 @@ bg_join() {  # bg_join NAME: waits for a background stage, shows its output, rec
   return $rc
 }
 
-# A background stage never outlives the run.
-trap 'for p in "${BG_PID[@]}"; do kill -- "-$p" 2>/dev/null; done' EXIT
+# One local Ray head (the stand-in for every RayCluster's head) for the stages from `cluster` to `alerting`:
+# their `ray_head` fixture finds it up and leaves it running (one per stage cost ~12 s to start and stop).
+# Not up during the trainer stage, whose `rlhf run`s start their own Ray, nor the real-node run.
+ray_head() {  # ray_head start|stop (testkit/ray_head.py; the head gets this script's environment, as from pytest)
+  "$PY" -c 'import sys; sys.path.insert(0, "tests"); from testkit.ray_head import main; sys.exit(main())' \
+    "$1" --dir "$RESULTS"
+}
+
+# A background stage never outlives the run, nor does the Ray head.
+trap 'for p in "${BG_PID[@]}"; do kill -- "-$p" 2>/dev/null; done; ray_head stop >/dev/null 2>&1' EXIT
 
 summary() {
   echo; echo "=== stage times"
@@ -99,6 +107,7 @@ pytest_stage unit tests -m unit -n 2 || status=1
 # Lint (about 3 min of CPU) beside the cluster tests, which mostly wait on the operator and the control
 # plane: at the lowest priority it only takes the CPU they leave idle.
 bg_start lint make -s lint
+stage ray-head ray_head start || { summary; exit 1; }
 pytest_stage cluster tests/e2e/cluster -m cluster || status=1
 # Object stores and tracking against real servers started by the fixtures (moto's S3 server, an MLflow
 # server): s3:// datasets, exports, model fetches and tracking sinks, mostly without pods (docs/development.md).
@@ -112,6 +121,7 @@ bg_join test-binaries || status=1
 # A real Kueue (built with the test binaries) over the operator: quota, preemption, no fight (docs/kueue.md).
 pytest_stage kueue tests/e2e/kueue -m kueue || status=1
 pytest_stage alerting tests/e2e/alerting -m alerting || status=1
+ray_head stop
 # The user's path on the real node: the chart installed with the images built above, the tiny job in real
 # pods (docs/development.md, "The real node").
 pytest_stage realnode tests/e2e/realnode -m realnode || status=1

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from testkit import ray_head as ray_head_kit
 from testkit import stages
 from testkit.support import (
     CRD_FILE,
     RAY_DASHBOARD_PORT,
     RAY_PORT,
-    VENV_BIN,
     Cluster,
     OperatorProcess,
     RayHead,
@@ -134,62 +133,15 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
 
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
-    """A local Ray head (the stand-in for every RayCluster's head), in its own process group.
-
-    Stopped by signalling that group, never with `ray stop`, which would kill every Ray process on the
-    machine (a trainer run of another test session included).
-    """
-    # Token auth off explicitly: Ray turns it on whenever ~/.ray/auth_token exists (any earlier
-    # `ray.init()` writes one), and this head listens on loopback only.
-    env = {
-        **os.environ,
-        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "disabled",
-    }
-    env.pop("RAY_ADDRESS", None)
+    """A local Ray head (the stand-in for every RayCluster's head, testkit.ray_head), in its own process
+    group: one already up on its dashboard port (`make test` starts one for all its stages) is used and
+    left running; else one is started for the session and stopped at its end."""
     proc: subprocess.Popen[bytes] | None = None
     if not _dashboard_up():
-        temp = Path(tempfile.mkdtemp(prefix="rlhf-ray-"))  # short: Ray's socket paths have a length limit
-        log = (tmp_path_factory.mktemp("ray") / "ray-head.log").open("wb")
-        proc = subprocess.Popen(
-            [
-                str(VENV_BIN / "ray"),
-                "start",
-                "--head",
-                "--block",
-                f"--port={RAY_PORT}",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={RAY_DASHBOARD_PORT}",
-                # Logical CPUs and GPUs for several jobs at once: each job's processes reserve whole GPUs and
-                # their CPU share in placement groups, all or nothing per group, so two jobs that each got
-                # part of a 4-CPU head waited on each other (a leftover job of an earlier test included).
-                "--num-cpus=16",
-                # Logical GPUs for every job's whole-GPU placement under the CPU stand-in (RLHF_GPU_STANDIN).
-                "--num-gpus=16",
-                "--include-dashboard=true",
-                "--disable-usage-stats",
-                f"--temp-dir={temp}",
-                # Ray's default worker range (10002-19999) holds our fixed ports; keep workers clear of them.
-                "--min-worker-port=30000",
-                "--max-worker-port=30999",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-        def dashboard_or_exit() -> bool | None:
-            if proc is not None and proc.poll() is not None:
-                pytest.fail(f"the local Ray head exited ({proc.returncode}); see {log.name}", pytrace=False)
-            return _dashboard_up() or None
-
         try:
-            wait_for(dashboard_or_exit, 120, "the Ray dashboard")
-        except BaseException:
-            stop_ray_start(proc)
-            raise
+            proc = ray_head_kit.start(tmp_path_factory.mktemp("ray") / "ray-head.log")
+        except RuntimeError as e:
+            pytest.fail(str(e), pytrace=False)
     yield RayHead(address=f"127.0.0.1:{RAY_PORT}", dashboard_url=f"http://127.0.0.1:{RAY_DASHBOARD_PORT}")
     if proc is not None:
         stop_ray_start(proc)

@@ -24,7 +24,7 @@ FOR = "5s"
 # Prometheus hands discovered targets to its scrapers at most every 5 s: absent(up) holds for the
 # first ~5-6 s of a fresh server, so RLHFOperatorDown gets a longer `for` than that here.
 OPERATOR_DOWN_FOR = "15s"
-REWARD_ERRORS_WINDOW = "20s"
+REWARD_ERRORS_WINDOW = "10s"  # ten scrapes: every ~3 s step's errors are in it (20 s cost 20 s more)
 # The tiny job's weight sync is about 1 % of its step (0.03-0.04 s of ~3 s on this machine): 0.1 % makes
 # every step "slow" so RLHFJobWeightSyncSlow fires for real; the chart's 0.2 never would here.
 WEIGHT_SYNC_SHARE_THRESHOLD = 0.001
