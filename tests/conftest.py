@@ -135,9 +135,13 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
     """A local Ray head (the stand-in for every RayCluster's head, testkit.ray_head), in its own process
     group: one already up on its dashboard port (`make test` starts one for all its stages) is used and
-    left running; else one is started for the session and stopped at its end."""
+    left running, with every Ray job this session started and left running stopped at its end (as
+    stopping the head would); else one is started for the session and stopped at its end."""
     proc: subprocess.Popen[bytes] | None = None
-    if not _dashboard_up():
+    before: set[str] = set()
+    if _dashboard_up():
+        before = set(ray_head_kit.jobs())
+    else:
         try:
             proc = ray_head_kit.start(tmp_path_factory.mktemp("ray") / "ray-head.log")
         except RuntimeError as e:
@@ -145,6 +149,10 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
     yield RayHead(address=f"127.0.0.1:{RAY_PORT}", dashboard_url=f"http://127.0.0.1:{RAY_DASHBOARD_PORT}")
     if proc is not None:
         stop_ray_start(proc)
+    else:
+        left = ray_head_kit.stop_jobs(keep=before)
+        if left:
+            print(f"[ray-head] stopped {len(left)} Ray job(s) this session left running: {left}")
 
 
 @pytest.fixture(scope="session")

@@ -25,10 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from testkit.support import RAY_DASHBOARD_PORT, RAY_PORT, VENV_BIN, _dashboard_up
 
 START_TIMEOUT_SECONDS = 120
 STOP_GRACE_SECONDS = 30.0
+DASHBOARD = f"http://127.0.0.1:{RAY_DASHBOARD_PORT}"
+ENDED = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 
 
 def head_env() -> dict[str, str]:
@@ -89,6 +93,32 @@ def start(log: Path) -> subprocess.Popen[bytes]:
             )
         time.sleep(0.5)
     return proc
+
+
+def jobs(dashboard: str = DASHBOARD) -> dict[str, str]:
+    """{submission id: status} of every Ray job the head knows (its Jobs API)."""
+    resp = httpx.get(f"{dashboard}/api/jobs/", timeout=30)
+    resp.raise_for_status()
+    return {j["submission_id"]: j["status"] for j in resp.json() if j.get("submission_id")}
+
+
+def stop_jobs(keep: set[str], dashboard: str = DASHBOARD, timeout: float = 60) -> list[str]:
+    """Stop every Ray job not in `keep` that has not ended, and wait until each has: a head shared by
+    several test sessions (`make test`'s stages) must not carry one session's trainers into the next,
+    as stopping a session's own head did. Returns the ids it stopped."""
+    left = sorted(sid for sid, status in jobs(dashboard).items() if sid not in keep and status not in ENDED)
+    for sid in left:
+        httpx.post(f"{dashboard}/api/jobs/{sid}/stop", timeout=30)
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        now = jobs(dashboard)
+        if all(now.get(sid) in ENDED for sid in left):
+            break
+        time.sleep(0.5)
+    else:
+        if left:
+            raise RuntimeError(f"Ray jobs still not ended {timeout:.0f}s after their stop: {left}")
+    return left
 
 
 def _alive(pid: int) -> bool:
