@@ -9,16 +9,14 @@ uses it and stops it after the last: each stage starting and stopping its own co
     python -m testkit.ray_head start --dir DIR   # up in its own process group: DIR/ray-head.{pid,log}
     python -m testkit.ray_head stop --dir DIR
 
-Stopped by signalling `ray start` alone and then its group, never with `ray stop`, which would kill every
-Ray process on the machine (a trainer run of another session included).
+Stopped by `testkit.support.stop_ray_start` (`ray start` alone, then its group), never with `ray stop`,
+which would kill every Ray process on the machine (a trainer run of another session included).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from testkit.support import RAY_DASHBOARD_PORT, RAY_PORT, VENV_BIN, _dashboard_up
+from testkit.support import RAY_DASHBOARD_PORT, RAY_PORT, VENV_BIN, _dashboard_up, stop_ray_start
 
 START_TIMEOUT_SECONDS = 120
 STOP_GRACE_SECONDS = 30.0
@@ -87,7 +85,7 @@ def start(log: Path) -> subprocess.Popen[bytes]:
         if proc.poll() is not None:
             raise RuntimeError(f"the local Ray head exited ({proc.returncode}); see {log}")
         if time.monotonic() > deadline:
-            stop(proc.pid)
+            stop_ray_start(proc, STOP_GRACE_SECONDS)
             raise RuntimeError(
                 f"the local Ray head's dashboard did not answer in {START_TIMEOUT_SECONDS}s; see {log}"
             )
@@ -121,30 +119,6 @@ def stop_jobs(keep: set[str], dashboard: str = DASHBOARD, timeout: float = 60) -
     return left
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError):  # a zombie (exited, not yet reaped by its parent) is gone
-        if Path(f"/proc/{pid}/stat").read_text().split(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
-
-
-def stop(pid: int, grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM to `ray start` alone: it drains its node through the GCS and stops its children (2.3 s
-    measured; sent to the whole group, the GCS dies first and the drain waits 30 s for it). Whatever of
-    its group is left after `grace` seconds is SIGKILLed."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m testkit.ray_head", description=__doc__.split("\n\n")[0])
     p.add_argument("action", choices=("start", "stop"))
@@ -168,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[ray-head] no {pid_file}: nothing to stop")
         return 0
     t0 = time.monotonic()
-    stop(int(pid_file.read_text()))
+    stop_ray_start(int(pid_file.read_text()), STOP_GRACE_SECONDS)
     pid_file.unlink()
     print(f"[ray-head] stopped in {time.monotonic() - t0:.1f}s")
     return 0

@@ -283,16 +283,37 @@ def terminate(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
         proc.wait(10)
 
 
-def stop_ray_start(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
-    """Stop a `ray start --block` started in its own process group (start_new_session), and its node.
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie (exited, not yet reaped by its parent) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def stop_ray_start(proc: subprocess.Popen[bytes] | int, grace: float = 30) -> None:
+    """Stop a `ray start --block` started in its own process group (start_new_session), and its node: our
+    child (its Popen) or not (its pid: `make test`'s shared head, started by another process).
 
     SIGTERM goes to the `ray start` process alone: it drains its node through the GCS and stops its
     children (2.3 s measured, 2026-11-29). Sent to the whole group, the GCS dies at once and the drain
     waits its 30 s for it (33.6 s measured), which every stage with a Ray head paid at its end. Whatever
     of the group outlives `grace` is SIGKILLed."""
-    terminate(proc, grace)
+    pid = proc if isinstance(proc, int) else proc.pid
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    if not isinstance(proc, int):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)  # reap it
 
 
 def rollout_group_replicas(raycluster: dict[str, Any]) -> int | None:

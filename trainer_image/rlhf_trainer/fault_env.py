@@ -16,6 +16,7 @@ from pathlib import Path
 
 ENV, DIR_ENV = "RLHF_TRAINER_FAULTS", "RLHF_TRAINER_FAULTS_DIR"
 RANK_HANG = "rank_hang"
+START_FAILURE = f"{ENV}=start@0: the driver fails at start-up"
 HANG_SECONDS = 900.0
 
 
@@ -43,7 +44,7 @@ def crash_if_start_armed() -> None:
     except ValueError:
         return  # malformed: main() says so, as before
     if start:
-        line = f"error: InjectedFault: {ENV}=start@0: the driver fails at start-up"
+        line = f"error: InjectedFault: {START_FAILURE}"
         print(line, file=sys.stderr, flush=True)
         from rlhf_trainer import container_log  # light: `kubectl logs` of a head pod shows it too
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rlhf_trainer.fault_env import DIR_ENV, ENV, InjectedFault, armed, write_marker
+from rlhf_trainer.fault_env import DIR_ENV, ENV, START_FAILURE, InjectedFault, armed, write_marker
 from rlhf_trainer.fault_env import marker as _marker
 
 __all__ = ["DIR_ENV", "ENV", "FaultInjector", "InjectedFault", "armed", "fail_at_start"]
@@ -51,7 +51,7 @@ Victim = Callable[[str], tuple[str, int]]  # phase -> (who, pid): the actor whos
 def fail_at_start() -> None:
     """Raise InjectedFault when `start@0` is armed: the driver's first act, in every attempt."""
     if ("start", 0) in armed():
-        raise InjectedFault(f"{ENV}=start@0: the driver fails at start-up")
+        raise InjectedFault(START_FAILURE)
 
 
 class FaultInjector:
