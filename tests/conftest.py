@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from testkit import collected, stages
 from testkit import ray_head as ray_head_kit
-from testkit import stages
 from testkit.support import (
     CRD_FILE,
     RAY_DASHBOARD_PORT,
@@ -37,9 +37,11 @@ if TYPE_CHECKING:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Before any -m deselection: a collected test that no stage of `make test` selects fails the run."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Before any -m deselection: a collected test that no stage of `make test` selects fails the run;
+    the whole tree's test files are kept for the layout test (testkit.collected)."""
     stages.check_collection(items)
+    collected.remember(config, items)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

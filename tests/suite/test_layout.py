@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from testkit import TESTKIT
+from testkit import TESTKIT, collected
 
 pytestmark = pytest.mark.unit
 
@@ -36,8 +36,15 @@ sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv
 """
 
 
-def _collected() -> tuple[set[Path], set[Path]]:
-    """The files of the unit tests and of the others over the whole tree, from one pytest collection."""
+def _collected(config: pytest.Config) -> tuple[set[Path], set[Path]]:
+    """The files of the unit tests and of the others over the whole tree: from this session's collection
+    when it collected the whole tree (testkit.collected), else from one pytest collection of it."""
+    kept = collected.files(config)
+    if kept is not None:
+        assert kept["unit"] and kept["slow"], (
+            f"the session's collection holds no unit or no other test: {kept}"
+        )
+        return kept["unit"], kept["slow"]
     out = subprocess.run(
         [sys.executable, "-c", _MARKERS_OF_FILES, str(TESTS)],
         capture_output=True, text=True, cwd=TESTS.parent, timeout=300,
@@ -54,8 +61,10 @@ def _collected() -> tuple[set[Path], set[Path]]:
     return found["unit"], found["slow"]
 
 
-def test_fast_tests_live_in_the_package_folders_and_end_to_end_tests_under_e2e() -> None:
-    unit, slow = _collected()
+def test_fast_tests_live_in_the_package_folders_and_end_to_end_tests_under_e2e(
+    request: pytest.FixtureRequest,
+) -> None:
+    unit, slow = _collected(request.config)
     misplaced_unit = sorted(str(p.relative_to(TESTS)) for p in unit if E2E in p.parents)
     misplaced_slow = sorted(str(p.relative_to(TESTS)) for p in slow if E2E not in p.parents)
     assert not misplaced_unit, f"fast (unit) tests under tests/e2e/: {misplaced_unit}"

@@ -16,6 +16,7 @@ import pytest
 from rlhf_api.constants import SHUTDOWN_MARGIN_SECONDS, STOP_BUDGET_ENV
 from rlhf_trainer.stop import (
     UNMEASURED_SAVE_SECONDS,
+    StopDuringStartUp,
     StopRequest,
     decide_stop,
     estimate_save_seconds,
@@ -118,6 +119,25 @@ def test_sigterm_only_records_when_it_came_and_a_second_one_changes_nothing_else
     _deliver()
     assert stop.signals == 2 and stop.at == first
     assert stop.elapsed(first + 4.0) == 4.0
+
+
+def test_a_sigterm_ends_the_start_up_window_at_once_and_only_that(stop: StopRequest) -> None:
+    """Inside `interruptible()` (the driver's start-up, which writes nothing) the SIGTERM raises where the
+    main thread is; after the window it is only counted again; a window entered after a stop request
+    ends on entry."""
+    stop.install()
+    went_on = False
+    with pytest.raises(StopDuringStartUp), stop.interruptible():
+        _deliver()
+        went_on = True
+    assert not went_on, "the start-up went on after the SIGTERM"
+    assert stop.requested and stop.signals == 1
+    assert issubclass(StopDuringStartUp, KeyboardInterrupt)  # the one exception Ray's ray.get passes on
+    _deliver()  # outside the window: counted, nothing raised
+    assert stop.signals == 2
+    with pytest.raises(StopDuringStartUp), stop.interruptible():
+        went_on = True
+    assert not went_on, "a start-up began though a stop was already requested"
 
 
 def test_install_again_after_ray_init_replaced_it_and_restore_puts_back_the_original(

@@ -8,7 +8,6 @@ dtypes, and packing in place into the channel's staging memory.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from rlhf_trainer.weight_sync.bucketing import pack_bucket, plan_buckets, unpack_bucket
 from rlhf_trainer.weight_sync.channels import Rendezvous, open_channel
-from testkit.support import free_port, run_ranks
+from testkit.support import free_port, rank_context, run_ranks
 
 pytestmark = pytest.mark.unit
 WORLD = 3  # the trainer's rank 0 and two engines
@@ -62,8 +61,7 @@ def _run(rank: int, wire: dict[str, Any], shm_dir: str, results: Any) -> None:
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
 def test_every_engine_receives_every_tensor_bit_for_bit(backend: str, tmp_path: Path) -> None:
     wire = Rendezvous(backend, "127.0.0.1", free_port(), WORLD, f"t-{backend}").to_wire()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = rank_context().Queue()
     run_ranks(_run, WORLD, (wire, str(tmp_path), results), timeout=120)
     got = sorted(results.get(timeout=5) for _ in range(WORLD))
     n_buckets = got[0][1]
@@ -125,7 +123,7 @@ def test_delta_frames_keep_every_engine_copy_bit_identical_and_a_dropped_frame_s
     one whole, no change as empty deltas; after each, every engine's copy equals the new bucket bit for
     bit, except the engine that dropped a frame, whose digest then differs from the trainer's."""
     wire = Rendezvous(backend, "127.0.0.1", free_port(), WORLD, f"d-{backend}").to_wire()
-    results = mp.get_context("spawn").Queue()
+    results = rank_context().Queue()
     run_ranks(_delta_run, WORLD, (wire, str(tmp_path), results), timeout=180)
     logs = dict(results.get(timeout=5) for _ in range(WORLD))
     sender = logs[0]

@@ -2,7 +2,8 @@
 
 Owns the run's order: parse and check the spec, announce the resume step, connect to Ray, place and start
 the groups, resume, then `loop.run_step` for each step, and shut everything down; told to stop (SIGTERM),
-it saves or keeps a checkpoint at the next step boundary (`stop.decide_stop`) and exits 143. How each part
+it saves or keeps a checkpoint at the next step boundary (`stop.decide_stop`), or ends a start-up at once,
+and exits 143. How each part
 is done lives in config, placement, loop, checkpoint, stop and weight_sync.manager. Never touches token arrays.
 Run as `python -m rlhf_trainer.driver --job-name NAME --spec-env RLHF_SPEC_JSON` (the operator) or via
 `rlhf run FILE` (cli.py).
@@ -22,6 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
@@ -149,10 +151,7 @@ def run(
         log(f"metrics on :{port}/metrics")
     budget = stop_budget(os.environ, spec.run_policy.termination_grace_period_seconds)
     if stop is not None and stop.requested:  # before anything slow starts
-        line = kept_line(announced, announced)
-        log(line)
-        preempted = {"line": line, "step": announced, "checkpoint_step": announced, "saved": False}
-        return {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced, "preempted": preempted}
+        return _stopped_before_training(job, announced, log)
     log(device.describe(info))
     started = connect_ray(process_count(spec) + 1, device_plan.most_gpus(spec) if info.is_cpu else 0)
     if stop is not None:
@@ -166,8 +165,18 @@ def run(
     sync: WeightSyncManager | None = None
     ctx: StepContext | None = None
     try:
-        placed = place(spec, info, log)
-        start(placed, spec, metrics, log)
+        try:  # a SIGTERM ends the start-up at once: nothing is trained or written yet
+            with stop.interruptible() if stop is not None else nullcontext():
+                placed = place(spec, info, log)
+                start(placed, spec, metrics, log)
+        except KeyboardInterrupt:  # what Ray's blocking calls make of StopDuringStartUp
+            if stop is None or not stop.requested:
+                raise
+            log(
+                f"stop requested {stop.elapsed():.1f} s ago (SIGTERM x{stop.signals}) during start-up: "
+                "nothing of this attempt is trained, so it stops now"
+            )
+            return _stopped_before_training(job, announced, log)
         root = Path(spec.checkpoint.path) if spec.checkpoint.path else None
         faults = FaultInjector.from_env(placed.victim, root)
         on_written = faults.checkpoint_written if faults else None
@@ -234,6 +243,15 @@ def run(
             ray.shutdown()
         if tracker is not None:
             tracker.close()  # what is queued, within tracker.CLOSE_SECONDS
+
+
+def _stopped_before_training(job: str, announced: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """The summary of an attempt told to stop before its first step: it keeps the checkpoint it would
+    have resumed from (step `announced`, 0: none) and redoes nothing of its own."""
+    line = kept_line(announced, announced)
+    log(line)
+    preempted = {"line": line, "step": announced, "checkpoint_step": announced, "saved": False}
+    return {"job": job, "steps": [], "checkpoints": [], "resumed_from": announced, "preempted": preempted}
 
 
 def stop_at_boundary(

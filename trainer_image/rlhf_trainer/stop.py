@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -23,16 +24,26 @@ from rlhf_api.constants import SHUTDOWN_MARGIN_SECONDS, STOP_BUDGET_ENV
 UNMEASURED_SAVE_SECONDS = 60.0
 
 
+class StopDuringStartUp(KeyboardInterrupt):
+    """Raised in the main thread by a SIGTERM that comes inside `StopRequest.interruptible()`: the run is
+    still starting (ranks, engines, model loads) and has trained nothing, so there is nothing to save and
+    no reason to finish starting. A KeyboardInterrupt because Ray's blocking calls (`ray.get`) pass only
+    that on from a signal handler (as a plain KeyboardInterrupt: catch that and read `requested`); any
+    other exception raised there is lost until the call returns."""
+
+
 class StopRequest:
     """Set by SIGTERM; read at every step boundary. `at` is the first signal's time.monotonic() (None:
     no stop requested), `signals` how many came. The handler stays installed: a second SIGTERM counts
-    and does nothing else, so it cannot cut a save short (SIGKILL at the budget's end is the backstop)."""
+    and does nothing else, so it cannot cut a save short (SIGKILL at the budget's end is the backstop).
+    Only inside `interruptible()` (the start-up, where nothing is written) does it raise."""
 
     def __init__(self) -> None:
         self.at: float | None = None
         self.signals = 0
         self._previous: Any = None
         self._installed = False
+        self._interrupt = False
 
     def install(self) -> StopRequest:
         """(Re)install the SIGTERM handler (main thread only); again after `ray.init`, which installs its
@@ -51,6 +62,22 @@ class StopRequest:
         if self.at is None:
             self.at = time.monotonic()
         self.signals += 1
+        if self._interrupt:
+            self._interrupt = False  # once: the clean-up after it is not interrupted again
+            raise StopDuringStartUp
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A block that a SIGTERM ends at once (StopDuringStartUp; Ray's calls raise it as a plain
+        KeyboardInterrupt), for start-up work that writes nothing; one already requested ends it on
+        entry. Outside it a SIGTERM is only recorded, for the next step boundary."""
+        if self.requested:
+            raise StopDuringStartUp
+        self._interrupt = True
+        try:
+            yield
+        finally:
+            self._interrupt = False
 
     @property
     def requested(self) -> bool:

@@ -19,6 +19,7 @@ from testkit.support import (
     RAY_DASHBOARD_PORT,
     Cluster,
     OperatorProcess,
+    ray_job_logs,
     tiny_job,
     wait_for,
 )
@@ -56,6 +57,14 @@ def test_active_deadline_stops_a_running_trainer(
         120,
         "the Ray job stopped",
     )
+    # 15 s from creation lands in the trainer's start-up here (its groups take 20-40 s on 2 cores): the
+    # SIGTERM ends the start-up at once instead of letting it finish (14 s more, measured) to stop at
+    # the first step boundary.
+    log = ray_job_logs(st["submissionId"])
+    assert "during start-up: nothing of this attempt is trained, so it stops now" in log, log[-3000:]
+    assert "preempted: no checkpoint to keep (0 steps to redo)" in log and "groups ready" not in log, log[
+        -3000:
+    ]
     wait_for(
         lambda: cluster.get("raycluster", "late", namespace) is None or None, 60, "the RayCluster deleted"
     )

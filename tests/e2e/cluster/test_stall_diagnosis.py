@@ -32,7 +32,7 @@ from testkit.support import Cluster, OperatorProcess, ray_job_logs, tiny_job, wa
 
 pytestmark = pytest.mark.cluster
 TESTKIT = Path(__file__).resolve().parents[2] / "testkit"
-STALL = 30  # stallTimeoutSeconds
+STALL = 20  # stallTimeoutSeconds
 NAME = "stuck"
 HUNG_STEP = 2  # the step whose actor training an actor rank hangs in (the reward hangs in step 1)
 
@@ -69,7 +69,15 @@ def test_each_stall_names_who_is_stuck_where_and_a_restart_waits_for_it(
     # lean, with its two actor ranks back: one rank hangs while the other waits in the collective
     actor = {"nodes": 1, "gpusPerNode": 2}
     doc = tiny_job(
-        NAME, tiny_model, ckpt, steps=3, lean=True, runPolicy={"backoffLimit": 1}, trainer={"actor": actor}
+        NAME,
+        tiny_model,
+        ckpt,
+        steps=3,
+        lean=True,
+        # the least grace: the hung attempt, which never reaches the step boundary where it would stop,
+        # lives its stop budget (grace less 10 s) before Ray's SIGKILL
+        runPolicy={"backoffLimit": 1, "terminationGracePeriodSeconds": 15},
+        trainer={"actor": actor},
     )
     doc["spec"]["checkpoint"].update(intervalSteps=1)
     doc["spec"]["model"]["reward"] = {
@@ -138,7 +146,7 @@ def test_each_stall_names_who_is_stuck_where_and_a_restart_waits_for_it(
 
         st = wait_for(rank_diagnosed, 400, "the hung rank's snapshot taken")
         # The restart is decided in the round that read the snapshot. The restarted attempt's start-up
-        # (a minute on 2 cores) must not count as a stall at this test's 30 s: give it all it needs.
+        # (a minute on 2 cores) must not count as a stall at this test's 20 s: give it all it needs.
         cluster.kubectl(
             "patch", "rlhfjob", NAME, "-n", namespace, "--type=merge", "-p",
             json.dumps({"spec": {"monitoring": {"stallTimeoutSeconds": 600}}}),

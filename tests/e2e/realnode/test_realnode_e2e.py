@@ -266,7 +266,7 @@ def fetch_outcomes(
 # the loss, a scale-down's pod goes after its 30 s grace; the head was lost at step 16 in the first run,
 # at 17-18 in the rehearsals and CI runs of 28-29 Nov), with some left for the restarted attempt: the test
 # fails, saying so, if too few are left. A multiple of the evaluation's 5 steps (the last step evaluates).
-STEPS = 35
+STEPS = 30
 INTERVAL = 4  # checkpoint.intervalSteps
 
 
