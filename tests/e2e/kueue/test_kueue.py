@@ -46,8 +46,9 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 # trainer is a stand-in that sleeps STANDIN_S, so the deadline covers the admission, KWOK's pods, the
 # submission and that sleep: seconds, not a real trainer's start-up (35-228 s measured on this machine).
 # QUEUED_S also spans many of the test operator's 1 s rounds, in which it must write nothing Kueue owns.
-# Seen admitted to Succeeded: 2.4 s (2026-11-29, printed below); the deadline leaves a loaded machine 8 times that.
-QUEUED_S, DEADLINE_S, STANDIN_S = 25, 20, 5
+# Seen admitted to Succeeded: 2.4-3.8 s (2026-11-29, printed below; 3.8 s beside an image build): the deadline
+# leaves a loaded machine more than 3 times that.
+QUEUED_S, DEADLINE_S, STANDIN_S = 17, 14, 5
 
 
 def kueue_version(cluster: Cluster) -> str:

@@ -28,6 +28,7 @@ def test_the_calculator_example_runs_with_rlhf_run_on_the_tiny_model(
         f"checkpoint.path={tmp_path / 'ckpt'}",
         f"algorithm.totalSteps={STEPS}",
         f"checkpoint.intervalSteps={STEPS}",
+        "checkpoint.export=never",  # the export is test_trainer_run.py's and test_export_off_head.py's
     ]
     run = run_cli(CALCULATOR, sets, tmp_path, ray_tmp, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
