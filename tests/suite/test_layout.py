@@ -23,14 +23,17 @@ def _modules() -> list[Path]:
     return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+# A collection of the whole tree in a child process, whose conftest keeps its files (testkit.collected).
 _MARKERS_OF_FILES = """
 import sys, pytest
 
 class Report:
     def pytest_collection_finish(self, session):
-        for item in session.items:
-            unit = any(m.name == "unit" for m in item.iter_markers())
-            print("FILE", "unit" if unit else "slow", item.nodeid.split("::", 1)[0])
+        from testkit import collected  # on sys.path once pytest has read its `pythonpath`
+
+        for kind, files in (collected.files(session.config) or {}).items():
+            for file in files:
+                print("FILE", kind, file)
 
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[1]], plugins=[Report()]))
 """
@@ -40,25 +43,19 @@ def _collected(config: pytest.Config) -> tuple[set[Path], set[Path]]:
     """The files of the unit tests and of the others over the whole tree: from this session's collection
     when it collected the whole tree (testkit.collected), else from one pytest collection of it."""
     kept = collected.files(config)
-    if kept is not None:
-        assert kept["unit"] and kept["slow"], (
-            f"the session's collection holds no unit or no other test: {kept}"
-        )
-        return kept["unit"], kept["slow"]
-    out = subprocess.run(
-        [sys.executable, "-c", _MARKERS_OF_FILES, str(TESTS)],
-        capture_output=True, text=True, cwd=TESTS.parent, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    found: dict[str, set[Path]] = {"unit": set(), "slow": set()}
-    for line in out.stdout.splitlines():
-        if line.startswith("FILE "):
-            _, kind, file = line.split(" ", 2)
-            found[kind].add(TESTS.parent / file)
-    assert found["unit"] and found["slow"], (
-        f"the collection found no unit or no other test:\n{out.stdout[-2000:]}"
-    )
-    return found["unit"], found["slow"]
+    if kept is None:
+        out = subprocess.run(
+            [sys.executable, "-c", _MARKERS_OF_FILES, str(TESTS)],
+            capture_output=True, text=True, cwd=TESTS.parent, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        kept = {"unit": set(), "slow": set()}
+        for line in out.stdout.splitlines():
+            if line.startswith("FILE "):
+                _, kind, file = line.split(" ", 2)
+                kept[kind].add(Path(file))
+    assert kept["unit"] and kept["slow"], f"the collection found no unit or no other test: {kept}"
+    return kept["unit"], kept["slow"]
 
 
 def test_fast_tests_live_in_the_package_folders_and_end_to_end_tests_under_e2e(

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]
+from testkit import TESTKIT
+
+TESTS = TESTKIT.parent
 _FILES: pytest.StashKey[dict[str, set[Path]]] = pytest.StashKey()
 
 

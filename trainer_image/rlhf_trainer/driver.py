@@ -3,8 +3,8 @@
 Owns the run's order: parse and check the spec, announce the resume step, connect to Ray, place and start
 the groups, resume, then `loop.run_step` for each step, and shut everything down; told to stop (SIGTERM),
 it saves or keeps a checkpoint at the next step boundary (`stop.decide_stop`), or ends a start-up at once,
-and exits 143. How each part
-is done lives in config, placement, loop, checkpoint, stop and weight_sync.manager. Never touches token arrays.
+and exits 143. How each part is done lives in config, placement, loop, checkpoint, stop and
+weight_sync.manager. Never touches token arrays.
 Run as `python -m rlhf_trainer.driver --job-name NAME --spec-env RLHF_SPEC_JSON` (the operator) or via
 `rlhf run FILE` (cli.py).
 """
