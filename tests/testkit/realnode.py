@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import node
+from rlhf_operator.manifests import JOB_LABEL
 
 from testkit.support import Cluster, wait_for
 
@@ -100,9 +101,11 @@ def realnode_job(name: str, claim: str, steps: int, interval: int, **spec: Any) 
     return doc
 
 
-def job_pods(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
-    return cluster.list("pods", namespace)
+def job_pods(cluster: Cluster, namespace: str, job: str | None = None) -> list[dict[str, Any]]:
+    """The pods of `namespace`, or of its RLHFJob `job` only (the operator's job label)."""
+    return cluster.list("pods", namespace, f"{JOB_LABEL}={job}" if job else None)
 
 
-def wait_no_pods(cluster: Cluster, namespace: str, timeout: float) -> None:
-    wait_for(lambda: not job_pods(cluster, namespace) or None, timeout, f"every pod of {namespace} gone")
+def wait_no_pods(cluster: Cluster, namespace: str, timeout: float, job: str | None = None) -> None:
+    whose = f"job {job}" if job else namespace
+    wait_for(lambda: not job_pods(cluster, namespace, job) or None, timeout, f"every pod of {whose} gone")

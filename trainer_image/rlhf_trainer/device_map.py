@@ -26,20 +26,9 @@ from rlhf_trainer import device_plan, groups
 from rlhf_trainer.config import InputError, parse_spec
 from rlhf_trainer.device import DeviceInfo
 from rlhf_trainer.device_plan import Observed
+from rlhf_trainer.plan_probe import probe
 
 CPU_STANDIN = DeviceInfo("cpu", "gloo")  # the probes compute nothing: placement is all that is shown
-
-
-def probe() -> dict[str, Any]:
-    """Stands in for a rank, the reward model or an engine (or one of a TP engine's workers): a task, so
-    the few worker processes Ray starts are reused (placement shows the same: a bundle pins its GPU)."""
-    import ray
-
-    return {
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "gpus": [int(g) for g in ray.get_gpu_ids()],
-        "pid": os.getpid(),
-    }
 
 
 def pods_of(spec: RLHFJobSpec) -> list[tuple[str, str, int]]:

@@ -12,9 +12,12 @@ Run as `python -m rlhf_trainer.driver --job-name NAME --spec-env RLHF_SPEC_JSON`
 from __future__ import annotations
 
 if __name__ == "__main__":  # `start@0` fails the attempt before torch and Ray load (3.6 s of imports)
+    import gc
+
     from rlhf_trainer.fault_env import crash_if_start_armed
 
     crash_if_start_armed()
+    gc.disable()  # while the imports below run: long-lived objects only (gc_pause.py); enabled in __main__
 
 import argparse
 import json
@@ -520,6 +523,9 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import gc
+
+    gc.enable()  # disabled for the imports (top of the module)
     # Installed until the process ends: a SIGTERM that comes while it exits (a second stop request) is
     # only counted, so the exit status stays 143 (or 0), never "killed by SIGTERM".
     raise SystemExit(main(stop=StopRequest().install()))

@@ -215,12 +215,13 @@ def check_outputs(
     print(f"MLflow run {run.info.run_id}: {len(run.data.metrics)} metrics, {sorted(by_source)}")
 
 
-def fetch_outcomes(
+def start_fetch_jobs(
     cluster: Cluster, namespace: str, store: ObjectStore, src: Sources, io: dict[str, Any], tmp_path: Path
-) -> None:
+) -> list[str]:
     """Three more jobs on the same model cache, each told by its fetch step alone: the same model again
     (nothing fetched: ModelsCached), a prefix that does not exist (ModelNotFound) and a refused key
-    (CredentialsRefused), the last two Failed at once with the field named and no restart."""
+    (CredentialsRefused). Started while the finished job's pods still go (their grace period), and
+    checked by `check_fetch_outcomes`."""
     wrong = {**store.env(for_pods=True), "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
     cluster.apply(secret(WRONG_SECRET, wrong), namespace)
     cases = {
@@ -236,6 +237,12 @@ def fetch_outcomes(
         cluster.apply(local_volume(pv, checkpoints, namespace, f"{name}-checkpoints"))
         spec = {**io, **change, "rollout": {"engines": 1}}
         cluster.apply(realnode_job(name, DATA_CLAIM, steps=2, interval=2, **spec), namespace)
+    return list(cases)
+
+
+def check_fetch_outcomes(cluster: Cluster, namespace: str, names: list[str]) -> None:
+    """The fetch jobs' outcomes: the same model again fetched nothing; the missing prefix and the refused
+    key Failed at once with the field named and no restart."""
 
     def told(name: str, reason: str) -> dict[str, Any] | None:
         st = status(cluster, namespace, name)
@@ -258,7 +265,7 @@ def fetch_outcomes(
         print(f"{name}: {st['message']}")
     # Deleted, not waited for (as the namespace fixture deletes its namespace): the pods of the two failed
     # jobs take their 30 s grace to go (their Ray never started; 31 s measured), and nothing after needs them gone.
-    for name in cases:
+    for name in names:
         cluster.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=false")
 
 
@@ -508,14 +515,16 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     wait_for(
         lambda: cluster.get("raycluster", "tiny", namespace) is None or None, 120, "the RayCluster deleted"
     )
+    # The fetch jobs start beside what follows: the finished job's pods take their grace period to go.
+    fetch_jobs = start_fetch_jobs(cluster, namespace, object_store, src, io, tmp_path)
     shown = printed(cluster, namespace, "tiny")
     print(shown)
     assert shown["PHASE"] == "Succeeded", shown
 
     cluster.kubectl("delete", "rlhfjob", "tiny", "-n", namespace)
-    wait_no_pods(cluster, namespace, 180)
+    wait_no_pods(cluster, namespace, 180, job="tiny")
     # The runtime's whenJobDeleted: Delete: the job's checkpoint claim went with it.
     wait_for(
         lambda: cluster.get("pvc", "tiny-checkpoints", namespace) is None or None, 120, "the claim released"
     )
-    fetch_outcomes(cluster, namespace, object_store, src, io, tmp_path)
+    check_fetch_outcomes(cluster, namespace, fetch_jobs)

@@ -9,16 +9,38 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, cast
 
 from rlhf_trainer.data import Prompt
 from rlhf_trainer.device import whereabouts
+from rlhf_trainer.gc_pause import gc_paused
 from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.transfer import ChunkMeta, FinishedRequest, PackedRollout
 
 EXTENSION = "rlhf_trainer.weight_sync.worker_extension.RLHFWorkerExtension"
+
+
+def import_vllm_llm() -> Any:
+    """vLLM's `LLM` class, imported without `scipy.signal`.
+
+    vLLM imports `scipy.signal` only to resample audio (vllm.multimodal.audio, which falls back to a
+    placeholder when it is missing), and a rollout engine serves text: about 0.8 s of the engine's
+    start-up on this machine (`-X importtime`, torch and Ray already loaded). While vLLM imports,
+    `scipy.signal` reads as not installed; a process that already imported it keeps it, and a later
+    `import scipy.signal` works as usual (only vLLM's audio resampling by scipy would say to install it).
+    """
+    hide = "scipy.signal" not in sys.modules
+    if hide:
+        sys.modules["scipy.signal"] = None  # type: ignore[assignment]  # `import scipy.signal` raises ImportError
+    try:
+        from vllm import LLM
+    finally:
+        if hide:
+            sys.modules.pop("scipy.signal", None)
+    return LLM
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat_template: bool, max_tokens: int | None) -> list[int]:
@@ -76,32 +98,33 @@ class RolloutEngine:
         stacks.arm(f"rollout engine {engine_index}", "engine", engine_index)
         if "problem" in self.whereabouts:
             return
-        from vllm import LLM
-
-        t0 = time.perf_counter()
-        kwargs: dict[str, Any] = {
-            "model": options["model_path"],
-            "tokenizer": options.get("tokenizer_path") or options["model_path"],
-            "seed": int(options.get("seed", 0)) + engine_index,
-            "dtype": options.get("dtype", "float32" if device == "cpu" else "bfloat16"),
-            "max_model_len": int(options["max_model_len"]),
-            "tensor_parallel_size": int(options.get("tensor_parallel_size", 1)),
-            "enforce_eager": enforce_eager(options.get("enforce_eager"), device),
-            "worker_extension_cls": EXTENSION,
-            # GRPO's n samples of a prompt share its prefill; receive_weights drops the cache (stale KV)
-            "enable_prefix_caching": bool(options.get("enable_prefix_caching", True)),
-            # log-probs of the distribution sampled from (after temperature and top-p), kept per token in
-            # the PackedRollout for off-policy correction
-            "logprobs_mode": "processed_logprobs",
-        }
-        if device != "cpu":
-            kwargs["gpu_memory_utilization"] = float(options.get("gpu_memory_utilization", 0.5))
-            kwargs["enable_sleep_mode"] = bool(options.get("enable_sleep", False))
-        self.llm = LLM(**kwargs)
-        self.start_seconds = time.perf_counter() - t0
-        self.tokenizer = self.llm.get_tokenizer()
-        self.sleeping = False
-        self._request_seq = 0
+        # vLLM's import and the engine's build make long-lived objects only: no collector passes (gc_pause.py)
+        with gc_paused():
+            LLM = import_vllm_llm()
+            t0 = time.perf_counter()
+            kwargs: dict[str, Any] = {
+                "model": options["model_path"],
+                "tokenizer": options.get("tokenizer_path") or options["model_path"],
+                "seed": int(options.get("seed", 0)) + engine_index,
+                "dtype": options.get("dtype", "float32" if device == "cpu" else "bfloat16"),
+                "max_model_len": int(options["max_model_len"]),
+                "tensor_parallel_size": int(options.get("tensor_parallel_size", 1)),
+                "enforce_eager": enforce_eager(options.get("enforce_eager"), device),
+                "worker_extension_cls": EXTENSION,
+                # GRPO's n samples of a prompt share its prefill; receive_weights drops the cache (stale KV)
+                "enable_prefix_caching": bool(options.get("enable_prefix_caching", True)),
+                # log-probs of the distribution sampled from (after temperature and top-p), kept per token in
+                # the PackedRollout for off-policy correction
+                "logprobs_mode": "processed_logprobs",
+            }
+            if device != "cpu":
+                kwargs["gpu_memory_utilization"] = float(options.get("gpu_memory_utilization", 0.5))
+                kwargs["enable_sleep_mode"] = bool(options.get("enable_sleep", False))
+            self.llm = LLM(**kwargs)
+            self.start_seconds = time.perf_counter() - t0
+            self.tokenizer = self.llm.get_tokenizer()
+            self.sleeping = False
+            self._request_seq = 0
 
     def ready(self) -> dict[str, Any]:
         import ray

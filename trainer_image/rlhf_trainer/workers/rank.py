@@ -16,6 +16,7 @@ import torch
 
 from rlhf_trainer import device, experience, sequence_parallel
 from rlhf_trainer.fault_env import maybe_hang
+from rlhf_trainer.gc_pause import gc_paused
 from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.stacks import nccl
 from rlhf_trainer.step_settings import AlgorithmSettings
@@ -100,19 +101,27 @@ class ModelRank:
         )
         if self.info.kind == "cuda":
             torch.cuda.set_device(0)
-        init_distributed(self.info.dist_backend)
-        if self.sp_size > 1:
-            self.sp = sequence_parallel.init_groups(self.sp_size)
-        for role in self.roles:
-            s = {**settings[role], "rank": self.rank, "world_size": self.world_size, "device": self.info.kind}
-            if role == "actor":
-                self.models[role] = PolicyModel(s["path"], s, self.sp)
-            elif role == "critic":
-                self.models[role] = ValueModel(s["path"], s, self.sp)
-            elif role == "reference":
-                self.models[role] = ReferenceModel(s["path"], s, self.sp)
-            else:
-                raise ValueError(f"a model rank cannot host role {role!r}")
+        # DeepSpeed's and transformers' imports and the models' build make long-lived objects only: no
+        # collector passes meanwhile (gc_pause.py).
+        with gc_paused():
+            init_distributed(self.info.dist_backend)
+            if self.sp_size > 1:
+                self.sp = sequence_parallel.init_groups(self.sp_size)
+            for role in self.roles:
+                s = {
+                    **settings[role],
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "device": self.info.kind,
+                }
+                if role == "actor":
+                    self.models[role] = PolicyModel(s["path"], s, self.sp)
+                elif role == "critic":
+                    self.models[role] = ValueModel(s["path"], s, self.sp)
+                elif role == "reference":
+                    self.models[role] = ReferenceModel(s["path"], s, self.sp)
+                else:
+                    raise ValueError(f"a model rank cannot host role {role!r}")
         return {
             "rank": self.rank,
             "roles": self.roles,
