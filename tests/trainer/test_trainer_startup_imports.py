@@ -1,5 +1,5 @@
 """What a trainer process imports and builds at start-up: the collector paused while it does
-(rlhf_trainer.gc_pause), vLLM imported without `scipy.signal` (rollout.engine.import_vllm_llm), and the
+(rlhf_trainer.startup_imports), vLLM imported without `scipy.signal` (rollout.engine.import_vllm_llm), and the
 probe `rlhf plan` places from a module with no heavy import (rlhf_trainer.plan_probe).
 
 vLLM itself is not imported here (about 10 CPU-seconds): a stand-in `vllm` module records what the engine
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from rlhf_trainer.gc_pause import gc_paused
 from rlhf_trainer.rollout import engine as engine_mod
+from rlhf_trainer.startup_imports import gc_paused
 
 pytestmark = pytest.mark.unit
 

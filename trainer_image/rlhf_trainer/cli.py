@@ -73,9 +73,9 @@ def run_main(argv: list[str] | argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    from rlhf_trainer.gc_pause import gc_paused
+    from rlhf_trainer.startup_imports import gc_paused
 
-    with gc_paused():  # the driver's stack: long-lived objects only (gc_pause.py)
+    with gc_paused():  # the driver's stack: long-lived objects only (startup_imports.py)
         from rlhf_trainer.config import InputError, parse_spec
         from rlhf_trainer.driver import run
         from rlhf_trainer.loop import RewardFailure

@@ -17,7 +17,7 @@ if __name__ == "__main__":  # `start@0` fails the attempt before torch and Ray l
     from rlhf_trainer.fault_env import crash_if_start_armed
 
     crash_if_start_armed()
-    gc.disable()  # while the imports below run: long-lived objects only (gc_pause.py); enabled in __main__
+    gc.disable()  # while the imports below run: long-lived objects only (startup_imports.py); enabled in __main__
 
 import argparse
 import json

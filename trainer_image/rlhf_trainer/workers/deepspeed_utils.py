@@ -19,6 +19,7 @@ import torch
 
 from rlhf_trainer import algorithms, sequence_parallel
 from rlhf_trainer.sequence_parallel import SequenceParallel, forward_context, gather_columns
+from rlhf_trainer.startup_imports import hidden
 from rlhf_trainer.transfer import (
     PackedRollout,
     attention_tokens,
@@ -127,24 +128,17 @@ def load_hf_model(path: str, kind: str, cfg: dict[str, Any], dtype: torch.dtype)
 
 
 def import_deepspeed() -> Any:
-    """`import deepspeed`, without letting it import mlflow.
+    """`import deepspeed`, without letting it import mlflow (`startup_imports.hidden`).
 
     DeepSpeed's autotuner (never run here) imports mlflow at import time whenever it is installed, and
     the trainer image has it for tracking, which only the driver does: measured 4.4 s of a 11.6 s
-    `import deepspeed` on this machine, in every rank of every start-up. While DeepSpeed imports,
-    `mlflow` reads as not installed (its autotuner catches the ImportError); a process that already
-    imported mlflow keeps it, and any later `import mlflow` works as usual.
+    `import deepspeed` on this machine, in every rank of every start-up. Its autotuner catches the
+    ImportError.
     """
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
-    hide = "mlflow" not in sys.modules
-    if hide:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
-    try:
+    with hidden("mlflow"):
         import deepspeed
-    finally:
-        if hide:
-            sys.modules.pop("mlflow", None)
     return deepspeed
 
 

@@ -16,9 +16,9 @@ import torch
 
 from rlhf_trainer import device, experience, sequence_parallel
 from rlhf_trainer.fault_env import maybe_hang
-from rlhf_trainer.gc_pause import gc_paused
 from rlhf_trainer.stacks import dump as stacks
 from rlhf_trainer.stacks import nccl
+from rlhf_trainer.startup_imports import gc_paused
 from rlhf_trainer.step_settings import AlgorithmSettings
 from rlhf_trainer.transfer import PackedRollout
 from rlhf_trainer.weight_sync.bucketing import plan_bytes
@@ -102,7 +102,7 @@ class ModelRank:
         if self.info.kind == "cuda":
             torch.cuda.set_device(0)
         # DeepSpeed's and transformers' imports and the models' build make long-lived objects only: no
-        # collector passes meanwhile (gc_pause.py).
+        # collector passes meanwhile (startup_imports.py).
         with gc_paused():
             init_distributed(self.info.dist_backend)
             if self.sp_size > 1:
