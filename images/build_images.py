@@ -217,7 +217,10 @@ def run(cmd: list[str], timeout: float, what: str, cwd: Path | None = None, quie
 
 
 def buildah_images(repository: str) -> set[str]:
-    """Tags (localhost/name:tag) of `repository` in our buildah storage."""
+    """Tags (localhost/name:tag) of `repository` in our buildah storage; none where buildah is not
+    installed yet (a fresh machine, before `make images` installs it: `plan` runs first)."""
+    if shutil.which("buildah") is None:
+        return set()
     proc = subprocess.run(
         buildah("images", "--format", "{{.Name}}:{{.Tag}}", "--filter", f"reference={repository}"),
         capture_output=True,

@@ -297,6 +297,19 @@ def test_plan_of_an_empty_machine_is_every_cold_part(storage: dict[str, set[str]
     )
 
 
+def test_plan_on_a_machine_without_buildah_is_every_cold_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh machine: `make demo` asks for the plan before `make images` installs buildah."""
+    monkeypatch.setattr(build, "CACHE", tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    todo = build.plan(containerd_runtime.Runtime(Path("/nonexistent")))
+    assert set(todo) == {
+        "base",
+        *(f"{n} {p}" for n in build.MAKE_IMAGES for p in ("wheelhouse", "build", "load")),
+    }
+
+
 def test_plan_after_a_code_change_is_the_code_layer_and_a_reload(
     storage: dict[str, set[str]], tmp_path: Path
 ) -> None:
