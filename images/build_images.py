@@ -436,34 +436,23 @@ def build_pause() -> str:
 
 
 def load(rt: runtime.Runtime, refs: Sequence[str]) -> None:
-    """Copies each image from buildah's storage into containerd's k8s.io namespace (unless there),
-    through a temporary docker archive; older tags of the same family are removed there."""
+    """Copies each image from buildah's storage into containerd's k8s.io namespace (unless there), its
+    docker archive streamed from `buildah push` into `ctr images import`; older tags of the same family
+    are removed there."""
     present = runtime.image_refs(rt)
     for ref in refs:
-        repository = ref.rsplit(":", 1)[0]
         stale = [r for r in present if recipe.family(r) == recipe.family(ref) and r != ref]
         if ref in present:
             log(f"containerd: {ref} already loaded")
         else:
             t0 = time.monotonic()
-            tmpdir = CACHE / "tmp"
-            tmpdir.mkdir(parents=True, exist_ok=True)
-            archive = tmpdir / f"{repository.rsplit('/', 1)[-1]}.tar"
-            try:
-                run(
-                    buildah("push", "--quiet", ref, f"docker-archive:{archive}:{ref}"),
-                    3600,
-                    f"export {ref}",
-                    quiet=True,
+            # buildah's export streamed into containerd's import: no archive file between them.
+            with heartbeat(f"load {ref}"):
+                runtime.import_stream(
+                    rt, buildah("push", "--quiet", ref, f"docker-archive:/dev/stdout:{ref}")
                 )
-                t1 = time.monotonic()
-                with heartbeat(f"import {ref}"):
-                    runtime.import_archive(rt, archive)
-            finally:
-                archive.unlink(missing_ok=True)
             log(
-                f"containerd: {ref} loaded in {time.monotonic() - t0:.0f}s "
-                f"(export {t1 - t0:.0f}s, import and unpack {time.monotonic() - t1:.0f}s)"
+                f"containerd: {ref} loaded in {time.monotonic() - t0:.0f}s (export streamed into import and unpack)"
             )
         runtime.remove_images(rt, runtime.names_to_remove(runtime.image_targets(rt), ref, stale))
 

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,11 +221,36 @@ def names_to_remove(targets: dict[str, str], keep: str, stale: list[str]) -> lis
     return [*stale, *sorted(cri_names)]
 
 
-def import_archive(rt: Runtime, archive: Path, timeout: float = 1800) -> None:
-    """Imports a docker/OCI archive into the k8s.io namespace and unpacks it (overlayfs)."""
-    proc = ctr(rt, "images", "import", "--snapshotter", "overlayfs", str(archive), timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ctr images import {archive}: {proc.stderr.strip() or proc.stdout.strip()}")
+def import_stream(rt: Runtime, producer: list[str], timeout: float = 3600) -> None:
+    """Imports the docker/OCI archive that `producer` writes to its stdout, piped into `ctr images import -`:
+    no archive file between them. For the trainer image that is 7.5 GB neither written nor read back, on
+    a disk that the tests beside a cold build read torch from."""
+    with tempfile.TemporaryFile() as producer_err:
+        with subprocess.Popen(
+            producer, stdout=subprocess.PIPE, stderr=producer_err, stdin=subprocess.DEVNULL
+        ) as export:
+            assert export.stdout is not None
+            try:
+                proc = subprocess.run(
+                    ctr_command(rt, "images", "import", "--snapshotter", "overlayfs", "-"),
+                    stdin=export.stdout,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
+            except BaseException:
+                export.kill()
+                raise
+            finally:
+                export.stdout.close()
+            if proc.returncode != 0:
+                export.kill()  # the import stopped reading: its error is the one to report
+                raise RuntimeError(f"ctr images import -: {proc.stderr.strip() or proc.stdout.strip()}")
+            export_rc = export.wait(timeout=300)
+        producer_err.seek(0)
+        err = producer_err.read().decode(errors="replace")[-2000:]
+    if export_rc != 0:
+        raise RuntimeError(f"{' '.join(producer[:4])} ... (exit {export_rc}): {err.strip()}")
 
 
 def remove_images(rt: Runtime, refs: list[str]) -> None:
