@@ -62,16 +62,17 @@ STEPS = (
 )
 
 
-# What each part of `make images` costs when nothing is cached, measured on this 2-core machine alone
-# (docs/development.md, "Images"): the estimates `plan` adds up for the parts a run would do.
+# What each part of `make images` costs when nothing is cached, on this 2-core machine: as `make demo`
+# built them on a fresh machine beside the Go builds (2026-12-07; the trainer's load then went through an
+# archive file, 283 s; streamed, 211 s alone). The estimates `plan` adds up for the parts a run would do.
 COLD_S = {
-    "base": 215,  # mmdebstrap 136-185 s, import 29-36 s
-    "operator wheelhouse": 30,
-    "operator build": 100,
-    "operator load": 30,
-    "trainer wheelhouse": 240,
-    "trainer build": 460,
-    "trainer load": 350,
+    "base": 59,  # mmdebstrap 47 s, import 12 s
+    "operator wheelhouse": 6,
+    "operator build": 49,
+    "operator load": 21,
+    "trainer wheelhouse": 89,  # 214 wheels, 3.2 GiB from PyPI
+    "trainer build": 353,
+    "trainer load": 283,
     # Our code changed and nothing else: the dependency layers are reused (`Using cache`), the code layer
     # is built, and the load re-exports the image while containerd skips the layers it has.
     "operator code": 30,

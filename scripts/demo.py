@@ -124,7 +124,9 @@ def run_live(*cmd: str, timeout: float = 5400) -> str:
     return Background(cmd[0], *cmd).join(timeout)
 
 
-AFTER_BUILDS_S = 330  # control plane up ~30 s, helm install ~40 s, the tiny job to Succeeded ~260 s
+AFTER_BUILDS_S = (
+    180  # from the builds' end to Succeeded: 174 s in a cold demo (2026-12-07), the job 123 s of it
+)
 
 
 class Estimate:

@@ -120,21 +120,23 @@ BINARIES = [
 ]
 
 
-# Each binary's cold build alone on this 2-core machine, in seconds (docs/development.md's table; the
-# Kubernetes ones after kube-apiserver reuse its packages): what `build --plan` adds up for the ones the
-# cache lacks, so a caller can say how long is left.
+# Each binary's cold build on this 2-core machine, in seconds: what `build --plan` adds up for the ones
+# the cache lacks, so a caller can say how long is left. The ones `up` runs as `make demo` built them on a
+# fresh machine, one after the other beside the image builds (2026-12-07, before GOGC=400 and no DWARF
+# cut their CPU by about a fifth; the Kubernetes ones after kube-apiserver reuse its packages); the
+# test-only ones alone (docs/development.md's table).
 COLD_BUILD_S = {
-    "etcd": 95,
-    "kube-apiserver": 374,
-    "kube-controller-manager": 172,
-    "kube-scheduler": 38,
-    "kubectl": 116,
-    "kubelet": 180,
-    "kube-proxy": 60,
-    "coredns": 118,
-    "kwok": 261,
-    "ray-operator": 113,
-    "helm": 233,
+    "etcd": 66,
+    "kube-apiserver": 347,
+    "kube-controller-manager": 84,
+    "kube-scheduler": 6,
+    "kubectl": 33,
+    "kubelet": 24,
+    "kube-proxy": 10,
+    "coredns": 85,
+    "kwok": 106,
+    "ray-operator": 131,
+    "helm": 67,
     "prometheus": 353,
     "kube-apiserver-floor": 758,
     "kueue": 459,

@@ -458,9 +458,14 @@ def eval_fields(report: StepReport) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- main
 
 
-def _say(line: str, stream: TextIO = sys.stdout) -> None:
-    """A line for the Ray job's log and, in a head pod, for `kubectl logs` too."""
-    print(line, file=stream, flush=True)
+def _say(line: str, stream: TextIO | None = None) -> None:
+    """A line for the Ray job's log and, in a head pod, for `kubectl logs` too. Written with its newline
+    in one write: Ray prints the workers' lines into this same stdout from a thread of its own, and
+    `print` writes the newline apart, so a worker's line could land inside one of ours (a step report
+    followed by an engine's log line on one line broke its JSON)."""
+    out = sys.stdout if stream is None else stream
+    out.write(line + "\n")
+    out.flush()
     container_log.echo(line)
 
 
