@@ -51,7 +51,8 @@ PORT_ENV = {"dashboard_metrics": "DASHBOARD_METRIC_PORT", "autoscaler_metrics": 
 WORKER_PORTS = range(31000, 32000)
 
 
-def tiny_job() -> Any:
+def example_job_model() -> Any:
+    """examples/rlhfjob-tiny.yaml as the typed model, in the namespace and with the uid the token tests use."""
     from rlhf_api.spec import RLHFJob
 
     doc = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
@@ -132,7 +133,7 @@ def listening(address: str) -> bool | None:
 @pytest.fixture(scope="module")
 def token_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TokenHead]:
     """A Ray head with the tiny job's token settings, every port pinned and listening."""
-    env_of_job = resolved_head_env(tiny_job())
+    env_of_job = resolved_head_env(example_job_model())
     assert env_of_job["RAY_AUTH_MODE"] == "token" and len(env_of_job["RAY_AUTH_TOKEN"]) == 64
     ports = {name: free_port() for name in [*PORT_FLAGS, *PORT_ENV]}
     home = Path(tempfile.mkdtemp(prefix="rlhf-sec-home-"))  # no ~/.ray/auth_token of the machine's
@@ -226,7 +227,7 @@ def test_the_operators_submission_carries_the_token_and_runs(token_head: TokenHe
     from rlhf_operator import rayjobs
     from rlhf_operator.security import token_of
 
-    token = token_of(KEY, tiny_job())  # what handlers.ray_token sends for this job
+    token = token_of(KEY, example_job_model())  # what handlers.ray_token sends for this job
     assert token == token_head.token
     with rayjobs.RayJobsClient(token_head.url, token=token) as rj:
         rj.submit("rlhf-sec-ok", f"{sys.executable} -c \"print('ran with the token')\"")
