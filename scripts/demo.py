@@ -124,9 +124,8 @@ def run_live(*cmd: str, timeout: float = 5400) -> str:
     return Background(cmd[0], *cmd).join(timeout)
 
 
-AFTER_BUILDS_S = (
-    180  # from the builds' end to Succeeded: 174 s in a cold demo (2026-12-07), the job 123 s of it
-)
+# From the builds' end to Succeeded: 174 s in a cold demo (2026-12-07), the job 123 s of it.
+AFTER_BUILDS_S = 180
 
 
 class Estimate:

@@ -286,12 +286,13 @@ def _wheels(tmp_path: Path, name: str) -> None:
     (tmp_path / "wheelhouse" / f"{spec.wheelhouse.name}-{spec.wheelhouse.key()[:16]}").mkdir(parents=True)
 
 
+# What a machine with nothing built plans: the base, and each image's wheelhouse, build and load.
+EVERY_COLD_PART = {"base", *(f"{n} {p}" for n in build.MAKE_IMAGES for p in ("wheelhouse", "build", "load"))}
+
+
 def test_plan_of_an_empty_machine_is_every_cold_part(storage: dict[str, set[str]]) -> None:
     todo = build.plan(containerd_runtime.Runtime(Path("/nonexistent")))
-    assert set(todo) == {
-        "base",
-        *(f"{n} {p}" for n in build.MAKE_IMAGES for p in ("wheelhouse", "build", "load")),
-    }
+    assert set(todo) == EVERY_COLD_PART
     assert sum(todo.values()) == sum(
         v for k, v in build.COLD_S.items() if k.split()[-1] in {"base", "wheelhouse", "build", "load"}
     )
@@ -304,10 +305,7 @@ def test_plan_on_a_machine_without_buildah_is_every_cold_part(
     monkeypatch.setattr(build, "CACHE", tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     todo = build.plan(containerd_runtime.Runtime(Path("/nonexistent")))
-    assert set(todo) == {
-        "base",
-        *(f"{n} {p}" for n in build.MAKE_IMAGES for p in ("wheelhouse", "build", "load")),
-    }
+    assert set(todo) == EVERY_COLD_PART
 
 
 def test_plan_after_a_code_change_is_the_code_layer_and_a_reload(
