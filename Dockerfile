@@ -23,15 +23,17 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python3 -m venv /opt/venv
 
 WORKDIR /src
-# Only what the package build reads: the project file, the README it names, the API package, the
-# `rlhf` command and the operator package.
-COPY pyproject.toml README.md ./
+# Only what the package build reads: the project file, the API package, the `rlhf` command and the
+# operator package. Not the README: pyproject.toml names it as the package's long description, which
+# nothing in the image reads, so the build gets a one-line stand-in and a README edit rebuilds nothing.
+COPY pyproject.toml ./
 COPY api/ api/
 COPY cli/ cli/
 COPY operator/ operator/
 # A regular (not editable) install: the source tree stays in this stage. pip byte-compiles the
 # modules here, since the running container cannot write .pyc files.
-RUN /opt/venv/bin/pip install ".[operator]"
+RUN echo "rlhf-operator: see README.md in the source repository" > README.md \
+ && /opt/venv/bin/pip install ".[operator]"
 
 FROM ${PYTHON_BASE}
 
