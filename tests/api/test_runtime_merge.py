@@ -33,7 +33,7 @@ STORAGE = {
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
-def job(**sections: Any) -> dict[str, Any]:
+def _spec_as_written(**sections: Any) -> dict[str, Any]:
     """A job spec as written: the required fields, a runtimeRef and `sections` over them."""
     spec: dict[str, Any] = {
         "runtimeRef": {"name": "rt"},
@@ -62,7 +62,7 @@ def refused(spec: dict[str, Any], rt: RLHFRuntimeSpec) -> MergeError:
 
 
 def test_the_stored_job_has_every_default_the_model_has() -> None:
-    written = job(trainer={"actor": {"gpusPerNode": 2}})
+    written = _spec_as_written(trainer={"actor": {"gpusPerNode": 2}})
     stored = with_crd_defaults(deep_merge(written, {"rollout": {"engines": None}}))
     assert stored["algorithm"]["async"]["enabled"] is False  # inside a section the job did not write
     assert stored["model"]["reward"]["onError"] == "failStep"  # inside an object the job wrote
@@ -72,7 +72,9 @@ def test_the_stored_job_has_every_default_the_model_has() -> None:
 
 
 def test_only_fields_that_differ_from_their_default_are_set() -> None:
-    stored = with_crd_defaults(job(algorithm={"klCoef": 0.01, "epochs": 2}, runPolicy={"backoffLimit": 3}))
+    stored = with_crd_defaults(
+        _spec_as_written(algorithm={"klCoef": 0.01, "epochs": 2}, runPolicy={"backoffLimit": 3})
+    )
     assert dict(set_fields(stored)) == {
         ("runtimeRef", "name"): "rt",
         ("model", "actor"): "/models/a",
@@ -85,13 +87,15 @@ def test_only_fields_that_differ_from_their_default_are_set() -> None:
 
 def test_a_field_equal_to_its_default_leaves_the_runtimes_value() -> None:
     rt = runtime(jobDefaults={"runPolicy": {"backoffLimit": 1}})
-    assert merged(job(runPolicy={"backoffLimit": 3}), rt).run_policy.backoff_limit == 1  # 3: the default
-    assert merged(job(runPolicy={"backoffLimit": 5}), rt).run_policy.backoff_limit == 5
+    assert (
+        merged(_spec_as_written(runPolicy={"backoffLimit": 3}), rt).run_policy.backoff_limit == 1
+    )  # 3: the default
+    assert merged(_spec_as_written(runPolicy={"backoffLimit": 5}), rt).run_policy.backoff_limit == 5
 
 
 def test_an_optional_object_the_job_wrote_is_set_even_at_its_fields_defaults() -> None:
     """trainer.critic has no default: written as {1, 1} it must stay, not become the actor's placement."""
-    spec = job(
+    spec = _spec_as_written(
         algorithm={"advantageEstimator": "gae"},
         model={"critic": "/models/c"},
         trainer={"actor": {"gpusPerNode": 2}, "critic": {"nodes": 1, "gpusPerNode": 1}},
@@ -115,15 +119,17 @@ def test_an_optional_object_the_job_wrote_is_set_even_at_its_fields_defaults() -
 def test_a_set_field_outside_overridable_is_refused_naming_it_and_the_runtime(
     sections: dict[str, Any], path: str
 ) -> None:
-    error = refused(job(**sections), runtime(images={"cpu": "cpu:1"}, overridable=["model", "data"]))
+    error = refused(
+        _spec_as_written(**sections), runtime(images={"cpu": "cpu:1"}, overridable=["model", "data"])
+    )
     assert error.path == path
     assert REF in error.message and "overridable" in error.message
 
 
 def test_the_default_overridable_keeps_the_infrastructure() -> None:
-    error = refused(job(pods={"trainer": {"nodeSelector": {"pool": "mine"}}}), runtime())
+    error = refused(_spec_as_written(pods={"trainer": {"nodeSelector": {"pool": "mine"}}}), runtime())
     assert error.path == "spec.pods.trainer.nodeSelector"
-    assert merged(job(algorithm={"klCoef": 0.05}), runtime()).algorithm.kl_coef == 0.05
+    assert merged(_spec_as_written(algorithm={"klCoef": 0.05}), runtime()).algorithm.kl_coef == 0.05
 
 
 def test_a_kept_field_equal_to_the_runtimes_own_value_is_accepted() -> None:
@@ -134,7 +140,7 @@ def test_a_kept_field_equal_to_the_runtimes_own_value_is_accepted() -> None:
         pods={"trainer": {"tolerations": [GPU_TAINT]}},
     )
     spec = merged(
-        job(
+        _spec_as_written(
             rayVersion="2.50.0",
             image="cpu:1",
             security={"networkPolicy": "Disabled"},
@@ -148,15 +154,19 @@ def test_a_kept_field_equal_to_the_runtimes_own_value_is_accepted() -> None:
 
 def test_a_sub_path_entry_allows_that_field_and_not_its_siblings() -> None:
     rt = runtime(overridable=["model", "data", "rollout.temperature"])
-    assert merged(job(rollout={"temperature": 0.7}), rt).rollout.temperature == 0.7
-    assert refused(job(rollout={"temperature": 0.7, "topP": 0.9}), rt).path == "spec.rollout.topP"
+    assert merged(_spec_as_written(rollout={"temperature": 0.7}), rt).rollout.temperature == 0.7
+    assert (
+        refused(_spec_as_written(rollout={"temperature": 0.7, "topP": 0.9}), rt).path == "spec.rollout.topP"
+    )
     assert not allowed(("rollout", "temperatureMax"), ["rollout.temperature"])  # a path, not a prefix
 
 
 def test_runtime_ref_and_the_engine_count_are_always_the_jobs() -> None:
     """rollout.engines is the scale subresource's: kubectl scale and the autoscaler write it later."""
     rt = runtime(overridable=["model", "data"])
-    spec = merged(job(runtimeRef={"kind": "RLHFRuntime", "name": "rt"}, rollout={"engines": 4}), rt)
+    spec = merged(
+        _spec_as_written(runtimeRef={"kind": "RLHFRuntime", "name": "rt"}, rollout={"engines": 4}), rt
+    )
     assert spec.runtime_ref is not None and spec.runtime_ref.kind == "RLHFRuntime"
     assert spec.rollout.engines == 4
 
@@ -166,7 +176,7 @@ def test_runtime_ref_and_the_engine_count_are_always_the_jobs() -> None:
 
 def test_job_defaults_lie_under_the_jobs_fields_maps_merge_and_the_rest_replaces() -> None:
     rt = runtime(jobDefaults={"monitoring": {"stallTimeoutSeconds": 600, "onStall": "Alert"}})
-    spec = merged(job(monitoring={"stallTimeoutSeconds": 900}), rt)
+    spec = merged(_spec_as_written(monitoring={"stallTimeoutSeconds": 900}), rt)
     assert (spec.monitoring.stall_timeout_seconds, spec.monitoring.on_stall) == (900, "Alert")
     assert deep_merge({"a": {"b": 1, "c": [1, 2]}}, {"a": {"c": [3]}}) == {"a": {"b": 1, "c": [3]}}
 
@@ -179,7 +189,7 @@ def test_the_platforms_fields_win_over_the_runtimes_own_job_defaults() -> None:
         storage={"checkpoints": {"mountPath": "/ckpt", "claimName": "ckpt"}},
         jobDefaults={"checkpoint": {"path": "/elsewhere", "keepLast": 5}},
     )
-    spec = merged(job(), rt)
+    spec = merged(_spec_as_written(), rt)
     assert (spec.ray_version, spec.image) == ("2.55.0", "cpu:1")
     assert (spec.checkpoint.path, spec.checkpoint.keep_last) == (f"/ckpt/{NAMESPACE}/{JOB}", 5)
 
@@ -205,7 +215,7 @@ def test_pods_merge_by_the_rules_of_spec_pods() -> None:
     )
     mine = {"key": "team", "operator": "Exists"}
     spec = merged(
-        job(
+        _spec_as_written(
             pods={
                 "trainer": {
                     "nodeSelector": {"zone": "a"},
@@ -225,7 +235,7 @@ def test_pods_merge_by_the_rules_of_spec_pods() -> None:
 def test_the_fabric_reaches_trainer_and_rollout_pods_never_the_head() -> None:
     nccl = {"name": "NCCL_IB_HCA", "value": "mlx5"}
     rt = runtime(pods={"fabric": {"env": [nccl], "resources": {"limits": {"rdma/ib": 1}}}}, storage=STORAGE)
-    pods = merged(job(), rt).pods
+    pods = merged(_spec_as_written(), rt).pods
     for role in ("trainer", "rollout"):
         settings = pod_settings.for_role(pods, role)
         assert settings.env == [nccl] and settings.resources is not None, role
@@ -239,34 +249,34 @@ def test_the_fabric_reaches_trainer_and_rollout_pods_never_the_head() -> None:
 
 def test_the_jobs_image_wins_where_the_runtime_allows_it() -> None:
     rt = runtime(images={"cpu": "cpu:1", "gpu": "gpu:1"}, overridable=["model", "data", "image"])
-    assert merged(job(image="mine:1"), rt).image == "mine:1"
+    assert merged(_spec_as_written(image="mine:1"), rt).image == "mine:1"
 
 
 def test_a_job_whose_pods_get_gpus_gets_the_gpu_image_unless_the_gpus_are_a_stand_in() -> None:
     """Every placement has gpusPerNode >= 1, so every valid job's pods get GPUs: with both images set, the
     GPU one; on a cluster whose GPUs are the operator's named CPU stand-in, the CPU one."""
     rt = runtime(images={"cpu": "cpu:1", "gpu": "gpu:1"})
-    spec = merged(job(), rt)
+    spec = merged(_spec_as_written(), rt)
     assert asks_gpus(spec) and spec.image == "gpu:1"
-    stored = with_crd_defaults(job())
+    stored = with_crd_defaults(_spec_as_written())
     standin = merge(stored, rt, "ClusterRLHFRuntime/rt", "tiny", "ns", gpu_standin=True).spec
     assert standin["image"] == "cpu:1"
 
 
 @pytest.mark.parametrize("images", [{"cpu": "only:1"}, {"gpu": "only:1"}])
 def test_the_only_image_is_every_jobs(images: dict[str, str]) -> None:
-    assert merged(job(), runtime(images=images)).image == "only:1"
+    assert merged(_spec_as_written(), runtime(images=images)).image == "only:1"
 
 
 def test_no_images_leave_the_operators_default() -> None:
-    assert merged(job(), runtime()).image is None
+    assert merged(_spec_as_written(), runtime()).image is None
 
 
 # ---- storage ------------------------------------------------------------------------------------------
 
 
 def test_storage_is_mounted_in_every_pod_and_the_model_cache_read_only() -> None:
-    merge_ = merge(with_crd_defaults(job()), runtime(storage=STORAGE), REF, JOB, NAMESPACE)
+    merge_ = merge(with_crd_defaults(_spec_as_written()), runtime(storage=STORAGE), REF, JOB, NAMESPACE)
     pods = RLHFJobSpec.model_validate(merge_.spec).pods
     for role in pod_settings.POD_ROLES:
         settings = pod_settings.for_role(pods, role)
@@ -282,14 +292,19 @@ def test_storage_is_mounted_in_every_pod_and_the_model_cache_read_only() -> None
 
 def test_checkpoints_go_under_namespace_and_job_unless_the_job_says_where() -> None:
     rt = runtime(storage=STORAGE)
-    assert merged(job(), rt).checkpoint.path == f"/checkpoints/{NAMESPACE}/{JOB}"
-    assert merged(job(checkpoint={"path": "/checkpoints/mine"}), rt).checkpoint.path == "/checkpoints/mine"
+    assert merged(_spec_as_written(), rt).checkpoint.path == f"/checkpoints/{NAMESPACE}/{JOB}"
+    assert (
+        merged(_spec_as_written(checkpoint={"path": "/checkpoints/mine"}), rt).checkpoint.path
+        == "/checkpoints/mine"
+    )
 
 
 def test_an_export_upload_takes_its_path_from_the_runtimes_checkpoint_volume() -> None:
     """Admission lets checkpoint.exportTo through without checkpoint.path on a runtime-bound job (the
     runtime's checkpoint volume gives the path); a runtime without one is refused at the merge, by name."""
-    upload = job(storage={"s3": {"credentialsSecret": "s3"}}, checkpoint={"exportTo": "s3://models/run-1"})
+    upload = _spec_as_written(
+        storage={"s3": {"credentialsSecret": "s3"}}, checkpoint={"exportTo": "s3://models/run-1"}
+    )
     assert not [r.name for r in violated(RLHFJobSpec.model_validate(upload))]
     spec = merged(upload, runtime(storage=STORAGE))
     assert spec.checkpoint.export_dir() == f"/checkpoints/{NAMESPACE}/{JOB}/model"
@@ -302,7 +317,9 @@ def test_an_export_upload_takes_its_path_from_the_runtimes_checkpoint_volume() -
 def test_a_remote_model_is_fetched_into_the_runtimes_writable_model_cache() -> None:
     """A runtime-bound job names an s3:// model and its own object store's Secret; the runtime's model
     cache (writable) becomes storage.modelCache; a read-only or missing cache is refused naming the model."""
-    remote = job(model={"actor": "s3://team-models/tiny"}, storage={"s3": {"credentialsSecret": "s3"}})
+    remote = _spec_as_written(
+        model={"actor": "s3://team-models/tiny"}, storage={"s3": {"credentialsSecret": "s3"}}
+    )
     assert not [r.name for r in violated(RLHFJobSpec.model_validate(remote))]
     writable = {**STORAGE, "modelCache": {**STORAGE["modelCache"], "readOnly": False}}
     cache = merged(remote, runtime(storage=writable)).storage.model_cache
@@ -310,12 +327,14 @@ def test_a_remote_model_is_fetched_into_the_runtimes_writable_model_cache() -> N
     for storage in (STORAGE, {"checkpoints": STORAGE["checkpoints"]}):
         e = refused(remote, runtime(storage=storage))
         assert e.path == "spec.model.actor" and "no writable storage.modelCache" in str(e), e
-    assert merged(job(), runtime(storage=STORAGE)).storage.model_cache is None  # read-only: paths only
+    assert (
+        merged(_spec_as_written(), runtime(storage=STORAGE)).storage.model_cache is None
+    )  # read-only: paths only
 
 
 def test_a_shared_checkpoint_claim_makes_no_claim_per_job() -> None:
     rt = runtime(storage={"checkpoints": {"mountPath": "/ckpt", "claimName": "shared"}})
-    merge_ = merge(with_crd_defaults(job()), rt, REF, JOB, NAMESPACE)
+    merge_ = merge(with_crd_defaults(_spec_as_written()), rt, REF, JOB, NAMESPACE)
     assert merge_.checkpoint_claim is None
     assert merge_.spec["pods"]["volumes"] == [
         {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "shared"}}
@@ -334,7 +353,7 @@ def test_a_shared_checkpoint_claim_makes_no_claim_per_job() -> None:
 )
 def test_a_job_cannot_replace_the_runtimes_storage(pods: dict[str, Any], path: str) -> None:
     rt = runtime(storage=STORAGE, overridable=["model", "data", "pods"])
-    assert refused(job(pods=pods), rt).path == path
+    assert refused(_spec_as_written(pods=pods), rt).path == path
 
 
 # ---- the runtime model --------------------------------------------------------------------------------

@@ -337,7 +337,7 @@ def hf_dir(path: Path, heads: int = 2, **files: str) -> str:
     return str(path)
 
 
-def runtime_spec(**sections: Any) -> RLHFJobSpec:
+def _job_spec(**sections: Any) -> RLHFJobSpec:
     spec = valid_manifest()["spec"]
     spec.update(sections)
     return RLHFJobSpec.model_validate(spec, by_alias=True, by_name=False)
@@ -351,25 +351,25 @@ def test_runtime_issues_name_each_missing_or_non_hf_model(tmp_path: Path) -> Non
         "critic": str(not_hf),
         "reward": {"type": "model", "model": hf_dir(tmp_path / "rm")},
     }
-    issues = runtime_issues(runtime_spec(model=model, algorithm={"advantageEstimator": "gae"}))
+    issues = runtime_issues(_job_spec(model=model, algorithm={"advantageEstimator": "gae"}))
     assert issues == [
         Issue("spec.model.actor", f"model directory {tmp_path / 'nowhere'} does not exist"),
         Issue("spec.model.critic", f"{not_hf} is not an HF model directory (no config.json)"),
     ]
     # The critic is not loaded under grpo, and the reference defaults to the actor.
     model["actor"] = hf_dir(tmp_path / "actor")
-    assert runtime_issues(runtime_spec(model=model)) == []
+    assert runtime_issues(_job_spec(model=model)) == []
     model["reference"] = str(tmp_path / "gone")
-    assert runtime_issues(runtime_spec(model=model)) == [
+    assert runtime_issues(_job_spec(model=model)) == [
         Issue("spec.model.reference", f"model directory {tmp_path / 'gone'} does not exist")
     ]
-    assert runtime_issues(runtime_spec(model=model, algorithm={"klCoef": 0})) == []  # no reference loaded
+    assert runtime_issues(_job_spec(model=model, algorithm={"klCoef": 0})) == []  # no reference loaded
 
 
 def test_runtime_issues_check_the_heads_sequence_parallelism_splits(tmp_path: Path) -> None:
     model = {"actor": hf_dir(tmp_path / "a", heads=2), "reward": {"type": "function", "function": "r:f"}}
     trainer = {"actor": {"gpusPerNode": 4}, "sequenceParallelSize": 4}
-    issues = runtime_issues(runtime_spec(model=model, trainer=trainer, algorithm={"klCoef": 0}))
+    issues = runtime_issues(_job_spec(model=model, trainer=trainer, algorithm={"klCoef": 0}))
     assert [(i.path, i.message.split(" (")[0]) for i in issues] == [
         ("spec.trainer.sequenceParallelSize", "4 must divide the attention heads of spec.model.actor")
     ]
@@ -378,8 +378,8 @@ def test_runtime_issues_check_the_heads_sequence_parallelism_splits(tmp_path: Pa
 def test_runtime_issues_need_a_chat_template_only_when_asked(tmp_path: Path) -> None:
     plain = {"actor": hf_dir(tmp_path / "plain"), "reward": {"type": "function", "function": "r:f"}}
     chat = {"prompts": "/p.jsonl", "applyChatTemplate": True}
-    assert runtime_issues(runtime_spec(model=plain)) == []
-    assert runtime_issues(runtime_spec(model=plain, data=chat)) == [
+    assert runtime_issues(_job_spec(model=plain)) == []
+    assert runtime_issues(_job_spec(model=plain, data=chat)) == [
         Issue("spec.data.applyChatTemplate", f"the actor's tokenizer ({plain['actor']}) has no chat template")
     ]
     for name, files in {
@@ -387,4 +387,4 @@ def test_runtime_issues_need_a_chat_template_only_when_asked(tmp_path: Path) -> 
         "config": {"tokenizer_config.json": '{"chat_template": "{{ messages }}"}'},
     }.items():
         model = {**plain, "actor": hf_dir(tmp_path / name, **files)}
-        assert runtime_issues(runtime_spec(model=model, data=chat)) == [], name
+        assert runtime_issues(_job_spec(model=model, data=chat)) == [], name

@@ -5,13 +5,12 @@ releasing its cluster; a transient failure (exit 1) leaves the pod to retry."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import kopf
 import pytest
 from rlhf_operator import model_fetch, observe
 from rlhf_operator.status import decide
-from testkit.status_inputs import SID, cluster, fetch_failed, head_pod, job, obs, remote_job
+from testkit.status_inputs import SID, fetch_failed, head_pod, job, obs, raycluster_in, remote_job
+from testkit.support import condition
 
 pytestmark = pytest.mark.unit
 
@@ -19,17 +18,13 @@ RUNNING = {"state": {"running": {"startedAt": "2026-11-23T11:59:00Z"}}}
 PROGRESS = 'Downloading\nRLHF_FETCH {"bytesDone": 1000, "bytesTotal": 0, "model": ""}\nRLHF_FETCH {"bytesDone": 4096, "bytesTotal": 270000000, "model": "model.actor"}\n'
 
 
-def condition(status: dict[str, Any], ctype: str = "ModelsReady") -> dict[str, Any]:
-    return next(c for c in status.get("conditions", []) if c["type"] == ctype)
-
-
 def test_fetching_shows_bytes_done_and_total() -> None:
     d = decide(
         remote_job({"phase": "Provisioning"}),
-        obs(raycluster=cluster("unknown"), pods=[head_pod(RUNNING)], fetch_log=PROGRESS),
+        obs(raycluster=raycluster_in("unknown"), pods=[head_pod(RUNNING)], fetch_log=PROGRESS),
         SID,
     )
-    c = condition(d.status)
+    c = condition(d.status, "ModelsReady")
     assert (c["status"], c["reason"]) == ("False", "Fetching")
     assert c["message"] == "fetching models: 4096 of 270000000 bytes"
     assert d.status["phase"] == "Provisioning" and not d.actions
@@ -38,9 +33,12 @@ def test_fetching_shows_bytes_done_and_total() -> None:
 def test_done_is_true_with_the_bytes_fetched_or_cached() -> None:
     done = {"state": {"terminated": {"exitCode": 0, "message": '{"bytesFetched": 0, "bytesTotal": 0}'}}}
     d = decide(
-        remote_job({"phase": "Provisioning"}), obs(raycluster=cluster("unknown"), pods=[head_pod(done)]), SID
+        remote_job({"phase": "Provisioning"}),
+        obs(raycluster=raycluster_in("unknown"), pods=[head_pod(done)]),
+        SID,
     )
-    assert (condition(d.status)["status"], condition(d.status)["reason"]) == ("True", "ModelsCached")
+    c = condition(d.status, "ModelsReady")
+    assert (c["status"], c["reason"]) == ("True", "ModelsCached")
     fetched = {"state": {"terminated": {"exitCode": 0, "message": '{"bytesFetched": 9, "bytesTotal": 9}'}}}
     state = model_fetch.fetch_state([head_pod(fetched)], None)
     assert model_fetch.models_condition(state or model_fetch.FetchState("waiting"))[:2] == (
@@ -51,7 +49,7 @@ def test_done_is_true_with_the_bytes_fetched_or_cached() -> None:
 
 def test_a_ready_cluster_means_the_models_are_ready() -> None:
     d = decide(remote_job({"phase": "Provisioning"}), obs(), SID)
-    assert condition(d.status)["status"] == "True"
+    assert condition(d.status, "ModelsReady")["status"] == "True"
 
 
 def test_a_fetch_that_ended_between_two_rounds_is_read_from_the_ready_clusters_head() -> None:
@@ -60,7 +58,7 @@ def test_a_fetch_that_ended_between_two_rounds_is_read_from_the_ready_clusters_h
     found everything cached says so."""
     fetched = {"state": {"terminated": {"exitCode": 0, "message": '{"bytesFetched": 9, "bytesTotal": 9}'}}}
     d = decide(remote_job({"phase": "Provisioning"}), obs(pods=[head_pod(fetched)]), SID)
-    c = condition(d.status)
+    c = condition(d.status, "ModelsReady")
     assert (c["status"], c["reason"], c["message"]) == (
         "True",
         "ModelsFetched",
@@ -68,7 +66,7 @@ def test_a_fetch_that_ended_between_two_rounds_is_read_from_the_ready_clusters_h
     )
     cached = {"state": {"terminated": {"exitCode": 0, "message": '{"bytesFetched": 0, "bytesTotal": 0}'}}}
     again = decide(remote_job(d.status), obs(pods=[head_pod(cached)]), SID)
-    assert condition(again.status)["reason"] == "ModelsCached"
+    assert condition(again.status, "ModelsReady")["reason"] == "ModelsCached"
 
 
 def test_the_head_pod_is_read_after_ready_only_until_the_models_are_confirmed() -> None:
@@ -84,12 +82,12 @@ def test_a_permanent_failure_fails_the_job_at_once_with_its_reason(reason: str) 
     for status in (fetch_failed(reason), fetch_failed(reason, restarted=True)):
         d = decide(
             remote_job({"phase": "Provisioning"}),
-            obs(raycluster=cluster("unknown"), pods=[head_pod(status)]),
+            obs(raycluster=raycluster_in("unknown"), pods=[head_pod(status)]),
             SID,
         )
         assert d.status["phase"] == "Failed"
         assert condition(d.status, "Failed")["reason"] == reason
-        assert condition(d.status)["reason"] == reason
+        assert condition(d.status, "ModelsReady")["reason"] == reason
         assert f"spec.model.actor: {reason}" in d.status["message"]
         assert d.action_kinds == ["delete_cluster"]  # the cluster stops; no restart
         assert (d.status.get("restarts") or 0) == 0
@@ -99,17 +97,18 @@ def test_a_transient_failure_is_left_to_the_pods_retries() -> None:
     status = fetch_failed("FetchFailed", exit_code=1, restarted=True)
     d = decide(
         remote_job({"phase": "Provisioning"}),
-        obs(raycluster=cluster("unknown"), pods=[head_pod(status)]),
+        obs(raycluster=raycluster_in("unknown"), pods=[head_pod(status)]),
         SID,
     )
     assert d.status["phase"] == "Provisioning"
-    assert (condition(d.status)["status"], condition(d.status)["reason"]) == ("False", "FetchFailed")
+    c = condition(d.status, "ModelsReady")
+    assert (c["status"], c["reason"]) == ("False", "FetchFailed")
 
 
 def test_a_job_of_paths_has_no_models_condition() -> None:
     d = decide(
         job({"phase": "Provisioning"}),
-        obs(raycluster=cluster("unknown"), pods=[head_pod(fetch_failed("ModelNotFound"))]),
+        obs(raycluster=raycluster_in("unknown"), pods=[head_pod(fetch_failed("ModelNotFound"))]),
         SID,
     )
     assert d.status["phase"] == "Provisioning"

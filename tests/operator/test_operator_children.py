@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
 TINY_DOC = status_inputs.job().model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
-def _job(phase: str | None = None, **security: str) -> tuple[RLHFJob, kopf.Body]:
+def _job_and_body(phase: str | None = None, **security: str) -> tuple[RLHFJob, kopf.Body]:
     """The tiny job (its `spec.security` set as given, its phase `phase`) and its body as kopf hands it over."""
     doc = {**TINY_DOC, "spec": {**TINY_DOC["spec"], "security": security}}
     doc["status"] = {"phase": phase} if phase else {}
@@ -53,7 +53,7 @@ class _Server:
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> _Server:
+def fake_api(monkeypatch: pytest.MonkeyPatch) -> _Server:
     fake = _Server()
     monkeypatch.setattr(runtime, "JOBS", job_state.JobStates())
     monkeypatch.setattr(cache, "_cluster_index", {})
@@ -72,42 +72,42 @@ def _settled(body: kopf.Body) -> job_state.JobState:
 
 
 def test_with_a_token_the_raycluster_is_the_first_request_and_the_policy_precedes_the_secret(
-    server: _Server,
+    fake_api: _Server,
 ) -> None:
-    job, body = _job()
-    server.release.clear()  # the security objects' creates hang until released
+    job, body = _job_and_body()
+    fake_api.release.clear()  # the security objects' creates hang until released
     children.create_cluster(body, job)
-    assert server.kinds() == ["RayCluster"], "create_cluster returned before the security objects' creates"
+    assert fake_api.kinds() == ["RayCluster"], "create_cluster returned before the security objects' creates"
     assert runtime.state_of(body).security == "creating"
-    server.release.set()
+    fake_api.release.set()
     assert _settled(body).security == "made"
-    assert server.kinds() == ["RayCluster", "NetworkPolicy", "Secret"]
+    assert fake_api.kinds() == ["RayCluster", "NetworkPolicy", "Secret"]
     handler = threading.current_thread().name
-    assert all(thread != handler for kind, thread in server.calls[1:]), server.calls
+    assert all(thread != handler for kind, thread in fake_api.calls[1:]), fake_api.calls
 
 
-def test_without_a_token_the_policy_is_made_before_the_raycluster(server: _Server) -> None:
-    job, body = _job(rayAuthentication="Disabled")
+def test_without_a_token_the_policy_is_made_before_the_raycluster(fake_api: _Server) -> None:
+    job, body = _job_and_body(rayAuthentication="Disabled")
     children.create_cluster(body, job)
-    assert server.kinds() == ["NetworkPolicy", "RayCluster"]
+    assert fake_api.kinds() == ["NetworkPolicy", "RayCluster"]
     assert runtime.state_of(body).security == "made"
 
 
-def test_a_failed_background_create_is_made_by_the_next_round_and_a_refusal_raised(server: _Server) -> None:
-    job, body = _job("Provisioning")
-    server.refuse = 403
+def test_a_failed_background_create_is_made_by_the_next_round_and_a_refusal_raised(fake_api: _Server) -> None:
+    job, body = _job_and_body("Provisioning")
+    fake_api.refuse = 403
     children.create_cluster(body, job)
     assert _settled(body).security == "unmade"
     cluster = cache.get_cluster(body, job.name)
     assert cluster is not None
     with pytest.raises(children.ClusterRefused, match="NetworkPolicy: forbidden"):
         children.settle_security_objects(body, job, cluster)
-    server.refuse = None
+    fake_api.refuse = None
     children.settle_security_objects(body, job, cluster)
-    assert server.kinds() == ["RayCluster", "NetworkPolicy", "Secret"]
+    assert fake_api.kinds() == ["RayCluster", "NetworkPolicy", "Secret"]
     assert runtime.state_of(body).security == "made"
     children.settle_security_objects(body, job, cluster)  # once per job and process
-    assert server.kinds() == ["RayCluster", "NetworkPolicy", "Secret"]
+    assert fake_api.kinds() == ["RayCluster", "NetworkPolicy", "Secret"]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 from rlhf_operator.conditions import iso
 from rlhf_operator.pod_problems import diagnose, rejection_is_permanent
 from rlhf_operator.status import cluster_rejected, decide
-from testkit.status_inputs import NOW, SID, cluster, job, obs
+from testkit.status_inputs import NOW, SID, job, obs, raycluster_in
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +47,7 @@ def test_diagnose_names_the_pod_and_prefers_a_container_failure_to_scheduling() 
 
 
 def test_a_stuck_pod_is_said_in_message_condition_and_one_event() -> None:
-    stuck = obs(raycluster=cluster(None), pods=[pod("tiny-head-x", unschedulable=UNSCHED)])
+    stuck = obs(raycluster=raycluster_in(None), pods=[pod("tiny-head-x", unschedulable=UNSCHED)])
     d = decide(job({"phase": "Provisioning"}), stuck, SID)
     assert d.status["phase"] == "Provisioning"
     assert "pod tiny-head-x: Unschedulable" in d.status["message"]
@@ -56,7 +56,7 @@ def test_a_stuck_pod_is_said_in_message_condition_and_one_event() -> None:
     assert [e for e in d.events if e[1] == "Unschedulable" and e[0] == "Warning"]
     again = decide(job(d.status), stuck, SID)  # the same problem next round: no second event
     assert not [e for e in again.events if e[1] == "Unschedulable"]
-    fixed = decide(job(again.status), obs(raycluster=cluster(None), pods=[pod("tiny-head-x")]), SID)
+    fixed = decide(job(again.status), obs(raycluster=raycluster_in(None), pods=[pod("tiny-head-x")]), SID)
     cond = next(c for c in fixed.status["conditions"] if c["type"] == "PodsReady")
     assert cond["status"] == "True"
 
@@ -64,7 +64,7 @@ def test_a_stuck_pod_is_said_in_message_condition_and_one_event() -> None:
 def test_the_deadline_counts_from_creation_so_provisioning_time_counts() -> None:
     created = job(activeDeadlineSeconds=5)
     created.metadata["creationTimestamp"] = iso(NOW - timedelta(seconds=90))
-    d = decide(created, obs(raycluster=cluster(None), pods=[pod("h", unschedulable=UNSCHED)]), SID)
+    d = decide(created, obs(raycluster=raycluster_in(None), pods=[pod("h", unschedulable=UNSCHED)]), SID)
     assert d.status["phase"] == "Failed"
     assert "activeDeadlineSeconds=5" in d.status["message"]
     failed = next(c for c in d.status["conditions"] if c["type"] == "Failed")
@@ -82,7 +82,9 @@ def test_the_deadline_clock_restarts_on_unsuspension() -> None:
         SID,
     )
     assert "activeSince" not in suspended.status
-    resumed = decide(job(suspended.status, activeDeadlineSeconds=3600), obs(raycluster=cluster(None)), SID)
+    resumed = decide(
+        job(suspended.status, activeDeadlineSeconds=3600), obs(raycluster=raycluster_in(None)), SID
+    )
     assert resumed.status["phase"] != "Failed" and resumed.status["activeSince"] == iso(NOW)
 
 
@@ -90,7 +92,7 @@ def test_the_deadline_clock_restarts_on_unsuspension() -> None:
 def test_provisioning_timeout(action: str) -> None:
     status = {"phase": "Provisioning", "activeSince": iso(NOW - timedelta(seconds=21)), "restarts": 0}
     policy = {"provisioningTimeoutSeconds": 20, "onProvisioningTimeout": action}
-    stuck = obs(raycluster=cluster(None), pods=[pod("h", unschedulable=UNSCHED)])
+    stuck = obs(raycluster=raycluster_in(None), pods=[pod("h", unschedulable=UNSCHED)])
     within = decide(job({**status, "activeSince": iso(NOW - timedelta(seconds=19))}, **policy), stuck, SID)
     assert within.status["phase"] == "Provisioning"
     d = decide(job(status, **policy), stuck, SID)

@@ -92,7 +92,7 @@ def test_malformed_text_raises_malformed_metrics(text: str) -> None:
 
 
 @pytest.fixture
-def server() -> Iterator[dict[str, Any]]:
+def metrics_endpoint() -> Iterator[dict[str, Any]]:
     state: dict[str, Any] = {"status": 200, "body": b""}
 
     class Handler(BaseHTTPRequestHandler):
@@ -116,39 +116,41 @@ def server() -> Iterator[dict[str, Any]]:
     httpd.shutdown()
 
 
-def test_fetch_reads_a_live_endpoint(server: dict[str, Any]) -> None:
+def test_fetch_reads_a_live_endpoint(metrics_endpoint: dict[str, Any]) -> None:
     m = TrainerExporter("job-a")
     m.step_done({"generation": 1.0}, 1.0)
-    server["body"] = generate_latest(m.registry)
-    assert fetch_metrics(server["url"], "job-a").steps_completed == 1
+    metrics_endpoint["body"] = generate_latest(m.registry)
+    assert fetch_metrics(metrics_endpoint["url"], "job-a").steps_completed == 1
 
 
 def test_a_kept_client_scrapes_over_one_connection_where_each_call_alone_opens_one(
-    server: dict[str, Any],
+    metrics_endpoint: dict[str, Any],
 ) -> None:
     """The operator keeps a job's scrape client between rounds (observe.trainer_metrics), so a round reuses
     the connection the round before opened, as long as it stays idle for less than the keep-alive."""
     m = TrainerExporter("job-a")
-    server["body"] = generate_latest(m.registry)
+    metrics_endpoint["body"] = generate_latest(m.registry)
     with scrape_client(30.0) as http:
         for _ in range(3):
-            fetch_metrics(server["url"], "job-a", http)
-    assert len(set(server["peers"])) == 1, server["peers"]
+            fetch_metrics(metrics_endpoint["url"], "job-a", http)
+    assert len(set(metrics_endpoint["peers"])) == 1, metrics_endpoint["peers"]
     for _ in range(2):
-        fetch_metrics(server["url"], "job-a")  # the control: a call without a kept client connects anew
-    assert len(set(server["peers"])) == 3, server["peers"]
+        fetch_metrics(
+            metrics_endpoint["url"], "job-a"
+        )  # the control: a call without a kept client connects anew
+    assert len(set(metrics_endpoint["peers"])) == 3, metrics_endpoint["peers"]
 
 
 def test_a_jobs_rounds_reuse_its_scrape_connection_until_a_scrape_fails(
-    server: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    metrics_endpoint: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from testkit import status_inputs
 
     job = status_inputs.job()
     body = kopf.Body({"metadata": {"name": job.name, "namespace": "ns", "uid": "uid-1"}, "status": {}})
     monkeypatch.setattr(runtime, "JOBS", job_state.JobStates())
-    monkeypatch.setattr(observe, "metrics_url", lambda cluster, job: server["url"])
-    server["body"] = generate_latest(TrainerExporter(job.name).registry)
+    monkeypatch.setattr(observe, "metrics_url", lambda cluster, job: metrics_endpoint["url"])
+    metrics_endpoint["body"] = generate_latest(TrainerExporter(job.name).registry)
 
     def round_() -> dict[str, Any]:
         runtime.state_of(body).last_scrape = None  # the scrape interval has passed
@@ -156,19 +158,19 @@ def test_a_jobs_rounds_reuse_its_scrape_connection_until_a_scrape_fails(
 
     for _ in range(3):
         assert "metrics" in round_()
-    assert len(set(server["peers"])) == 1, server["peers"]
-    server["status"] = 503
+    assert len(set(metrics_endpoint["peers"])) == 1, metrics_endpoint["peers"]
+    metrics_endpoint["status"] = 503
     assert "HTTP 503" in round_()["metrics_error"]
     assert runtime.state_of(body).scrape_client is None  # dropped with its connection
-    server["status"] = 200
+    metrics_endpoint["status"] = 200
     assert "metrics" in round_()
-    assert len(set(server["peers"])) == 2, server["peers"]
+    assert len(set(metrics_endpoint["peers"])) == 2, metrics_endpoint["peers"]
 
 
-def test_fetch_of_an_http_error_is_unavailable(server: dict[str, Any]) -> None:
-    server["status"] = 503
+def test_fetch_of_an_http_error_is_unavailable(metrics_endpoint: dict[str, Any]) -> None:
+    metrics_endpoint["status"] = 503
     with pytest.raises(MetricsUnavailable, match="HTTP 503"):
-        fetch_metrics(server["url"], "job-a")
+        fetch_metrics(metrics_endpoint["url"], "job-a")
 
 
 def test_fetch_of_a_closed_port_is_unavailable() -> None:

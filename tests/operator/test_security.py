@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KEY = b"x" * 32
 
 
-def job(uid: str = "1234abcd-0000", **spec: Any) -> RLHFJob:
+def _job_with(uid: str = "1234abcd-0000", **spec: Any) -> RLHFJob:
     doc = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
     doc["metadata"] = {"name": "j", "namespace": "ns", "uid": uid}
     doc["spec"].update(spec)
@@ -26,19 +26,19 @@ def job(uid: str = "1234abcd-0000", **spec: Any) -> RLHFJob:
 
 
 def test_a_token_belongs_to_one_job_and_one_key() -> None:
-    a = security.token_of(KEY, job())
-    assert a == security.token_of(KEY, job()) and len(a) == 64
-    assert a != security.token_of(KEY, job(uid="ffff0000-1111"))  # the same name created again
-    assert a != security.token_of(b"y" * 32, job())
+    a = security.token_of(KEY, _job_with())
+    assert a == security.token_of(KEY, _job_with()) and len(a) == 64
+    assert a != security.token_of(KEY, _job_with(uid="ffff0000-1111"))  # the same name created again
+    assert a != security.token_of(b"y" * 32, _job_with())
     assert a != security.job_token(KEY, "other", "j", "1234abcd-0000")
     with pytest.raises(ValueError, match="no uid"):
-        security.token_of(KEY, job(uid=""))
+        security.token_of(KEY, _job_with(uid=""))
     with pytest.raises(ValueError, match="empty key"):
         security.job_token(b"", "ns", "j", "u")
 
 
 def test_every_ray_container_gets_token_mode_from_the_jobs_secret() -> None:
-    rc = manifests.build_raycluster(job())
+    rc = manifests.build_raycluster(_job_with())
     templates = [rc["spec"]["headGroupSpec"]["template"]] + [
         g["template"] for g in rc["spec"]["workerGroupSpecs"]
     ]
@@ -50,25 +50,25 @@ def test_every_ray_container_gets_token_mode_from_the_jobs_secret() -> None:
             "name": "j-ray-token-1234abcd",
             "key": "token",
         }
-    off = manifests.build_raycluster(job(security={"rayAuthentication": "Disabled"}))
+    off = manifests.build_raycluster(_job_with(security={"rayAuthentication": "Disabled"}))
     env = {e["name"]: e for e in off["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env
 
 
 def test_security_objects_follow_the_spec() -> None:
     access = security.PolicyAccess("ops", {"app": "op"})
-    kinds = [o["kind"] for o in manifests.security_objects(job(), KEY, access)]
+    kinds = [o["kind"] for o in manifests.security_objects(_job_with(), KEY, access)]
     assert kinds == ["Secret", "NetworkPolicy"]
-    secret = manifests.security_objects(job(), KEY, access)[0]
-    assert secret["stringData"] == {"token": security.token_of(KEY, job())}
+    secret = manifests.security_objects(_job_with(), KEY, access)[0]
+    assert secret["stringData"] == {"token": security.token_of(KEY, _job_with())}
     assert secret["metadata"]["namespace"] == "ns" and secret["immutable"] is True
     assert (
-        manifests.security_objects(job(security={"networkPolicy": "Disabled"}), KEY, access)[0]["kind"]
+        manifests.security_objects(_job_with(security={"networkPolicy": "Disabled"}), KEY, access)[0]["kind"]
         == "Secret"
     )
-    none = job(security={"networkPolicy": "Disabled", "rayAuthentication": "Disabled"})
+    none = _job_with(security={"networkPolicy": "Disabled", "rayAuthentication": "Disabled"})
     assert manifests.security_objects(none, KEY, access) == []
-    assert len(security.disabled_warnings(none)) == 2 and security.disabled_warnings(job()) == []
+    assert len(security.disabled_warnings(none)) == 2 and security.disabled_warnings(_job_with()) == []
 
 
 def _kinds(objects: list[dict[str, Any]]) -> list[str]:
@@ -77,15 +77,15 @@ def _kinds(objects: list[dict[str, Any]]) -> list[str]:
 
 def test_with_a_token_the_raycluster_goes_first_and_the_policy_before_the_secret() -> None:
     access = security.PolicyAccess("ops", {"app": "op"})
-    before, after = security.creation_order(manifests.security_objects(job(), KEY, access))
+    before, after = security.creation_order(manifests.security_objects(_job_with(), KEY, access))
     assert (_kinds(before), _kinds(after)) == ([], ["NetworkPolicy", "Secret"])
-    no_policy = manifests.security_objects(job(security={"networkPolicy": "Disabled"}), KEY, access)
+    no_policy = manifests.security_objects(_job_with(security={"networkPolicy": "Disabled"}), KEY, access)
     assert security.creation_order(no_policy) == ([], no_policy)
 
 
 def test_without_a_token_nothing_holds_the_pods_back_so_the_policy_goes_first() -> None:
     access = security.PolicyAccess("ops", {"app": "op"})
-    open_job = job(security={"rayAuthentication": "Disabled"})
+    open_job = _job_with(security={"rayAuthentication": "Disabled"})
     before, after = security.creation_order(manifests.security_objects(open_job, KEY, access))
     assert (_kinds(before), _kinds(after)) == (["NetworkPolicy"], [])
     assert security.creation_order([]) == ([], [])
@@ -110,7 +110,7 @@ def test_no_container_of_the_jobs_pods_can_start_without_its_secret(example: str
 
 
 def test_the_policy_admits_the_job_the_operator_and_the_scrapers_only() -> None:
-    j = job()
+    j = _job_with()
     port = j.spec.monitoring.metrics_port
     default = security.network_policy(
         j, {"name": "j"}, {"rlhf.dev/job": "j"}, security.PolicyAccess("ops", {"app": "op"})

@@ -12,7 +12,7 @@ from rlhf_operator.actions import StopRayJob, SubmitTrainer
 from rlhf_operator.conditions import iso
 from rlhf_operator.scrape import ScrapedMetrics, parse_metrics
 from rlhf_operator.status import decide, status_patch
-from testkit.status_inputs import NOW, SID, cluster, job, obs, ray
+from testkit.status_inputs import NOW, SID, job, obs, ray, raycluster_in
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def test_unready_cluster_is_provisioning_with_kuberay_reason() -> None:
     failure = [
         {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreateWorkerPod", "message": "quota"}
     ]
-    d = decide(job({"phase": "Provisioning"}), obs(raycluster=cluster(None, conditions=failure)), SID)
+    d = decide(job({"phase": "Provisioning"}), obs(raycluster=raycluster_in(None, conditions=failure)), SID)
     assert d.status["phase"] == "Provisioning"
     assert "FailedCreateWorkerPod" in d.status["message"] and "quota" in d.status["message"]
     assert "submit" not in d.action_kinds
@@ -276,7 +276,7 @@ def test_suspend_stops_the_trainer_and_suspends_the_cluster() -> None:
 
 
 def test_resume_unsuspends_the_cluster() -> None:
-    d = decide(job({"phase": "Suspended"}), obs(raycluster=cluster(None, suspend=True)), SID)
+    d = decide(job({"phase": "Suspended"}), obs(raycluster=raycluster_in(None, suspend=True)), SID)
     assert "suspend_cluster" in d.action_kinds
     # No longer suspended from this round (its condition says so too), though the trainer does not run yet:
     # Provisioning, so the provisioning timeout and the model fetch are followed again (once a resumed job
@@ -294,10 +294,10 @@ def test_a_resumed_job_whose_pods_never_come_back_meets_its_provisioning_timeout
     hours_ago = iso(NOW - timedelta(hours=3))
     st = {"phase": "Suspended", "startTime": hours_ago, "step": 5}
     resuming = decide(
-        job(st, provisioningTimeoutSeconds=120), obs(raycluster=cluster(None, suspend=True)), SID
+        job(st, provisioningTimeoutSeconds=120), obs(raycluster=raycluster_in(None, suspend=True)), SID
     )
     assert resuming.status["phase"] == "Provisioning" and resuming.status["activeSince"] == iso(NOW)
-    unready = cluster(None)
+    unready = raycluster_in(None)
     for seconds, phase in ((119, "Provisioning"), (121, "Failed")):
         later = decide(
             job(resuming.status, provisioningTimeoutSeconds=120),
@@ -313,7 +313,7 @@ def test_a_resumed_job_gets_a_whole_stall_timeout_before_its_first_step() -> Non
     at the first attempt's start or its last step, so its start-up (metrics not served yet) is no stall."""
     hours_ago = iso(NOW - timedelta(hours=3))
     st = {"phase": "Suspended", "startTime": hours_ago, "lastStepTime": hours_ago, "step": 5}
-    resuming = decide(job(st), obs(raycluster=cluster(None, suspend=True)), SID)
+    resuming = decide(job(st), obs(raycluster=raycluster_in(None, suspend=True)), SID)
     assert resuming.status["activeSince"] == iso(NOW), resuming.status
     later = NOW + timedelta(seconds=60)
     d = decide(job(resuming.status), obs(ray_job=ray("RUNNING"), metrics=None, now=later), SID)
@@ -380,7 +380,7 @@ def test_a_running_jobs_lost_cluster_is_recreated_then_the_same_attempt_resubmit
     assert gone.action_kinds == ["create_cluster"]
     assert gone.status["phase"] == "Provisioning"
     assert [(t, r) for t, r, _ in gone.events] == [("Warning", "ClusterRecreated")]
-    unready = decide(job(gone.status), obs(raycluster=cluster(None)), SID)
+    unready = decide(job(gone.status), obs(raycluster=raycluster_in(None)), SID)
     assert unready.status["phase"] == "Provisioning" and unready.action_kinds == []
     ready = decide(job(unready.status), obs(), SID)
     assert ready.actions == (SubmitTrainer(SID),)
@@ -390,7 +390,7 @@ def test_a_running_jobs_lost_cluster_is_recreated_then_the_same_attempt_resubmit
 
 
 def with_head(pod: str | None) -> dict[str, Any]:
-    return cluster(head={"podName": pod} if pod else {})
+    return raycluster_in(head={"podName": pod} if pod else {})
 
 
 def test_the_submitted_attempt_records_its_head_pod() -> None:

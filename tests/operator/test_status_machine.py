@@ -31,12 +31,12 @@ from rlhf_operator.status import PHASE_STEPS, decide
 from testkit.status_inputs import (
     NOW,
     SID,
-    cluster,
     fetch_failed,
     head_pod,
     job,
     obs,
     ray,
+    raycluster_in,
     remote_job,
     running_job,
 )
@@ -53,7 +53,7 @@ def queued(j: RLHFJob) -> RLHFJob:
 
 
 def kueue_cluster(suspend: bool, state: str | None = "ready") -> dict[str, Any]:
-    c = cluster(state, suspend=suspend)
+    c = raycluster_in(state, suspend=suspend)
     c["metadata"]["labels"] = {kueue.QUEUE_LABEL: QUEUE}
     return c
 
@@ -118,13 +118,13 @@ CASES = [
     Case("suspended-resumed-recreates-cluster", "Suspended", "Pending", job({"phase": "Suspended"}),
          {"raycluster": None}, ("create_cluster",)),
     Case("suspended-unsuspends-its-cluster", "Suspended", "Provisioning", job({"phase": "Suspended"}),
-         {"raycluster": cluster(None, suspend=True)}, ("suspend_cluster",)),
+         {"raycluster": raycluster_in(None, suspend=True)}, ("suspend_cluster",)),
     Case("suspended-resumed-submits", "Suspended", "Provisioning", job({"phase": "Suspended"}), {}, ("submit",)),
     Case("suspended-resumed-attempt-runs", "Suspended", "Running", job({"phase": "Suspended"}),
          {"ray_job": ray("RUNNING")}),
     Case("provisioning-deadline-fails", "Provisioning", "Failed",
          job({"phase": "Provisioning", "activeSince": AGO}, activeDeadlineSeconds=60),
-         {"raycluster": cluster(None)}, ("delete_cluster",)),
+         {"raycluster": raycluster_in(None)}, ("delete_cluster",)),
     Case("running-deadline-fails", "Running", "Failed", job(running(activeSince=AGO), activeDeadlineSeconds=60),
          {"ray_job": ray("RUNNING")}, ("stop", "delete_cluster")),
     # Starting: Pending, Provisioning, Restarting.
@@ -132,16 +132,16 @@ CASES = [
     Case("pending-create-backing-off", "Pending", "Pending", job(), {"raycluster": None, "create_backoff": True},
          ("await_create_backoff",)),
     Case("pending-cluster-not-ready", "Pending", "Provisioning", job({"phase": "Pending"}),
-         {"raycluster": cluster(None)}),
+         {"raycluster": raycluster_in(None)}),
     Case("restarting-cluster-not-ready", "Restarting", "Restarting", job({"phase": "Restarting", "restarts": 1}),
-         {"raycluster": cluster(None)}),
+         {"raycluster": raycluster_in(None)}),
     Case("provisioning-timeout-restarts", "Provisioning", "Restarting",
          job({"phase": "Provisioning", "activeSince": AGO}, provisioningTimeoutSeconds=60,
              onProvisioningTimeout="Restart"),
-         {"raycluster": cluster(None)}, ("delete_cluster",)),
+         {"raycluster": raycluster_in(None)}, ("delete_cluster",)),
     Case("provisioning-timeout-fails", "Provisioning", "Failed",
          job({"phase": "Provisioning", "activeSince": AGO}, provisioningTimeoutSeconds=60),
-         {"raycluster": cluster(None)}, ("delete_cluster",)),
+         {"raycluster": raycluster_in(None)}, ("delete_cluster",)),
     Case("pending-submits", "Pending", "Provisioning", job({"phase": "Pending"}), {}, ("submit",)),
     Case("provisioning-dashboard-unreachable", "Provisioning", "Provisioning", job({"phase": "Provisioning"}),
          {"ray_job_error": "connection refused"}),
@@ -162,7 +162,7 @@ CASES = [
     Case("running-cluster-gone-recreated", "Running", "Provisioning", job(running()), {"raycluster": None},
          ("create_cluster",)),
     Case("running-head-lost-restarts", "Running", "Restarting", job(running(headPod="tiny-head-a")),
-         {"raycluster": cluster(head={"podName": "tiny-head-b"})}),
+         {"raycluster": raycluster_in(head={"podName": "tiny-head-b"})}),
     Case("running-ray-job-failed-restarts", "Running", "Restarting", job(running()),
          {"ray_job": ray("FAILED", message="boom")}),
     Case("running-backoff-limit-fails", "Running", "Failed", job(running(restarts=3), backoffLimit=3),
@@ -184,13 +184,13 @@ CASES = [
          {"ray_job": ray("RUNNING"), "metrics": ScrapedMetrics(steps_completed=4, total_steps=20,
                                                                last_step_completed_ts=NOW.timestamp())}),
     Case("stalled-head-lost-restarts", "Stalled", "Restarting", job(running(phase="Stalled", headPod="tiny-head-a")),
-         {"raycluster": cluster(head={})}),
+         {"raycluster": raycluster_in(head={})}),
     Case("stalled-suspended", "Stalled", "Suspended", job(running(phase="Stalled"), suspend=True),
          {"ray_job": ray("RUNNING")}, ("suspend_cluster", "stop")),
     Case("pending-suspended", "Pending", "Suspended", job({"phase": "Pending"}, suspend=True),
-         {"raycluster": cluster(None)}, ("suspend_cluster",)),
+         {"raycluster": raycluster_in(None)}, ("suspend_cluster",)),
     Case("restarting-suspended", "Restarting", "Suspended", job({"phase": "Restarting"}, suspend=True),
-         {"raycluster": cluster(None)}, ("suspend_cluster",)),
+         {"raycluster": raycluster_in(None)}, ("suspend_cluster",)),
     Case("queued-suspended", "Queued", "Suspended", queued(job({"phase": "Queued"}, suspend=True)),
          {"raycluster": kueue_cluster(True, state=None)}, ("delete_cluster",)),
     Case("provisioning-evicted-by-kueue", "Provisioning", "Queued",
@@ -207,10 +207,10 @@ CASES = [
     Case("restarting-timeout-past-backoff-fails", "Restarting", "Failed",
          job({"phase": "Restarting", "restarts": 1, "activeSince": AGO, "lastRestartTime": AGO},
              provisioningTimeoutSeconds=60, onProvisioningTimeout="Restart", backoffLimit=1),
-         {"raycluster": cluster(None)}, ("delete_cluster",)),
+         {"raycluster": raycluster_in(None)}, ("delete_cluster",)),
     Case("pending-timeout-restarts", "Pending", "Restarting",
          job({"phase": "Pending", "activeSince": AGO}, provisioningTimeoutSeconds=60,
-             onProvisioningTimeout="Restart"), {"raycluster": cluster(None)}, ("delete_cluster",)),
+             onProvisioningTimeout="Restart"), {"raycluster": raycluster_in(None)}, ("delete_cluster",)),
     Case("stalled-past-backoff-fails", "Stalled", "Failed",
          running_job("Restart", phase="Stalled", startTime=AGO, restarts=3),
          {"ray_job": ray("RUNNING"), "metrics": stuck()}, ("stop", "delete_cluster")),
@@ -222,10 +222,10 @@ CASES = [
          {"raycluster": None}, ("create_cluster",)),
     # Remote models: the head's fetch step failed for good (tests/operator/test_model_fetch.py).
     Case("provisioning-model-not-found-fails", "Provisioning", "Failed", remote_job({"phase": "Provisioning"}),
-         {"raycluster": cluster("unknown"), "pods": [head_pod(fetch_failed("ModelNotFound"))]}, ("delete_cluster",)),
+         {"raycluster": raycluster_in("unknown"), "pods": [head_pod(fetch_failed("ModelNotFound"))]}, ("delete_cluster",)),
     Case("restarting-credentials-refused-fails", "Restarting", "Failed",
          remote_job({"phase": "Restarting", "restarts": 1}),
-         {"raycluster": cluster(None), "pods": [head_pod(fetch_failed("CredentialsRefused"))]}, ("delete_cluster",)),
+         {"raycluster": raycluster_in(None), "pods": [head_pod(fetch_failed("CredentialsRefused"))]}, ("delete_cluster",)),
 ]  # fmt: skip
 
 
@@ -267,7 +267,7 @@ def test_actions_carry_what_they_act_on() -> None:
     assert d.actions == (SubmitTrainer(SID),)
     stop = decide(job(running(), suspend=True), obs(ray_job=ray("RUNNING")), SID)
     assert stop.actions == (SetClusterSuspend(True), StopRayJob(SID))
-    resumed = decide(job({"phase": "Suspended"}), obs(raycluster=cluster(None, suspend=True)), SID)
+    resumed = decide(job({"phase": "Suspended"}), obs(raycluster=raycluster_in(None, suspend=True)), SID)
     assert resumed.actions == (SetClusterSuspend(False),)
     ttl = decide(job({"phase": "Failed", "completionTime": AGO}, ttlSecondsAfterFinished=0), obs(), SID)
     assert ttl.actions == (DeleteCluster(), DeleteJob())
@@ -283,7 +283,7 @@ def test_a_cluster_patch_in_flight_is_not_sent_again() -> None:
     assert d.action_kinds == ["stop"] and d.status["phase"] == "Suspended"
     back = decide(
         job({"phase": "Suspended"}),
-        obs(raycluster=cluster(None, suspend=True), cluster_patch_pending=True),
+        obs(raycluster=raycluster_in(None, suspend=True), cluster_patch_pending=True),
         SID,
     )
     assert back.actions == ()
@@ -293,7 +293,7 @@ def test_the_engine_plan_is_part_of_the_decision() -> None:
     """A request below minEngines is clamped: spec.rollout.engines is written first, then the rollout
     group follows the clamped count, and the status says so."""
     j = autoscaled(job(running()), minEngines=2, maxEngines=4)
-    d = decide(j, obs(raycluster=with_rollout_group(cluster(), 1), ray_job=ray("RUNNING")), SID)
+    d = decide(j, obs(raycluster=with_rollout_group(raycluster_in(), 1), ray_job=ray("RUNNING")), SID)
     write = d.find(WriteEngines)
     assert write == WriteEngines(requested=1, engines=2, direction="up") and d.actions[0] == write
     scale = d.find(ScaleRolloutGroup)
@@ -317,9 +317,9 @@ def test_desired_engines_is_the_clamped_request_in_rounds_without_the_plan() -> 
 
 def test_the_group_already_at_size_gets_no_patch_and_a_patch_in_flight_none_again() -> None:
     j = job(running(startTime=iso(NOW)))
-    at_size = with_rollout_group(cluster(), j.spec.rollout.replicas())
+    at_size = with_rollout_group(raycluster_in(), j.spec.rollout.replicas())
     assert decide(j, obs(raycluster=at_size, ray_job=ray("RUNNING")), SID).actions == ()
-    short = with_rollout_group(cluster(), 0)
+    short = with_rollout_group(raycluster_in(), 0)
     d = decide(j, obs(raycluster=short, ray_job=ray("RUNNING")), SID)
     assert d.action_kinds == ["scale_rollout"]
     again = decide(j, obs(raycluster=short, ray_job=ray("RUNNING"), cluster_patch_pending=True), SID)
@@ -346,11 +346,11 @@ def test_the_kueue_hold_is_an_input_not_a_veto() -> None:
 
 def test_no_engine_plan_for_a_finishing_job_or_a_deleted_cluster() -> None:
     j = autoscaled(job(running()), minEngines=2, maxEngines=4)
-    done = decide(j, obs(raycluster=with_rollout_group(cluster(), 1), ray_job=ray("SUCCEEDED")), SID)
+    done = decide(j, obs(raycluster=with_rollout_group(raycluster_in(), 1), ray_job=ray("SUCCEEDED")), SID)
     assert done.action_kinds == ["delete_cluster"]
     timeout = autoscaled(
         job({"phase": "Provisioning", "activeSince": AGO}, provisioningTimeoutSeconds=60,
             onProvisioningTimeout="Restart"), minEngines=2, maxEngines=4,
     )  # fmt: skip
-    restarted = decide(timeout, obs(raycluster=with_rollout_group(cluster(None), 1)), SID)
+    restarted = decide(timeout, obs(raycluster=with_rollout_group(raycluster_in(None), 1)), SID)
     assert restarted.action_kinds == ["delete_cluster"]

@@ -23,7 +23,7 @@ NOW = datetime(2026, 11, 28, 4, 0, tzinfo=UTC)
 URL = "http://mlflow:5000/#/experiments/1/runs/abc"
 
 
-def job(tracking: dict[str, object]) -> RLHFJob:
+def _tracked_job(tracking: dict[str, object]) -> RLHFJob:
     doc = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
     doc["metadata"]["namespace"] = "team-a"
     doc["spec"]["tracking"] = tracking
@@ -38,7 +38,7 @@ def env_of(rc: dict[str, object], role: str) -> list[dict[str, object]]:
 
 
 def test_the_head_gets_the_named_secrets_keys_by_reference_and_no_worker_does() -> None:
-    j = job(
+    j = _tracked_job(
         {
             "mlflow": {
                 "trackingUri": "http://mlflow:5000",
@@ -74,7 +74,7 @@ def test_no_tracking_adds_no_env() -> None:
 
 def applied(m: TrainerExporter, tracking: dict[str, object]) -> RLHFJobStatus:
     scraped = parse_metrics(generate_latest(m.registry).decode(), "j")
-    st, _ = apply_metrics(RLHFJobStatus(), job(tracking).spec, scraped, None, NOW)
+    st, _ = apply_metrics(RLHFJobStatus(), _tracked_job(tracking).spec, scraped, None, NOW)
     return st
 
 

@@ -1,12 +1,13 @@
 """The test tree's layout (docs/development.md, "Where a new test goes"): fast tests mirror the packages,
 end-to-end groups live under tests/e2e/, shared helpers in the `testkit` package, no test module imports
-another and nothing edits `sys.path`."""
+another, nothing edits `sys.path`, and each fixture and helper is defined once."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,85 @@ def test_no_test_module_imports_another_and_helpers_are_in_testkit() -> None:
                 if last.startswith("test_") or last == "conftest":
                     offences.append(f"{rel}: imports {name}")
     assert not offences, offences
+
+
+# Public testkit names that several testkit modules define, each for a contract with something outside the
+# module that calls it by that name. `main`: the entry point of a module run as a script (exempt only where the
+# module has an `if __name__ == "__main__":`). `reward`: the reward function the trainer loads from a file as
+# `path/to/<module>.py:reward` (control_reward.py, agent_task.py); the e2e jobs' specs name it so, and the stall
+# diagnosis they assert on quotes it.
+ENTRY_POINTS = {"main", "reward"}
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def _is_fixture(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated by a `fixture` (pytest's, pytest_asyncio's, called or not; not `mark.usefixtures`)."""
+    return any(
+        ast.unparse(d.func if isinstance(d, ast.Call) else d).rsplit(".", 1)[-1] == "fixture"
+        for d in fn.decorator_list
+    )
+
+
+def _runs_as_script(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'" for n in tree.body)
+
+
+def _body(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The function's body, its docstring left out, as ast.dump gives it (no line numbers): equal for a copy."""
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0].value, "value", None), str):
+        body = body[1:]
+    return "\n".join(ast.dump(stmt) for stmt in body)
+
+
+def test_each_fixture_and_helper_is_defined_once() -> None:
+    """Module-level functions across tests/: (a) a fixture name is defined once (a second definition would
+    shadow the first for some tests only); (b) a name means one thing: no function of a test module or a
+    conftest is named (leading underscores aside) as a public function of testkit, and no two testkit
+    modules define the same public name (save ENTRY_POINTS); (c) no function body is in two modules: a
+    helper that two modules need is defined in testkit, once, and imported."""
+    fixtures: defaultdict[str, list[str]] = defaultdict(list)
+    kit: defaultdict[str, list[str]] = defaultdict(list)
+    kit_entry_points: set[str] = set()
+    local: list[tuple[str, str]] = []  # (where, its name without leading underscores)
+    bodies: defaultdict[str, list[tuple[Path, str]]] = defaultdict(list)
+    for path in _modules():
+        rel = path.relative_to(TESTS)
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in _functions(tree):
+            where = f"{rel}: {fn.name}"
+            if _is_fixture(fn):
+                fixtures[fn.name].append(where)
+            if rel.parts[0] != "testkit":
+                local.append((where, fn.name.lstrip("_")))
+            elif not fn.name.startswith("_"):
+                kit[fn.name].append(where)
+                if fn.name in ENTRY_POINTS and (fn.name != "main" or _runs_as_script(tree)):
+                    kit_entry_points.add(where)
+            if body := _body(fn):
+                bodies[body].append((rel, where))
+    offences = [
+        f"{w} (a fixture defined {len(ws)} times)" for ws in fixtures.values() if len(ws) > 1 for w in ws
+    ]
+    offences += [
+        f"{where} (testkit defines {name}: {', '.join(kit[name])})" for where, name in local if name in kit
+    ]
+    offences += [
+        f"{w} (a public testkit name {len(ws)} testkit modules define)"
+        for ws in kit.values()
+        if len(ws) > 1 and not set(ws) <= kit_entry_points
+        for w in ws
+    ]
+    offences += [
+        f"{where} (the same body as {', '.join(w for m, w in defs if m != rel)})"
+        for defs in bodies.values()
+        if len({m for m, _ in defs}) > 1
+        for rel, where in defs
+    ]
+    assert not offences, "defined more than once:\n" + "\n".join(offences)
 
 
 def test_nothing_edits_sys_path() -> None:

@@ -142,7 +142,3 @@ def io_spec(src: Sources, tracking_uri: str) -> dict[str, dict[str, Any]]:
         },
         "checkpoint": {"exportTo": src.export},
     }
-
-
-def condition(st: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in st.get("conditions") or [] if c.get("type") == kind), {})

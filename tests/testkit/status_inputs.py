@@ -42,7 +42,8 @@ def running_job(on_stall: str, snapshot: int = 0, **status: Any) -> RLHFJob:
     return RLHFJob.model_validate(doc)
 
 
-def cluster(state: str | None = "ready", suspend: bool = False, **status: Any) -> dict[str, Any]:
+def raycluster_in(state: str | None = "ready", suspend: bool = False, **status: Any) -> dict[str, Any]:
+    """The job's RayCluster in `state` (None: none yet), suspended or not; `status` adds to its status."""
     st: dict[str, Any] = dict(status)
     if state:
         st["state"] = state
@@ -54,7 +55,7 @@ def ray(status: str, sid: str = SID, message: str = "", exit_code: int | None = 
 
 
 def obs(**kw: Any) -> Observed:
-    kw.setdefault("raycluster", cluster())
+    kw.setdefault("raycluster", raycluster_in())
     return Observed(now=kw.pop("now", NOW), uid="0123abcd-ffff", **kw)
 
 

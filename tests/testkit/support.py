@@ -324,6 +324,12 @@ def rollout_group_replicas(raycluster: dict[str, Any]) -> int | None:
     return None
 
 
+def rollout_replicas(cluster: Cluster, ns: str, name: str) -> int | None:
+    """The replicas of the RayCluster `name`'s `rollout` worker group (None without the RayCluster or group)."""
+    rc = cluster.get("raycluster", name, ns)
+    return rollout_group_replicas(rc) if rc else None
+
+
 # Arms the trainer's start-up fault (rlhf_trainer.faults): every attempt fails at once, exiting 1 like a
 # crash, so the operator restarts it. The tests' fast restartable failure (spec.pods.env).
 START_FAULT = {"name": "RLHF_TRAINER_FAULTS", "value": "start@0"}
@@ -691,6 +697,11 @@ def phase_is(cluster: Cluster, ns: str, name: str, *phases: str) -> dict[str, An
     """The job's status when its phase is one of `phases`, else None (for wait_for)."""
     st = job_status(cluster, ns, name)
     return st if st.get("phase") in phases else None
+
+
+def condition(st: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The condition of type `kind` in the status `st` ({} when it has none)."""
+    return next((c for c in st.get("conditions") or [] if c.get("type") == kind), {})
 
 
 def events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:

@@ -37,17 +37,17 @@ def sandbox() -> Any:
     return next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(CODE_EXEC))
 
 
-def run(sandbox: Any, code: str, **limits: Any) -> Any:
+def _run_code(sandbox: Any, code: str, **limits: Any) -> Any:
     return sandbox.run_python(code, sandbox.SandboxLimits(**{**QUICK, **limits}))
 
 
 def test_it_runs_a_program_and_returns_its_output(sandbox: Any) -> None:
-    r = run(sandbox, "import math\nprint(sum(range(10)), math.factorial(5))\nprint('done')")
+    r = _run_code(sandbox, "import math\nprint(sum(range(10)), math.factorial(5))\nprint('done')")
     assert (r.output, r.exit_code, r.killed, r.truncated) == ("45 120\ndone\n", 0, "", False)
 
 
 def test_a_failing_program_shows_its_traceback_and_exit_status(sandbox: Any) -> None:
-    r = run(sandbox, "print('before')\n1 / 0")
+    r = _run_code(sandbox, "print('before')\n1 / 0")
     assert r.exit_code == 1 and not r.killed
     assert r.output.startswith("before\nTraceback") and 'File "main.py", line 2' in r.output
     assert "ZeroDivisionError" in r.output and "code_exec.py" not in r.output  # only the program's frames
@@ -55,17 +55,17 @@ def test_a_failing_program_shows_its_traceback_and_exit_status(sandbox: Any) -> 
 
 
 def test_output_is_cut_at_output_bytes(sandbox: Any) -> None:
-    r = run(sandbox, "print('x' * 100_000)", output_bytes=64)
+    r = _run_code(sandbox, "print('x' * 100_000)", output_bytes=64)
     assert r.output == "x" * 64 and r.truncated and r.exit_code == 0
 
 
 def test_an_infinite_loop_is_killed_by_the_cpu_limit(sandbox: Any) -> None:
-    r = run(sandbox, "while True:\n    pass", wall_seconds=60.0)
+    r = _run_code(sandbox, "while True:\n    pass", wall_seconds=60.0)
     assert (r.exit_code, r.killed) == (None, "CPU time")  # 1 s of CPU, long before the wall limit
 
 
 def test_a_sleeping_program_is_killed_by_the_wall_limit_with_its_children(sandbox: Any) -> None:
-    r = run(sandbox, "import time\nprint('started', flush=True)\ntime.sleep(60)", wall_seconds=3.0)
+    r = _run_code(sandbox, "import time\nprint('started', flush=True)\ntime.sleep(60)", wall_seconds=3.0)
     assert (r.exit_code, r.killed, r.output) == (None, "wall time", "started\n")
     assert 3.0 <= r.seconds < 10
 
@@ -81,7 +81,7 @@ def test_a_sleeping_program_is_killed_by_the_wall_limit_with_its_children(sandbo
 )
 def test_memory_bombs_are_refused(sandbox: Any, bomb: str) -> None:
     """The address-space limit (256 MiB here) refuses the allocation: MemoryError, before the CPU limit."""
-    r = run(sandbox, f"{bomb}\nprint('allocated')", memory_mib=256)
+    r = _run_code(sandbox, f"{bomb}\nprint('allocated')", memory_mib=256)
     assert "allocated" not in r.output and r.exit_code == 1 and "MemoryError" in r.output, r
 
 
@@ -96,7 +96,7 @@ for pid in (os.getppid(), 1):
     except OSError as e:
         print("refused", type(e).__name__)
 """
-    r = run(sandbox, probe)
+    r = _run_code(sandbox, probe)
     assert r.exit_code == 0, r.output
     assert "hunter2" not in r.output and "RLHF_SANDBOX_SECRET" not in r.output
     assert r.output.splitlines() == ["['LC_CTYPE']", "refused PermissionError", "refused PermissionError"]
@@ -123,7 +123,7 @@ attempt("signal", lambda: os.kill(os.getppid(), 0))
 attempt("tcp", lambda: socket.create_connection(("127.0.0.1", 9), timeout=1))
 attempt("own", lambda: open("scratch.txt", "w").write("mine"))
 """
-        r = run(sandbox, probe)
+        r = _run_code(sandbox, probe)
     lines = r.output.splitlines()
     assert lines == [
         "fd refused",
@@ -151,13 +151,13 @@ try:
 except OSError as e:
     print("file refused", e.errno)
 """
-    r = run(sandbox, probe, file_mib=1)
+    r = _run_code(sandbox, probe, file_mib=1)
     assert r.output.splitlines() == ["kept", "file refused 27"], r.output  # EFBIG
 
 
 def test_the_working_directory_is_fresh_and_removed(sandbox: Any) -> None:
-    first = run(sandbox, "import os\nopen('left.txt', 'w').write('x')\nprint(os.getcwd())")
-    second = run(sandbox, "import os\nprint(os.getcwd(), os.listdir('.'))")
+    first = _run_code(sandbox, "import os\nopen('left.txt', 'w').write('x')\nprint(os.getcwd())")
+    second = _run_code(sandbox, "import os\nprint(os.getcwd(), os.listdir('.'))")
     workdir = Path(first.output.strip())
     assert workdir.name.startswith("rlhf-sandbox-") and not workdir.exists()
     assert second.output.split()[1] == "['main.py']" and second.output.split()[0] != str(workdir)

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.unit
 SAMPLING = SamplingParams(max_tokens=16)
 
 
-def _jobs(n: int) -> list[EpisodeJob]:
+def _episode_jobs(n: int) -> list[EpisodeJob]:
     return [EpisodeJob(i, {"prompt": f"p{i}", "i": i}, [i + 100]) for i in range(n)]
 
 
@@ -60,7 +60,7 @@ def test_a_long_episode_does_not_hold_the_others_back() -> None:
     engines = [ScriptedEngineClient(lambda ids, _p: ([1], delays[ids[0]])) for _ in range(2)]
     d = EpisodeDispatcher[EpisodeJob, Trajectory](engines, per_engine=1)
     t0 = time.perf_counter()
-    out = _rollout(single_turn, _jobs(9), engines, dispatcher=d)
+    out = _rollout(single_turn, _episode_jobs(9), engines, dispatcher=d)
     elapsed = time.perf_counter() - t0
     assert [t.end_reason for t in out] == ["done"] * 9
     assert d.record.engine_of == [0] + [1] * 8, d.record
@@ -70,7 +70,7 @@ def test_a_long_episode_does_not_hold_the_others_back() -> None:
 def test_each_engine_runs_at_most_its_cap_at_once_and_is_kept_full() -> None:
     engines = [ScriptedEngineClient(text_reply("ab", 0.02)) for _ in range(2)]
     d = EpisodeDispatcher[EpisodeJob, Trajectory](engines, per_engine=3)
-    out = _rollout(single_turn, _jobs(20), engines, dispatcher=d)
+    out = _rollout(single_turn, _episode_jobs(20), engines, dispatcher=d)
     assert len(out) == 20
     assert [e.peak for e in engines] == [3, 3]
     assert d.record.peak_in_flight == [3, 3]
@@ -80,7 +80,7 @@ def test_each_engine_runs_at_most_its_cap_at_once_and_is_kept_full() -> None:
 
 def test_results_come_back_in_job_order_whatever_finishes_first() -> None:
     engines = [ScriptedEngineClient(lambda ids, _p: ([ids[0]], 0.01 * (130 - ids[0]) / 10))]
-    out = _rollout(single_turn, _jobs(12), engines, per_engine=12)
+    out = _rollout(single_turn, _episode_jobs(12), engines, per_engine=12)
     assert [t.prompt_ids[0] for t in out] == list(range(100, 112))
     assert [t.token_ids for t in out] == [[i] for i in range(100, 112)]
 
@@ -107,7 +107,7 @@ def test_a_hanging_tool_times_out_ends_its_episode_with_the_reason_and_the_step_
     engines = [ScriptedEngineClient(text_reply("ok", 0.01))]
     t0 = time.perf_counter()
     try:
-        out = _rollout(_tool_agent(hangs), _jobs(4), engines, tool_timeout=0.3)
+        out = _rollout(_tool_agent(hangs), _episode_jobs(4), engines, tool_timeout=0.3)
     finally:
         release.set()
     assert time.perf_counter() - t0 < 3.0
@@ -125,7 +125,7 @@ def test_a_raising_tool_ends_its_episode_with_the_error_and_the_step_goes_on() -
     def broken() -> str:
         raise KeyError("no such city")
 
-    out = _rollout(_tool_agent(broken), _jobs(3), [ScriptedEngineClient(text_reply("ok"))])
+    out = _rollout(_tool_agent(broken), _episode_jobs(3), [ScriptedEngineClient(text_reply("ok"))])
     assert out[0].end_reason == "tool_error"
     assert "KeyError" in out[0].detail and "no such city" in out[0].detail
     assert out[0].tool_errors == 1
@@ -138,7 +138,7 @@ def test_a_working_tool_is_timed_and_its_tokens_are_masked_out() -> None:
         time.sleep(0.05)
         return 42
 
-    out = _rollout(_tool_agent(slow_ok), _jobs(1), [ScriptedEngineClient(text_reply("ok"))])
+    out = _rollout(_tool_agent(slow_ok), _episode_jobs(1), [ScriptedEngineClient(text_reply("ok"))])
     t = out[0]
     assert t.end_reason == "done" and t.reward == 1.0 and t.tool_calls == 1 and t.tool_errors == 0
     assert t.tool_seconds >= 0.05
@@ -154,9 +154,9 @@ def test_limits_end_an_episode_with_their_reason() -> None:
             episode.append_text("t")
 
     engines = [ScriptedEngineClient(text_reply("abc"))]
-    turns = _rollout(forever, _jobs(1), engines, limits=Limits(max_turns=3, max_tokens=100))[0]
+    turns = _rollout(forever, _episode_jobs(1), engines, limits=Limits(max_turns=3, max_tokens=100))[0]
     assert (turns.end_reason, turns.turns, len(turns.token_ids)) == ("max_turns", 3, 12)
-    budget = _rollout(forever, _jobs(1), engines, limits=Limits(max_turns=10, max_tokens=10))[0]
+    budget = _rollout(forever, _episode_jobs(1), engines, limits=Limits(max_turns=10, max_tokens=10))[0]
     assert budget.end_reason == "token_budget"
     assert len(budget.token_ids) == 10  # 3 + 1 + 3 + 1 + a turn capped at the 2 tokens left
     assert budget.loss_mask == [1, 1, 1, 0, 1, 1, 1, 0, 1, 1]
@@ -169,7 +169,7 @@ def test_an_agent_error_marks_its_episode_invalid_but_an_engine_failure_fails_th
             raise ZeroDivisionError("agent bug")
         return episode.finish()
 
-    out = _rollout(buggy, _jobs(3), [ScriptedEngineClient(text_reply("x"))])
+    out = _rollout(buggy, _episode_jobs(3), [ScriptedEngineClient(text_reply("x"))])
     assert [(t.end_reason, t.valid) for t in out] == [("done", True), ("agent_error", False), ("done", True)]
     assert "agent bug" in out[1].detail
 
@@ -177,7 +177,7 @@ def test_an_agent_error_marks_its_episode_invalid_but_an_engine_failure_fails_th
         raise EngineFailure("engine 0: RayActorError")
 
     with pytest.raises(EngineFailure, match="RayActorError"):
-        _rollout(single_turn, _jobs(3), [ScriptedEngineClient(lost)])
+        _rollout(single_turn, _episode_jobs(3), [ScriptedEngineClient(lost)])
 
 
 class _SimulatedVLLM:

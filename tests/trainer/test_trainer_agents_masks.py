@@ -156,7 +156,7 @@ def _train_ranks(rank: int, port: int, lm: str, critic: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def mask_steps(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("masks")
     critic = tiny_critic(tiny_model / "model", out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -172,15 +172,15 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("mode", AGGREGATIONS)
 def test_tool_tokens_get_exactly_zero_gradient_in_the_policy_loss(
-    trained: dict[str, Any], packing: bool, mode: str
+    mask_steps: dict[str, Any], packing: bool, mode: str
 ) -> None:
     """Clipped surrogate with the rollout correction, the KL loss and the entropy bonus: the tool positions'
     advantages and log-probs change nothing, bit for bit; without the mask they would."""
-    a, b = trained[f"actor/{packing}/{mode}/a"], trained[f"actor/{packing}/{mode}/b"]
+    a, b = mask_steps[f"actor/{packing}/{mode}/a"], mask_steps[f"actor/{packing}/{mode}/b"]
     assert len(a) > 10, "every weight must have a gradient"
     assert _same(a, b), "what the tool positions hold changed the actor's gradient"
-    assert not _same(b, trained[f"actor/{packing}/{mode}/unmasked"]), "the loss mask changed nothing"
-    sa, sb = trained[f"actor_stats/{packing}/{mode}/a"], trained[f"actor_stats/{packing}/{mode}/b"]
+    assert not _same(b, mask_steps[f"actor/{packing}/{mode}/unmasked"]), "the loss mask changed nothing"
+    sa, sb = mask_steps[f"actor_stats/{packing}/{mode}/a"], mask_steps[f"actor_stats/{packing}/{mode}/b"]
     for key in (
         "policy_loss",
         "kl",
@@ -193,18 +193,18 @@ def test_tool_tokens_get_exactly_zero_gradient_in_the_policy_loss(
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_the_policy_loss_is_normalised_by_the_model_tokens(trained: dict[str, Any], packing: bool) -> None:
-    adv, mask = trained["adv"], _rollout().model_mask() > 0
-    assert trained[f"plain/{packing}"] == pytest.approx(-float(adv[mask].mean()), rel=1e-5)
+def test_the_policy_loss_is_normalised_by_the_model_tokens(mask_steps: dict[str, Any], packing: bool) -> None:
+    adv, mask = mask_steps["adv"], _rollout().model_mask() > 0
+    assert mask_steps[f"plain/{packing}"] == pytest.approx(-float(adv[mask].mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_tool_tokens_get_exactly_zero_gradient_in_the_value_loss(
-    trained: dict[str, Any], packing: bool
+    mask_steps: dict[str, Any], packing: bool
 ) -> None:
-    a, b = trained[f"critic/{packing}/a"], trained[f"critic/{packing}/b"]
+    a, b = mask_steps[f"critic/{packing}/a"], mask_steps[f"critic/{packing}/b"]
     assert len(a) > 10 and _same(a, b), "what the tool positions hold changed the critic's gradient"
-    assert not _same(b, trained[f"critic/{packing}/unmasked"])
+    assert not _same(b, mask_steps[f"critic/{packing}/unmasked"])
 
 
 # ---- advantages ---------------------------------------------------------------------------------------

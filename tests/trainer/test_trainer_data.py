@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.server
 import json
 import re
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from rlhf_trainer import data as data_mod
 from rlhf_trainer.data import DatasetError, DatasetUnavailable, EvalPrompts, PromptDataset
+from testkit.support import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -266,12 +266,6 @@ def test_preflight_refuses_chat_prompts_when_the_actor_has_no_chat_template(tmp_
 # fails and the operator restarts it; the request's (no such object, refused keys) stays a DatasetError.
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _point_s3_at(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoint: str) -> None:
     """The pod's S3 variables (spec.storage.s3's Secret) aimed at `endpoint`: one attempt per request,
     no config file, no proxy, no instance metadata, so that a failure comes back at once."""
@@ -342,7 +336,7 @@ def test_an_unreachable_store_is_unavailable_not_a_dataset_error(
 ) -> None:
     """Nothing listens at the endpoint: the JSONL prompts and the Parquet eval split each fail as
     DatasetUnavailable (not a ValueError), naming the field and the URL."""
-    _point_s3_at(monkeypatch, tmp_path, f"http://127.0.0.1:{_free_port()}")
+    _point_s3_at(monkeypatch, tmp_path, f"http://127.0.0.1:{free_port()}")
     with pytest.raises(DatasetUnavailable) as e:
         PromptDataset("s3://bucket/p.jsonl", "prompt", None, seed=0)
     assert not isinstance(e.value, ValueError)
@@ -406,7 +400,7 @@ def test_the_driver_exits_1_on_an_unreachable_store_and_2_on_a_missing_object(
     assert driver.main(spec_json) == INPUT_ERROR_EXIT_CODE == 2
     assert f"error: spec.data.prompts {url}: no such object" in capsys.readouterr().err
 
-    _point_s3_at(monkeypatch, tmp_path, f"http://127.0.0.1:{_free_port()}")
+    _point_s3_at(monkeypatch, tmp_path, f"http://127.0.0.1:{free_port()}")
     assert driver.main(spec_json) == 1
     err = capsys.readouterr().err
     assert f"error: DatasetUnavailable: data.prompts {url}: cannot reach the object store: " in err, err

@@ -71,7 +71,7 @@ def _first_step_grads(model: Any) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> None:
+def _dp_rank(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})  # fmt: skip
     torch.set_num_threads(1)
@@ -173,7 +173,7 @@ def _run(rank: int, world: int, port: int, lm: str, critic: str, out: str) -> No
 
 
 def _spawn(world: int, *args: str) -> None:
-    run_ranks(_run, world, (world, free_port(), *args), timeout=300)
+    run_ranks(_dp_rank, world, (world, free_port(), *args), timeout=300)
 
 
 @pytest.fixture(scope="module")

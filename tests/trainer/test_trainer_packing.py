@@ -266,7 +266,7 @@ LENS = [(6, 60), (9, 3), (4, 5), (7, 2), (3, 41), (5, 4)]  # (prompt, response):
 VALID = [True, True, False, True, True, True]
 
 
-def _run(rank: int, port: int, lm: str, critic: str, out: str) -> None:
+def _packing_rank(rank: int, port: int, lm: str, critic: str, out: str) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
                        "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})  # fmt: skip
     torch.set_num_threads(1)
@@ -326,17 +326,17 @@ def _run(rank: int, port: int, lm: str, critic: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def packing_steps(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("packing")
     critic = tiny_critic(tiny_model / "model", out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run_ranks(_run, 1, (free_port(), str(tiny_model / "model"), str(critic), str(out)), timeout=300)
+    run_ranks(_packing_rank, 1, (free_port(), str(tiny_model / "model"), str(critic), str(out)), timeout=300)
     res: dict[str, Any] = torch.load(out / "packing.pt")
     return res
 
 
-def test_packed_training_on_zero3_matches_the_padded_step(trained: dict[str, Any]) -> None:
-    padded, packed = trained["packing=False"], trained["packing=True"]
+def test_packed_training_on_zero3_matches_the_padded_step(packing_steps: dict[str, Any]) -> None:
+    padded, packed = packing_steps["packing=False"], packing_steps["packing=True"]
     assert packed["on"] == (True, True) and padded["on"] == (False, False)
     total = sum(p + n for p, n in LENS)
     # packed: the rows hold every token once (3 old-log-prob + 6 training forwards), in fewer positions

@@ -47,7 +47,7 @@ def stand_in(tmp_path: Path) -> Iterator[tuple[Path, str, list[subprocess.Popen[
         p.wait()
 
 
-def start(
+def _start_stand_in(
     stand_in: tuple[Path, str, list[subprocess.Popen[bytes]]], tmp: Path, mode: str, delay: float
 ) -> tuple[subprocess.Popen[bytes], Path]:
     script, job, procs = stand_in
@@ -76,7 +76,7 @@ def hook(job: str, budget: float) -> tuple[subprocess.CompletedProcess[str], flo
 def test_the_hook_signals_the_driver_and_waits_until_it_exited(
     stand_in: tuple[Path, str, list[subprocess.Popen[bytes]]], tmp_path: Path
 ) -> None:
-    proc, done = start(stand_in, tmp_path, "trap", delay=1.0)
+    proc, done = _start_stand_in(stand_in, tmp_path, "trap", delay=1.0)
     job = stand_in[1]
     assert proc.pid in find_drivers()  # found by the hook's own search, unfiltered (nothing is signalled)
     assert list(find_drivers(job=job)) == [proc.pid]
@@ -93,7 +93,7 @@ def test_the_hook_signals_the_driver_and_waits_until_it_exited(
 def test_the_hook_returns_within_its_budget_when_the_driver_ignores_sigterm(
     stand_in: tuple[Path, str, list[subprocess.Popen[bytes]]], tmp_path: Path
 ) -> None:
-    proc, done = start(stand_in, tmp_path, "ignore", delay=0.0)
+    proc, done = _start_stand_in(stand_in, tmp_path, "ignore", delay=0.0)
     out, seconds = hook(stand_in[1], budget=2)
     assert out.returncode == 0, out.stderr
     assert 2 <= seconds < 2 + 5, seconds  # the budget, plus the interpreter's start

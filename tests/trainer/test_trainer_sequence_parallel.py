@@ -68,7 +68,7 @@ def _ppo_loss_and_grads(model: Any, rollout: Any, sp: Any, old: torch.Tensor, ad
     return loss_sum.detach() / denom, grads
 
 
-def _run(rank: int, port: int, lm_dir: str, critic_dir: str, out_dir: str) -> None:
+def _sp_rank(rank: int, port: int, lm_dir: str, critic_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -151,7 +151,7 @@ def test_sp2_matches_sp1_logprobs_values_loss_and_gradients(
 ) -> None:
     args = (free_port(), str(tiny_model / "model"), str(critic_dir), str(tmp_path))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run_ranks(_run, WORLD, args, timeout=120)
+    run_ranks(_sp_rank, WORLD, args, timeout=120)
     for rank in range(WORLD):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["a2a_forward_exact"], f"rank {rank}: all-to-all did not deliver each rank's head block"

@@ -31,7 +31,7 @@ def _params() -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(rank: int, wire: dict[str, Any], shm_dir: str, results: Any) -> None:
+def _channel_rank(rank: int, wire: dict[str, Any], shm_dir: str, results: Any) -> None:
     import os
 
     os.environ["RLHF_SHM_DIR"] = shm_dir
@@ -62,7 +62,7 @@ def _run(rank: int, wire: dict[str, Any], shm_dir: str, results: Any) -> None:
 def test_every_engine_receives_every_tensor_bit_for_bit(backend: str, tmp_path: Path) -> None:
     wire = Rendezvous(backend, "127.0.0.1", free_port(), WORLD, f"t-{backend}").to_wire()
     results = rank_context().Queue()
-    run_ranks(_run, WORLD, (wire, str(tmp_path), results), timeout=120)
+    run_ranks(_channel_rank, WORLD, (wire, str(tmp_path), results), timeout=120)
     got = sorted(results.get(timeout=5) for _ in range(WORLD))
     n_buckets = got[0][1]
     assert n_buckets > 4, "the plan should span several buckets of both dtypes"

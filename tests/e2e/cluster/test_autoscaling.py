@@ -29,17 +29,12 @@ from testkit.support import (
     example_job,
     free_port,
     job_status,
-    rollout_group_replicas,
+    rollout_replicas,
     submit_standin_trainer,
     wait_for,
 )
 
 pytestmark = pytest.mark.cluster
-
-
-def rollout_replicas(cluster: Cluster, ns: str, name: str) -> int | None:
-    rc = cluster.get("raycluster", name, ns)
-    return rollout_group_replicas(rc) if rc else None
 
 
 def event_with(cluster: Cluster, ns: str, name: str, reason: str, text: str = "") -> dict[str, Any] | None:
@@ -49,7 +44,7 @@ def event_with(cluster: Cluster, ns: str, name: str, reason: str, text: str = ""
     )
 
 
-def condition(cluster: Cluster, ns: str, name: str, ctype: str) -> dict[str, Any] | None:
+def _job_condition(cluster: Cluster, ns: str, name: str, ctype: str) -> dict[str, Any] | None:
     conds = job_status(cluster, ns, name).get("conditions", [])
     return next((c for c in conds if c.get("type") == ctype), None)
 
@@ -146,7 +141,9 @@ def test_kubectl_scale_drives_the_rollout_group_and_out_of_range_is_clamped(
 
         # The fourth worker cannot be placed: the job keeps running and a condition says why.
         pending = wait_for(
-            lambda: (c := condition(cluster, ns, "scaled", "EnginesPending")) and c["status"] == "True" and c,
+            lambda: (
+                (c := _job_condition(cluster, ns, "scaled", "EnginesPending")) and c["status"] == "True" and c
+            ),
             60,
             "EnginesPending=True",
         )
@@ -159,7 +156,9 @@ def test_kubectl_scale_drives_the_rollout_group_and_out_of_range_is_clamped(
         scale(cluster, ns, "scaled", 1)
         cleared = wait_for(
             lambda: (
-                (c := condition(cluster, ns, "scaled", "EnginesPending")) and c["status"] == "False" and c
+                (c := _job_condition(cluster, ns, "scaled", "EnginesPending"))
+                and c["status"] == "False"
+                and c
             ),
             60,
             "EnginesPending=False",

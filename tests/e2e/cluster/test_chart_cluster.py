@@ -358,7 +358,7 @@ def audit_log(cluster: Cluster) -> Path:
     return audit
 
 
-def audited_writes(cluster: Cluster, username: str, since: int) -> list[dict[str, Any]]:
+def _audited_events_of_user(cluster: Cluster, username: str, since: int) -> list[dict[str, Any]]:
     """The API server's audit events of one user from byte `since` of its log (the policy records writes)."""
     audit = audit_log(cluster)
     with audit.open("rb") as f:
@@ -451,7 +451,9 @@ def test_the_operator_runs_with_its_service_account(cluster: Cluster, namespace:
             )
             assert events
             wait_for(
-                lambda: audited_writes(cluster, username, audit_start), 60, f"audited writes by {username}"
+                lambda: _audited_events_of_user(cluster, username, audit_start),
+                60,
+                f"audited writes by {username}",
             )
             assert proc.poll() is None, f"the operator exited:\n{log.read_text()[-3000:]}"
             assert healthy(port)
@@ -459,7 +461,7 @@ def test_the_operator_runs_with_its_service_account(cluster: Cluster, namespace:
             assert "Timer 'reconcile' succeeded" in log.read_text(), log.read_text()[-3000:]
 
         # Every write of the operator's ServiceAccount, as the API server recorded it.
-        writes = audited_writes(cluster, username, audit_start)
+        writes = _audited_events_of_user(cluster, username, audit_start)
         refused = [
             f"{e['verb']} {e['objectRef'].get('resource')}/{e['objectRef'].get('subresource', '')}"
             for e in writes

@@ -39,7 +39,7 @@ PHASES = [
 ]
 
 
-def failing_job(name: str, suspend: bool) -> dict[str, Any]:
+def _unretried_failing_job(name: str, suspend: bool) -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "rlhfjob-tiny.yaml").read_text())
     doc["metadata"] = {"name": name}
     doc["spec"].setdefault("pods", {})["env"] = [START_FAULT]
@@ -89,8 +89,8 @@ def test_operator_metrics_follow_each_job_phase_count_jobs_and_drop_deleted_jobs
     operator.start(RLHF_OPERATOR_METRICS_PORT=str(port))
     scraper = MetricsWatcher(f"http://127.0.0.1:{port}/metrics", interval=0.2)
     try:
-        cluster.apply(failing_job("watched", suspend=True), namespace)
-        cluster.apply(failing_job("bystander", suspend=True), namespace)
+        cluster.apply(_unretried_failing_job("watched", suspend=True), namespace)
+        cluster.apply(_unretried_failing_job("bystander", suspend=True), namespace)
         wait_for(
             lambda: (
                 (

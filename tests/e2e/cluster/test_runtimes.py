@@ -84,7 +84,7 @@ def job_on(
     return example_job(name, **{"spec.runtimeRef": {"kind": kind, "name": runtime_name}, **overrides})
 
 
-def pods_by_role(cluster: Cluster, namespace: str, job: str) -> dict[str, dict[str, Any]]:
+def _one_pod_per_role(cluster: Cluster, namespace: str, job: str) -> dict[str, dict[str, Any]]:
     """One pod of each role of `job` (head, trainer, rollout), once all three exist."""
     out: dict[str, dict[str, Any]] = {}
     for pod in cluster.list("pods", namespace, selector=f"ray.io/cluster={job}"):
@@ -107,7 +107,7 @@ def test_pods_carry_the_runtime_and_an_edit_reaches_new_jobs_only(
     cluster.apply(runtime(runtime_name, team="a"))
     cluster.apply(job_on("first", runtime_name), namespace)
     pods = wait_for(
-        lambda: pods_by_role(cluster, namespace, "first"), 60, "first's head, trainer and rollout pods"
+        lambda: _one_pod_per_role(cluster, namespace, "first"), 60, "first's head, trainer and rollout pods"
     )
     st = wait_for(lambda: bound_status(cluster, namespace, "first"), 30, "first's status.runtime")
     assert st["runtime"] == {
@@ -160,12 +160,12 @@ def test_pods_carry_the_runtime_and_an_edit_reaches_new_jobs_only(
     edited = cluster.get("clusterrlhfruntime", runtime_name)
     assert edited is not None and edited["metadata"]["generation"] == 2
     cluster.apply(job_on("second", runtime_name), namespace)
-    second = wait_for(lambda: pods_by_role(cluster, namespace, "second"), 60, "second's pods")
+    second = wait_for(lambda: _one_pod_per_role(cluster, namespace, "second"), 60, "second's pods")
     assert {p["metadata"]["labels"]["team"] for p in second.values()} == {"b"}
     st2 = wait_for(lambda: bound_status(cluster, namespace, "second"), 30, "second's status.runtime")
     assert st2["runtime"]["generation"] == 2
     time.sleep(3)  # several reconcile rounds (1 s each) of the first job after the edit
-    after = pods_by_role(cluster, namespace, "first")
+    after = _one_pod_per_role(cluster, namespace, "first")
     assert {
         role: (p["metadata"]["uid"], p["metadata"]["labels"]["team"]) for role, p in after.items()
     } == before

@@ -43,7 +43,7 @@ def stalled_condition(st: dict[str, Any]) -> dict[str, Any] | None:
     )
 
 
-def events(cluster: Cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
+def _job_events_with_reason(cluster: Cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
     return [
         e
         for e in cluster.list("events", namespace)
@@ -121,7 +121,8 @@ def test_each_stall_names_who_is_stuck_where_and_a_restart_waits_for_it(
         assert "; stacks: " in cond["message"] and f"stallTimeoutSeconds={STALL}" in cond["message"]
         assert st["phase"] == "Stalled" and st.get("restarts", 0) == 0  # Alert: the trainer keeps running
         assert any(
-            "reward scorer in `reward`" in e["message"] for e in events(cluster, namespace, "StallDiagnosed")
+            "reward scorer in `reward`" in e["message"]
+            for e in _job_events_with_reason(cluster, namespace, "StallDiagnosed")
         )
         assert st["openStall"]["step"] == 0 and st["diagnosis"]["stallSince"] == st["openStall"]["since"], st
         first_since = st["diagnosis"]["stallSince"]

@@ -58,14 +58,14 @@ def sample(m: TrainerExporter, name: str, sink: str) -> float:
     return m.registry.get_sample_value(name, {"rlhfjob": "job-a", "sink": sink}) or 0.0
 
 
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+def _wait_until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
 
-def mlflow_run(url: str, experiment: str) -> Any:
+def _tagged_mlflow_run(url: str, experiment: str) -> Any:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=url)
@@ -88,7 +88,7 @@ def test_mlflow_sink_logs_step_metrics_phase_timings_config_and_samples(
     for step in (1, 2, 3):
         tracker.step(step, report(step), ROWS if tracker.samples_due(step) else None)
     tracker.close(60)
-    client, exp_id, run = mlflow_run(mlflow_server.url, "sinks")
+    client, exp_id, run = _tagged_mlflow_run(mlflow_server.url, "sinks")
     rid = run.info.run_id
     assert [(x.step, round(x.value, 3)) for x in client.get_metric_history(rid, "reward_mean")] == [
         (1, 0.1),
@@ -124,7 +124,7 @@ def test_mlflow_stopped_mid_run_never_holds_a_step_and_the_sink_resumes_after_a_
         tracker = Tracker.start(spec, "job-a", m.tracking)
         assert tracker is not None
         tracker.step(1, report(1))
-        wait_for(lambda: tracker.dispatchers[0].delivered == 2, "params and step 1 delivered")
+        _wait_until(lambda: tracker.dispatchers[0].delivered == 2, "params and step 1 delivered")
     # the server is down: steps go on at their own pace, the failed calls are counted
     slowest = 0.0
     for step in (2, 3, 4):
@@ -134,13 +134,13 @@ def test_mlflow_stopped_mid_run_never_holds_a_step_and_the_sink_resumes_after_a_
     # a step never waits on the server: a step that did would sit through the retries' backoff (0.5 s,
     # then 1 s, ...); 1 s leaves room for a loaded machine
     assert slowest < 1.0, f"a step waited {slowest:.3f} s for the tracking server"
-    wait_for(lambda: sample(m, "rlhf_tracking_errors_total", "mlflow") >= 2, "failed calls counted")
+    _wait_until(lambda: sample(m, "rlhf_tracking_errors_total", "mlflow") >= 2, "failed calls counted")
     assert sample(m, "rlhf_tracking_up", "mlflow") == 0
     errors_while_down = sample(m, "rlhf_tracking_errors_total", "mlflow")
     with running_mlflow_server(tmp_path, port=port) as server:  # the same store, where the sink expects it
-        wait_for(lambda: tracker.dispatchers[0].pending() == 0, "the queued steps delivered", timeout=90)
+        _wait_until(lambda: tracker.dispatchers[0].pending() == 0, "the queued steps delivered", timeout=90)
         tracker.close(60)
-        client, _, run = mlflow_run(server.url, "outage")
+        client, _, run = _tagged_mlflow_run(server.url, "outage")
         history = client.get_metric_history(run.info.run_id, "reward_mean")
     assert [x.step for x in history] == [1, 2, 3, 4]
     assert sample(m, "rlhf_tracking_dropped_total", "mlflow") == 0
@@ -162,7 +162,7 @@ def test_a_restarted_attempt_goes_on_with_the_run_though_a_param_changed(
         tracker.step(attempt, report(attempt))
         tracker.close(60)
         assert sample(m, "rlhf_tracking_dropped_total", "mlflow") == 0, attempt
-    client, _, run = mlflow_run(mlflow_server.url, "restarted")
+    client, _, run = _tagged_mlflow_run(mlflow_server.url, "restarted")
     assert (
         run.data.params["rollout.engines"] == "2"
     )  # the first attempt's: MLflow keeps a param's first value

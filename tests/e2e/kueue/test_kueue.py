@@ -26,7 +26,9 @@ from testkit.support import (
     RAY_DASHBOARD_PORT,
     Cluster,
     OperatorProcess,
+    condition,
     ray_job_logs,
+    rollout_replicas,
     step_reports,
     submit_standin_trainer,
     tiny_job,
@@ -145,11 +147,7 @@ def phase_in(cluster: Cluster, namespace: str, name: str, *phases: str) -> dict[
     return st if st.get("phase") in phases else None
 
 
-def condition(st: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in st.get("conditions", []) if c["type"] == kind), {})
-
-
-def events(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+def _events_named(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     out = cluster.kubectl(
         "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}", "-o", "json"
     ).stdout
@@ -164,7 +162,7 @@ def ray_job(submission_id: str) -> dict[str, Any]:
     return info
 
 
-def audited_writes(namespace: str, since: datetime, until: datetime) -> list[dict[str, Any]]:
+def _audited_writes_in_namespace(namespace: str, since: datetime, until: datetime) -> list[dict[str, Any]]:
     """Every write (create/update/patch/delete) the API server audited in `namespace` between the two
     times, with its user agent: the API server's own record, so nothing between two polls is missed."""
     parts = sorted((devcluster.STATE / "logs").glob("audit*.log"))
@@ -185,12 +183,6 @@ def audited_writes(namespace: str, since: datetime, until: datetime) -> list[dic
                 if since <= at <= until:
                     out.append(ev)
     return out
-
-
-def rollout_replicas(cluster: Cluster, namespace: str, name: str) -> int:
-    rc = cluster.get("raycluster", name, namespace) or {}
-    groups = rc.get("spec", {}).get("workerGroupSpecs", [])
-    return next((int(g.get("replicas", 0)) for g in groups if g.get("groupName") == "rollout"), -1)
 
 
 def by_operator(ev: dict[str, Any]) -> bool:
@@ -265,7 +257,7 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
             assert status(cluster, namespace, "third").get("phase") == "Queued"
             time.sleep(5)
         until = datetime.now(UTC)
-        writes = audited_writes(namespace, queued_at, until)
+        writes = _audited_writes_in_namespace(namespace, queued_at, until)
         operator_writes = [ev for ev in writes if by_operator(ev)]
         kinds = Counter(
             "/".join(filter(None, (ev["objectRef"].get("resource"), ev["objectRef"].get("subresource"))))
@@ -333,7 +325,7 @@ def test_quota_admits_two_queues_the_third_with_kueues_reason_and_never_fights(
         assert st["submissionId"] == sids["third"], (st["submissionId"], sids["third"])
         cond = condition(st, "Queued")
         assert (cond.get("status"), cond.get("reason")) == ("False", "Admitted"), st
-        reasons = [e["reason"] for e in events(cluster, namespace, "third")]
+        reasons = [e["reason"] for e in _events_named(cluster, namespace, "third")]
         assert "Queued" in reasons and "Admitted" in reasons, reasons
     finally:
         delete_queue(cluster, f"cq-{namespace}")
@@ -380,7 +372,8 @@ def test_preemption_saves_a_checkpoint_and_the_job_resumes_from_it_when_readmitt
         assert condition(st, "Queued").get("reason") == "Preempted", st
         assert st["preemptions"] == 1 and int(st.get("restarts") or 0) == 0, st
         assert any(
-            e["reason"] == "Preempted" and e["type"] == "Warning" for e in events(cluster, namespace, "low")
+            e["reason"] == "Preempted" and e["type"] == "Warning"
+            for e in _events_named(cluster, namespace, "low")
         )
         # Its pods go (KubeRay deletes them for the suspended cluster); its trainer stops at a step
         # boundary with a checkpoint of that step.

@@ -22,12 +22,9 @@ from testkit import TESTKIT
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlhf_trainer.tiny_model import make_tiny_model
-
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(out)
-    return out
+def tiny(tiny_model: Path) -> Path:
+    """The session's one offline tiny model (tests/conftest.py's `tiny_model`), by the name these tests use."""
+    return tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,6 @@ from testkit.realnode_io import (
     WRONG_SECRET,
     Mlflow,
     Sources,
-    condition,
     io_spec,
     metric_steps,
     mlflow_run,
@@ -52,6 +51,7 @@ from testkit.support import (
     VENV_BIN,
     Cluster,
     PhaseWatch,
+    condition,
     device_map_rows,
     device_map_shape,
     step_reports,
@@ -64,7 +64,7 @@ pytestmark = pytest.mark.realnode
 ROLE = "rlhf.dev/role"
 
 
-def pods_by_role(cluster: Cluster, namespace: str) -> dict[str, list[dict[str, Any]]]:
+def _job_pods_by_role(cluster: Cluster, namespace: str) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for pod in job_pods(cluster, namespace):
         out.setdefault(pod["metadata"].get("labels", {}).get(ROLE, "?"), []).append(pod)
@@ -74,7 +74,7 @@ def pods_by_role(cluster: Cluster, namespace: str) -> dict[str, list[dict[str, A
 def all_running_on(
     cluster: Cluster, namespace: str, node: str, rollout: int
 ) -> dict[str, list[dict[str, Any]]] | None:
-    roles = pods_by_role(cluster, namespace)
+    roles = _job_pods_by_role(cluster, namespace)
     want = {"head": 1, "trainer": 1, "rollout": rollout}
     for role, n in want.items():
         pods = [p for p in roles.get(role, []) if p["status"].get("phase") == "Running"]
@@ -110,8 +110,8 @@ def data_dir(cluster: Cluster, namespace: str, claim: str) -> Path:
     return Path(pv["spec"]["local"]["path"])
 
 
-def head_pod(cluster: Cluster, namespace: str) -> dict[str, Any]:
-    heads = pods_by_role(cluster, namespace).get("head", [])
+def _job_head_pod(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    heads = _job_pods_by_role(cluster, namespace).get("head", [])
     assert len(heads) == 1, [p["metadata"]["name"] for p in heads]
     return heads[0]
 
@@ -174,13 +174,17 @@ def printed(cluster: Cluster, namespace: str, name: str) -> dict[str, str]:
 
 def head_steps(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
     """The driver's step lines in the head pod's log (`kubectl logs`), in order."""
-    logs = cluster.kubectl("logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]).stdout
+    logs = cluster.kubectl(
+        "logs", "-n", namespace, _job_head_pod(cluster, namespace)["metadata"]["name"]
+    ).stdout
     return step_reports(logs)
 
 
 def retired_engines(cluster: Cluster, namespace: str) -> list[str]:
     """The driver's lines in the head pod's log for engines it retired because their node was draining."""
-    logs = cluster.kubectl("logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]).stdout
+    logs = cluster.kubectl(
+        "logs", "-n", namespace, _job_head_pod(cluster, namespace)["metadata"]["name"]
+    ).stdout
     return re.findall(r"rollout engine \d+ retired: its node \S+ is draining.*", logs)
 
 
@@ -349,7 +353,7 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     # The pods asked for the node's advertised GPUs; Ray saw them as logical GPUs, and the driver placed
     # every process on whole ones under the named stand-in, with the map `rlhf plan` gives the same spec.
     head_log = cluster.kubectl(
-        "logs", "-n", namespace, head_pod(cluster, namespace)["metadata"]["name"]
+        "logs", "-n", namespace, _job_head_pod(cluster, namespace)["metadata"]["name"]
     ).stdout
     assert "device: CPU stand-in for GPUs (RLHF_GPU_STANDIN=cpu)" in head_log, head_log[-3000:]
     ran_rows = device_map_rows(head_log.split("device map:", 1)[-1])
@@ -458,7 +462,7 @@ def test_tiny_job_in_real_pods_loses_a_rollout_pod_follows_a_scale_down_and_surv
     watch = PhaseWatch(cluster, "rlhfjob", "tiny", namespace)
     try:
         wait_for(lambda: watch.phases or None, 60, "the phase watch's first line")
-        head = head_pod(cluster, namespace)["metadata"]["name"]
+        head = _job_head_pod(cluster, namespace)["metadata"]["name"]
         # What the old head logged up to the delete: the trainer ran on while the watch started.
         logged = len(head_steps(cluster, namespace))
         cluster.kubectl("delete", "pod", head, "-n", namespace, "--grace-period=0", "--force", "--wait=false")
