@@ -239,7 +239,7 @@ def dockerignore() -> tuple[list[str], set[str]]:
 def test_dockerignore_is_an_allowlist() -> None:
     patterns, allowed = dockerignore()
     assert patterns[0] == "*", ".dockerignore should be an allowlist starting with `*`"
-    assert allowed == {"pyproject.toml", "README.md", "api", "cli", "operator", "trainer_image"}
+    assert allowed == {"pyproject.toml", "api", "cli", "operator", "trainer_image"}
     for junk in ("**/__pycache__", "**/*.pyc", "**/*.egg-info"):
         assert junk in patterns, f".dockerignore does not exclude {junk}"
 
@@ -286,7 +286,7 @@ def test_operator_image() -> None:
     assert "trainer" not in installs and "vllm" not in installs and "torch" not in installs
     assert values(OPERATOR, "ENTRYPOINT") == ['["rlhf", "operator"]']
     copied = {s.rstrip("/") for sources, _ in copies(OPERATOR) for s in sources}
-    assert copied == {"pyproject.toml", "README.md", "api", "cli", "operator"}, (
+    assert copied == {"pyproject.toml", "api", "cli", "operator"}, (
         "only the operator's sources go in"
     )
     # The final stage takes the venv from the build stage, not the sources.
