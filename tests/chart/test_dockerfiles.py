@@ -286,9 +286,7 @@ def test_operator_image() -> None:
     assert "trainer" not in installs and "vllm" not in installs and "torch" not in installs
     assert values(OPERATOR, "ENTRYPOINT") == ['["rlhf", "operator"]']
     copied = {s.rstrip("/") for sources, _ in copies(OPERATOR) for s in sources}
-    assert copied == {"pyproject.toml", "api", "cli", "operator"}, (
-        "only the operator's sources go in"
-    )
+    assert copied == {"pyproject.toml", "api", "cli", "operator"}, "only the operator's sources go in"
     # The final stage takes the venv from the build stage, not the sources.
     assert values(OPERATOR, "COPY", stage=-1) == ["--from=build /opt/venv /opt/venv"]
 
